@@ -1,0 +1,84 @@
+"""The engine interface every backend implements (mocker, vllm, sglang, trtllm).
+
+The worker daemon owns discovery, the request plane and the event plane; an engine only computes.
+It reports what its KV cache did through ``kv_events()`` (internal ``RouterEvent``s with a
+monotonic ``event_id``) and its load through ``load_metrics()``; the daemon publishes both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from dynamod.shared.protocol.kv_events import RouterEvent
+from dynamod.shared.protocol.llm import EngineOutput, PreprocessedRequest
+from dynamod.shared.protocol.load import LoadMetrics
+from dynamod.shared.protocol.model_card import RuntimeConfig
+
+
+@dataclass(slots=True)
+class LoraInfo:
+    name: str
+    source: str  # path or URI it was loaded from
+    lora_id: int = 0
+
+
+@dataclass(slots=True)
+class EngineInfo:
+    """What the daemon publishes in the model card."""
+
+    kv_block_size: int
+    context_length: int
+    runtime_config: RuntimeConfig
+    vocab_size: int = 0
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    @property
+    def info(self) -> EngineInfo: ...
+
+    async def start(self) -> None:
+        """Loads the model / starts the step loop. Raises EngineError with a clear message."""
+        ...
+
+    def generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+        """Streams outputs for one request. Closing the iterator aborts the request."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def kv_events(self) -> AsyncIterator[RouterEvent]:
+        """The engine's KV cache events, in order, each with a monotonic ``event_id``."""
+        ...
+
+    def load_metrics(self) -> list[LoadMetrics]:
+        """Current load, one entry per data-parallel rank."""
+        ...
+
+    async def kv_dump(self) -> list[RouterEvent]:
+        """The blocks cached now, as stored events, so a router can rebuild its index."""
+        ...
+
+    async def clear_kv_blocks(self) -> int:
+        """Drops every cached block not in use; emits a cleared event. Returns blocks dropped."""
+        ...
+
+    async def sleep(self, level: int) -> None:
+        """Level 1: finish nothing new, abort in-flight, release KV memory; level 2: also weights."""
+        ...
+
+    async def wake_up(self) -> None: ...
+
+    async def load_lora(self, name: str, source: str) -> LoraInfo: ...
+
+    async def unload_lora(self, name: str) -> None: ...
+
+    def list_loras(self) -> list[LoraInfo]: ...
+
+    @property
+    def num_active_requests(self) -> int: ...
+
+    async def stop(self) -> None: ...

@@ -1,0 +1,175 @@
+"""The one exception hierarchy of dynamod.
+
+Every layer raises these (or subclasses) so that the HTTP frontend can map them to OpenAI-style
+error bodies with the right status, and CLIs can print one line and exit non-zero::
+
+    DynamoError
+    ├── ConfigError                  bad flag, env var or settings combination
+    ├── InvalidRequestError          a request body that cannot be served (HTTP 400)
+    │   └── ContextLengthError       prompt + max_tokens exceed the model's context
+    ├── NotFoundError                unknown model, instance or endpoint (HTTP 404)
+    ├── OverloadedError              no capacity right now; retry later (HTTP 503)
+    ├── UnavailableError             worker is sleeping/draining/stopping (HTTP 503)
+    ├── DiscoveryError               discovery backend unreachable or inconsistent
+    ├── EventPlaneError              event plane unreachable
+    ├── RequestPlaneError            anything on the request plane
+    │   ├── TransportError           connection refused/lost, broken stream (migratable)
+    │   ├── FrameTooLargeError       a frame over the negotiated maximum
+    │   ├── ProtocolError            a malformed frame
+    │   ├── DeadlineExceededError    the request's deadline passed
+    │   ├── NoInstancesError         no live instance serves the endpoint
+    │   └── RemoteError              the handler raised; carries its type and message
+    └── EngineError                  the engine failed a request
+"""
+
+from __future__ import annotations
+
+
+class DynamoError(Exception):
+    """Base of all dynamod errors. ``code`` is a short machine-readable name."""
+
+    code: str = "internal_error"
+    http_status: int = 500
+
+    def __init__(self, message: str = "", *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+    def __str__(self) -> str:
+        return self.message or self.__class__.__name__
+
+
+class ConfigError(DynamoError):
+    code = "config_error"
+    http_status = 500
+
+
+class InvalidRequestError(DynamoError):
+    code = "invalid_request_error"
+    http_status = 400
+
+    def __init__(self, message: str = "", *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.param = param
+
+
+class ContextLengthError(InvalidRequestError):
+    code = "context_length_exceeded"
+
+
+class NotFoundError(DynamoError):
+    code = "not_found"
+    http_status = 404
+
+
+class OverloadedError(DynamoError):
+    code = "overloaded"
+    http_status = 503
+
+    def __init__(self, message: str = "", *, retry_after_s: float = 1.0, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
+
+
+class UnavailableError(DynamoError):
+    code = "unavailable"
+    http_status = 503
+
+
+class DiscoveryError(DynamoError):
+    code = "discovery_error"
+    http_status = 503
+
+
+class EventPlaneError(DynamoError):
+    code = "event_plane_error"
+    http_status = 503
+
+
+class RequestPlaneError(DynamoError):
+    code = "request_plane_error"
+    http_status = 502
+
+
+class TransportError(RequestPlaneError):
+    """Connection refused or lost, or a stream that ended without its end frame.
+
+    The frontend treats this as "the worker may be dead" and migrates the request.
+    """
+
+    code = "transport_error"
+
+
+class FrameTooLargeError(RequestPlaneError):
+    code = "frame_too_large"
+    http_status = 413
+
+
+class ProtocolError(RequestPlaneError):
+    code = "protocol_error"
+
+
+class DeadlineExceededError(RequestPlaneError):
+    code = "deadline_exceeded"
+    http_status = 504
+
+
+class NoInstancesError(RequestPlaneError):
+    code = "no_instances"
+    http_status = 503
+
+
+class RemoteError(RequestPlaneError):
+    """The remote handler raised. ``remote_code`` is the remote error's ``code``."""
+
+    code = "remote_error"
+
+    def __init__(self, message: str = "", *, remote_code: str = "internal_error", http_status: int = 500) -> None:
+        super().__init__(message)
+        self.remote_code = remote_code
+        self.http_status = http_status
+
+
+class EngineError(DynamoError):
+    code = "engine_error"
+    http_status = 500
+
+
+_BY_CODE: dict[str, type[DynamoError]] = {}
+
+
+def _index(cls: type[DynamoError]) -> None:
+    _BY_CODE.setdefault(cls.code, cls)
+    for sub in cls.__subclasses__():
+        _index(sub)
+
+
+_index(DynamoError)
+
+
+def error_to_wire(exc: BaseException) -> dict[str, object]:
+    """Encodes an exception for an error frame on the request plane."""
+    if isinstance(exc, RemoteError):
+        return {"code": exc.remote_code, "message": exc.message, "status": exc.http_status}
+    if isinstance(exc, DynamoError):
+        return {"code": exc.code, "message": exc.message or str(exc), "status": exc.http_status}
+    return {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}", "status": 500}
+
+
+def error_from_wire(err: dict[str, object]) -> DynamoError:
+    """Rebuilds an exception from an error frame.
+
+    Known client-facing codes (invalid request, not found, overloaded, unavailable) come back as
+    their own class so callers can branch on type; everything else is a ``RemoteError``.
+    """
+    code = str(err.get("code", "internal_error"))
+    message = str(err.get("message", ""))
+    status = int(err.get("status", 500))  # type: ignore[arg-type]
+    cls = _BY_CODE.get(code)
+    if cls is not None and issubclass(
+        cls, InvalidRequestError | NotFoundError | OverloadedError | UnavailableError | EngineError
+    ):
+        return cls(message)
+    return RemoteError(message, remote_code=code, http_status=status)

@@ -1,0 +1,76 @@
+"""Block hashing shared by the router and the mocker (DESIGN.md "Block hashing").
+
+Each full block of ``block_size`` tokens is hashed as its tokens in little-endian u32 with
+``xxh3_64(bytes, seed)``; the seed is 1337, or a seed derived from the LoRA name for adapter
+requests so that adapters never share cache entries with the base model. The chained (sequence)
+hash of block i is ``xxh3_64(LE64(seq[i-1]) ++ LE64(local[i]), 1337)`` and block 0's sequence hash
+is its local hash. A trailing partial block is not hashed.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+from functools import lru_cache
+
+import xxhash
+
+KV_HASH_SEED = 1337
+_xxh3 = xxhash.xxh3_64_intdigest
+_LITTLE = sys.byteorder == "little"
+_U64_PAIR = array("Q", [0, 0])
+assert _U64_PAIR.itemsize == 8 and array("I").itemsize == 4
+
+
+@lru_cache(maxsize=4096)
+def seed_for_lora(lora_name: str | None) -> int:
+    """The xxh3 seed for a request: 1337 for the base model, a per-adapter seed otherwise."""
+    if not lora_name:
+        return KV_HASH_SEED
+    return _xxh3(lora_name.encode("utf-8"), seed=KV_HASH_SEED)
+
+
+def _u32_le_bytes(tokens: Sequence[int]) -> bytes:
+    buf = array("I", tokens)
+    if not _LITTLE:
+        buf.byteswap()
+    return buf.tobytes()
+
+
+def compute_block_hashes(tokens: Sequence[int], block_size: int, lora_name: str | None = None) -> list[int]:
+    """Local hashes of every full block of ``tokens`` (the partial tail is skipped)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    n_full = len(tokens) // block_size
+    if n_full == 0:
+        return []
+    data = _u32_le_bytes(tokens[: n_full * block_size])
+    step = block_size * 4
+    seed = seed_for_lora(lora_name)
+    mv = memoryview(data)
+    return [_xxh3(mv[i : i + step], seed=seed) for i in range(0, n_full * step, step)]
+
+
+def chain_hash(parent: int, local: int) -> int:
+    """Sequence hash of a block given its parent's sequence hash and its own local hash."""
+    pair = array("Q", (parent, local))
+    if not _LITTLE:
+        pair.byteswap()
+    return _xxh3(pair.tobytes(), seed=KV_HASH_SEED)
+
+
+def compute_sequence_hashes(local_hashes: Sequence[int], parent: int | None = None) -> list[int]:
+    """Chained hashes for consecutive blocks; ``parent`` continues an existing chain."""
+    out: list[int] = []
+    prev = parent
+    for local in local_hashes:
+        prev = local if prev is None else chain_hash(prev, local)
+        out.append(prev)
+    return out
+
+
+def hash_tokens(tokens: Sequence[int], block_size: int, lora_name: str | None = None) -> tuple[list[int], list[int]]:
+    """(local hashes, sequence hashes) of the full blocks of ``tokens``."""
+    local = compute_block_hashes(tokens, block_size, lora_name)
+    return local, compute_sequence_hashes(local)

@@ -1,0 +1,79 @@
+"""Discovery key layout (``v1/...``), exactly as DESIGN.md fixes it.
+
+Keys are plain strings; values are JSON-encoded wire structs. Instance ids are printed in lowercase
+hex without ``0x``, like Dynamo, so ``etcdctl get --prefix v1/instances`` reads the same on both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dynamod.shared.errors import InvalidRequestError
+
+INSTANCES_ROOT = "v1/instances/"
+MDC_ROOT = "v1/mdc/"
+EVENT_CHANNELS_ROOT = "v1/event_channels/"
+
+
+def _check_segment(name: str, what: str) -> str:
+    if not name or "/" in name:
+        raise InvalidRequestError(f"{what} must be a non-empty name without '/', got {name!r}")
+    return name
+
+
+def instance_key(namespace: str, component: str, endpoint: str, instance_id: int) -> str:
+    return (
+        f"{INSTANCES_ROOT}{_check_segment(namespace, 'namespace')}/{_check_segment(component, 'component')}/"
+        f"{_check_segment(endpoint, 'endpoint')}/{instance_id:x}"
+    )
+
+
+def instances_prefix(namespace: str | None = None, component: str | None = None, endpoint: str | None = None) -> str:
+    """Prefix for a watch: all instances, a namespace's, a component's, or one endpoint's."""
+    parts = [p for p in (namespace, component, endpoint) if p is not None]
+    return INSTANCES_ROOT + "".join(f"{p}/" for p in parts)
+
+
+def mdc_key(namespace: str, component: str, endpoint: str, instance_id: int, lora: str | None = None) -> str:
+    key = f"{MDC_ROOT}{namespace}/{component}/{endpoint}/{instance_id:x}"
+    return f"{key}/{_check_segment(lora, 'lora name')}" if lora else key
+
+
+def mdc_prefix(namespace: str | None = None) -> str:
+    return MDC_ROOT + (f"{namespace}/" if namespace else "")
+
+
+def event_channel_key(namespace: str, component: str, topic: str, instance_id: int) -> str:
+    return f"{EVENT_CHANNELS_ROOT}{namespace}/{component}/{topic}/{instance_id:x}"
+
+
+def event_channels_prefix(namespace: str, component: str | None = None, topic: str | None = None) -> str:
+    parts = [p for p in (namespace, component, topic) if p is not None]
+    return EVENT_CHANNELS_ROOT + "".join(f"{p}/" for p in parts)
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedKey:
+    """The parts of a ``v1/instances|mdc|event_channels`` key."""
+
+    root: str
+    namespace: str
+    component: str
+    name: str  # endpoint for instances/mdc, topic for event channels
+    instance_id: int
+    lora: str | None = None
+
+
+def parse_key(key: str) -> ParsedKey | None:
+    """Parses any v1 key; returns None for keys of another layout (never raises)."""
+    for root in (INSTANCES_ROOT, MDC_ROOT, EVENT_CHANNELS_ROOT):
+        if key.startswith(root):
+            parts = key[len(root) :].split("/")
+            if len(parts) not in (4, 5) or (len(parts) == 5 and root != MDC_ROOT):
+                return None
+            try:
+                iid = int(parts[3], 16)
+            except ValueError:
+                return None
+            return ParsedKey(root, parts[0], parts[1], parts[2], iid, parts[4] if len(parts) == 5 else None)
+    return None
