@@ -23,7 +23,7 @@ class RuntimeConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     served_model_name: str
-    model_types: list[str] = [MODEL_TYPE_CHAT, MODEL_TYPE_COMPLETIONS]
+    model_types: list[str] = msgspec.field(default_factory=lambda: [MODEL_TYPE_CHAT, MODEL_TYPE_COMPLETIONS])
     tokenizer_source: str = ""  # a directory with tokenizer.json (+ tokenizer_config.json)
     chat_template: str | None = None  # inline template; None means take it from tokenizer_source
     context_length: int = 0
