@@ -1,0 +1,118 @@
+"""Runtime settings shared by every role: CLI flags with ``DYN_*`` environment fallbacks.
+
+Resolution order is CLI flag, then environment variable, then default; ``--help`` prints the
+variable name and the default of each. Roles add their own flags next to these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass, field
+
+from dynamod.shared.errors import ConfigError
+
+DISCOVERY_BACKENDS = ("etcd", "file", "mem")
+REQUEST_PLANES = ("tcp", "nats")
+EVENT_PLANES = ("nats", "zmq")
+
+DEFAULT_NAMESPACE = "dynamo"
+DEFAULT_ETCD = "http://127.0.0.1:2379"
+DEFAULT_NATS = "nats://127.0.0.1:4222"
+
+
+@dataclass(slots=True)
+class RuntimeSettings:
+    namespace: str = DEFAULT_NAMESPACE
+    discovery_backend: str = "etcd"
+    etcd_endpoints: list[str] = field(default_factory=lambda: [DEFAULT_ETCD])
+    file_kv: str | None = None  # None: shared.discovery.factory.default_file_kv_dir()
+    request_plane: str = "tcp"
+    event_plane: str = "nats"
+    nats_server: str = DEFAULT_NATS
+    host: str = "127.0.0.1"  # address this process's request-plane server binds and advertises
+    system_host: str = "127.0.0.1"
+    system_port: int | None = None  # None: no status server; 0: ephemeral port
+    lease_ttl_s: float = 10.0
+    node_name: str = field(default_factory=socket.gethostname)
+    log_level: str | None = None
+
+    def validate(self) -> RuntimeSettings:
+        if self.discovery_backend not in DISCOVERY_BACKENDS:
+            raise ConfigError(f"unknown discovery backend {self.discovery_backend!r}; choose one of {', '.join(DISCOVERY_BACKENDS)}")
+        if self.request_plane not in REQUEST_PLANES:
+            raise ConfigError(f"unknown request plane {self.request_plane!r}; choose one of {', '.join(REQUEST_PLANES)}")
+        if self.event_plane not in EVENT_PLANES:
+            raise ConfigError(f"unknown event plane {self.event_plane!r}; choose one of {', '.join(EVENT_PLANES)}")
+        if self.lease_ttl_s <= 0.5:
+            raise ConfigError(f"lease TTL must be above 0.5 s, got {self.lease_ttl_s}")
+        if not self.namespace or "/" in self.namespace or "." in self.namespace:
+            raise ConfigError(f"namespace must be a non-empty name without '/' or '.', got {self.namespace!r}")
+        return self
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else None
+
+
+def add_runtime_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("runtime (discovery, request plane, event plane)")
+    g.add_argument("--namespace", help=f"namespace to serve in [env DYN_NAMESPACE, default {DEFAULT_NAMESPACE}]")
+    g.add_argument(
+        "--discovery-backend",
+        choices=DISCOVERY_BACKENDS,
+        help="discovery backend [env DYN_DISCOVERY_BACKEND, default etcd]",
+    )
+    g.add_argument("--etcd-endpoints", help=f"comma-separated etcd endpoints [env ETCD_ENDPOINTS, default {DEFAULT_ETCD}]")
+    g.add_argument("--file-kv", help="directory of the file discovery backend [env DYN_FILE_KV, default /tmp/dynamod-UID/discovery]")
+    g.add_argument("--request-plane", choices=REQUEST_PLANES, help="request plane [env DYN_REQUEST_PLANE, default tcp]")
+    g.add_argument(
+        "--event-plane",
+        choices=EVENT_PLANES,
+        help="event plane [env DYN_EVENT_PLANE, default nats with etcd, zmq with file/mem discovery]",
+    )
+    g.add_argument("--nats-server", help=f"NATS URL [env NATS_SERVER, default {DEFAULT_NATS}]")
+    g.add_argument("--host", help="address to bind and advertise for the request plane [env DYN_HOST, default 127.0.0.1]")
+    g.add_argument("--system-port", type=int, help="port of /health,/live,/metrics; 0 = any free port [env DYN_SYSTEM_PORT, default off]")
+    g.add_argument("--system-host", help="address of the status server [env DYN_SYSTEM_HOST, default 127.0.0.1]")
+    g.add_argument("--lease-ttl", type=float, help="discovery lease TTL in seconds [env DYN_LEASE_TTL, default 10]")
+    g.add_argument("--log-level", help="log level [env DYN_LOG, default info]")
+
+
+def settings_from_args(ns: argparse.Namespace, **overrides: object) -> RuntimeSettings:
+    """Builds settings from parsed flags, then env, then defaults. ``overrides`` replace defaults
+    (not flags or env), e.g. ``dynamod up`` defaults discovery to ``file``."""
+    from dynamod.shared.discovery.factory import parse_etcd_endpoints
+
+    def pick(flag: str, env: str, default: object) -> object:
+        value = getattr(ns, flag, None)
+        if value is not None:
+            return value
+        env_value = _env(env)
+        if env_value is not None:
+            return env_value
+        return overrides.get(flag, default)
+
+    s = RuntimeSettings()
+    s.namespace = str(pick("namespace", "DYN_NAMESPACE", DEFAULT_NAMESPACE))
+    s.discovery_backend = str(pick("discovery_backend", "DYN_DISCOVERY_BACKEND", "etcd"))
+    s.etcd_endpoints = parse_etcd_endpoints(str(pick("etcd_endpoints", "ETCD_ENDPOINTS", DEFAULT_ETCD)))
+    file_kv = pick("file_kv", "DYN_FILE_KV", None)
+    s.file_kv = str(file_kv) if file_kv else None
+    s.request_plane = str(pick("request_plane", "DYN_REQUEST_PLANE", "tcp"))
+    default_events = "nats" if s.discovery_backend == "etcd" else "zmq"
+    s.event_plane = str(pick("event_plane", "DYN_EVENT_PLANE", default_events))
+    s.nats_server = str(pick("nats_server", "NATS_SERVER", DEFAULT_NATS))
+    s.host = str(pick("host", "DYN_HOST", "127.0.0.1"))
+    s.system_host = str(pick("system_host", "DYN_SYSTEM_HOST", "127.0.0.1"))
+    port = pick("system_port", "DYN_SYSTEM_PORT", None)
+    try:
+        s.system_port = int(port) if port is not None else None  # type: ignore[arg-type]
+        s.lease_ttl_s = float(pick("lease_ttl", "DYN_LEASE_TTL", 10.0))  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ConfigError(f"bad numeric setting: {exc}") from exc
+    level = pick("log_level", "DYN_LOG", None)
+    s.log_level = str(level) if level else None
+    return s.validate()

@@ -1,0 +1,341 @@
+"""``DistributedRuntime`` -> ``namespace`` -> ``component`` -> ``endpoint``: the process-wide runtime.
+
+One runtime per process owns: the discovery store and the process lease (everything the process
+registers lives under it, so a dead process vanishes within one TTL), the request-plane server
+(started on first ``serve``) and client, the event plane, the component metrics and the optional
+status server. ``shutdown()`` undoes all of it in the right order: deregister first so routers stop
+sending, then let in-flight streams finish, then close the planes and revoke the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from dynamod.shared.config import RuntimeSettings
+from dynamod.shared.discovery.factory import default_file_kv_dir, make_store
+from dynamod.shared.discovery.store import DiscoveryStore, Lease
+from dynamod.shared.errors import DynamoError, error_to_wire
+from dynamod.shared.events.factory import make_event_plane
+from dynamod.shared.events.plane import EventPlane, EventPublisher, EventSubscriber
+from dynamod.shared.observability.metrics import ComponentMetrics
+from dynamod.shared.observability.status_server import StatusServer
+from dynamod.shared.protocol.instance import STATUSES, Instance, encode_instance
+from dynamod.shared.protocol.keys import instance_key
+from dynamod.shared.runtime.client import EndpointClient, endpoint_path
+from dynamod.shared.transport.factory import make_client, make_server
+from dynamod.shared.transport.plane import (
+    Handler,
+    RequestContext,
+    RequestPlaneClient,
+    RequestPlaneServer,
+    ServerAddress,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedRuntime:
+    """Build with ``await DistributedRuntime.create(settings)``; end with ``await rt.shutdown()``."""
+
+    def __init__(self, settings: RuntimeSettings, store: DiscoveryStore, registry: CollectorRegistry | None = None) -> None:
+        self.settings = settings
+        self.store = store
+        self.registry = registry or CollectorRegistry()
+        self.metrics = ComponentMetrics(self.registry)
+        self.lease: Lease | None = None
+        self.events: EventPlane | None = None
+        self.request_client: RequestPlaneClient = make_client(nats_url=settings.nats_server)
+        self._server: RequestPlaneServer | None = None
+        self._server_address: ServerAddress | None = None
+        self._server_lock = asyncio.Lock()
+        self._served: list[ServedInstance] = []
+        self._status: StatusServer | None = None
+        self._stopping = False
+        self._closed = False
+        self._extra_leases: list[Lease] = []
+        self.ready_probe_extra: dict[str, Any] = {}
+
+    @classmethod
+    async def create(
+        cls,
+        settings: RuntimeSettings,
+        *,
+        store: DiscoveryStore | None = None,
+        registry: CollectorRegistry | None = None,
+        events: bool = True,
+    ) -> DistributedRuntime:
+        settings.validate()
+        if store is None:
+            file_root = settings.file_kv or default_file_kv_dir()
+            store = make_store(settings.discovery_backend, etcd_endpoints=settings.etcd_endpoints, file_root=file_root)
+        rt = cls(settings, store, registry)
+        await store.start()
+        rt.lease = await store.create_lease(settings.lease_ttl_s)
+        if events:
+            rt.events = make_event_plane(settings.event_plane, nats_url=settings.nats_server, store=store, lease=rt.lease)
+            await rt.events.start()
+        if settings.system_port is not None:
+            rt._status = StatusServer(rt.registry, rt._health, host=settings.system_host, port=settings.system_port)
+            await rt._status.start()
+        logger.info(
+            "runtime started instance_id=%x discovery=%s request_plane=%s event_plane=%s namespace=%s",
+            rt.lease.id,
+            settings.discovery_backend,
+            settings.request_plane,
+            settings.event_plane if events else "off",
+            settings.namespace,
+        )
+        return rt
+
+    # -- identity ---------------------------------------------------------------------------
+
+    @property
+    def instance_id(self) -> int:
+        assert self.lease is not None, "runtime not started"
+        return self.lease.id
+
+    @property
+    def status_url(self) -> str:
+        return self._status.url if self._status else ""
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def namespace(self, name: str | None = None) -> Namespace:
+        return Namespace(self, name or self.settings.namespace)
+
+    async def create_lease(self) -> Lease:
+        """An extra lease for a second instance in this process (``--num-workers``)."""
+        lease = await self.store.create_lease(self.settings.lease_ttl_s)
+        self._extra_leases.append(lease)
+        return lease
+
+    # -- request plane server -----------------------------------------------------------------
+
+    async def _ensure_server(self) -> tuple[RequestPlaneServer, ServerAddress]:
+        async with self._server_lock:
+            if self._server is None or self._server_address is None:
+                server = make_server(self.settings.request_plane, host=self.settings.host, nats_url=self.settings.nats_server)
+                self._server_address = await server.start()
+                self._server = server
+                logger.info("request plane serving transport=%s address=%s", self._server_address.transport, self._server_address.address)
+            return self._server, self._server_address
+
+    @property
+    def inflight(self) -> int:
+        return self._server.inflight if self._server else 0
+
+    # -- health -------------------------------------------------------------------------------
+
+    def _health(self) -> tuple[bool, dict]:
+        endpoints = [
+            {"endpoint": s.path, "instance_id": f"{s.instance_id:x}", "status": s.record.status}
+            for s in self._served
+            if s.registered
+        ]
+        ready = bool(endpoints) and not self._stopping
+        return ready, {"endpoints": endpoints, "inflight": self.inflight, **self.ready_probe_extra}
+
+    # -- shutdown -----------------------------------------------------------------------------
+
+    async def shutdown(self, grace_s: float = 30.0) -> None:
+        """Deregisters, drains in-flight streams up to ``grace_s``, closes planes, revokes leases."""
+        if self._closed:
+            return
+        self._stopping = True
+        logger.info("runtime stopping served=%d inflight=%d grace_s=%.1f", len(self._served), self.inflight, grace_s)
+        for served in list(self._served):
+            try:
+                await served.deregister()
+            except DynamoError as exc:
+                logger.warning("deregister failed endpoint=%s error=%s", served.path, exc)
+        if self._server:
+            await self._server.stop(grace_s)
+        await self.request_client.close()
+        if self.events:
+            await self.events.close()
+        if self._status:
+            await self._status.stop()
+        for lease in [*self._extra_leases, self.lease]:
+            if lease is not None:
+                try:
+                    await lease.revoke()
+                except DynamoError as exc:
+                    logger.warning("lease revoke failed lease=%x error=%s", lease.id, exc)
+        await self.store.close()
+        self._closed = True
+        logger.info("runtime stopped")
+
+
+class Namespace:
+    def __init__(self, runtime: DistributedRuntime, name: str) -> None:
+        self.runtime = runtime
+        self.name = name
+
+    def component(self, name: str) -> Component:
+        return Component(self, name)
+
+
+class Component:
+    def __init__(self, namespace: Namespace, name: str) -> None:
+        self.namespace = namespace
+        self.runtime = namespace.runtime
+        self.name = name
+
+    def endpoint(self, name: str) -> Endpoint:
+        return Endpoint(self, name)
+
+    async def publisher(self, topic: str) -> EventPublisher:
+        if self.runtime.events is None:
+            raise DynamoError("this runtime was created without an event plane")
+        return await self.runtime.events.publisher(self.namespace.name, self.name, topic)
+
+    async def subscribe(self, topic: str) -> EventSubscriber:
+        if self.runtime.events is None:
+            raise DynamoError("this runtime was created without an event plane")
+        return await self.runtime.events.subscribe(self.namespace.name, self.name, topic)
+
+
+class Endpoint:
+    def __init__(self, component: Component, name: str) -> None:
+        self.component = component
+        self.runtime = component.runtime
+        self.name = name
+
+    @property
+    def namespace_name(self) -> str:
+        return self.component.namespace.name
+
+    async def serve(
+        self,
+        handler: Handler,
+        *,
+        lease: Lease | None = None,
+        role: str = "",
+        model: str = "",
+        labels: dict[str, str] | None = None,
+        status: str = "ready",
+    ) -> ServedInstance:
+        """Registers an instance of this endpoint that answers with ``handler``."""
+        rt = self.runtime
+        server, address = await rt._ensure_server()
+        lease = lease or rt.lease
+        assert lease is not None
+        record = Instance(
+            namespace=self.namespace_name,
+            component=self.component.name,
+            endpoint=self.name,
+            instance_id=lease.id,
+            transport=address.transport,
+            address=address.address,
+            node=rt.settings.node_name,
+            pid=os.getpid(),
+            role=role,
+            status=status,
+            model=model,
+            labels=dict(labels or {}),
+            started_at=time.time(),
+            system_url=rt.status_url,
+        )
+        served = ServedInstance(self, record, lease, server)
+        server.register(served.path, served.wrap(handler))
+        await served.publish()
+        rt._served.append(served)
+        logger.info(
+            "endpoint served path=%s instance_id=%x transport=%s address=%s",
+            served.path,
+            record.instance_id,
+            address.transport,
+            address.address,
+        )
+        return served
+
+    async def client(self) -> EndpointClient:
+        return await EndpointClient(self.runtime, self.namespace_name, self.component.name, self.name).start()
+
+
+class ServedInstance:
+    """One registered instance: its discovery record, its handler on the server, its metrics."""
+
+    def __init__(self, endpoint: Endpoint, record: Instance, lease: Lease, server: RequestPlaneServer) -> None:
+        self.endpoint = endpoint
+        self.record = record
+        self.lease = lease
+        self._server = server
+        self.path = endpoint_path(record.namespace, record.component, record.endpoint, record.instance_id)
+        self.key = instance_key(record.namespace, record.component, record.endpoint, record.instance_id)
+        self.registered = False
+        self.inflight = 0
+        labels = (record.namespace, record.component, record.endpoint)
+        metrics = endpoint.runtime.metrics
+        self._m_requests = metrics.requests.labels(*labels)
+        self._m_duration = metrics.duration.labels(*labels)
+        self._m_inflight = metrics.inflight.labels(*labels)
+        self._m_errors = metrics.errors
+        self._labels = labels
+
+    @property
+    def instance_id(self) -> int:
+        return self.record.instance_id
+
+    async def publish(self) -> None:
+        await self.endpoint.runtime.store.put(self.key, encode_instance(self.record), self.lease)
+        self.registered = True
+
+    async def set_status(self, status: str) -> None:
+        if status not in STATUSES:
+            raise ValueError(f"unknown instance status {status!r}")
+        if self.record.status != status:
+            self.record.status = status
+            if self.registered:
+                await self.publish()
+            logger.info("instance status path=%s status=%s", self.path, status)
+
+    async def update_labels(self, **labels: str) -> None:
+        self.record.labels.update(labels)
+        if self.registered:
+            await self.publish()
+
+    async def deregister(self) -> None:
+        """Removes the discovery record (routers stop sending) but keeps serving in-flight streams."""
+        if self.registered:
+            self.registered = False
+            await self.endpoint.runtime.store.delete(self.key)
+            logger.info("endpoint deregistered path=%s", self.path)
+
+    def stop_serving(self) -> None:
+        self._server.unregister(self.path)
+
+    def wrap(self, handler: Handler) -> Handler:
+        """Adds metrics and error accounting around a handler without changing its stream."""
+
+        async def instrumented(body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
+            start = time.perf_counter()
+            self._m_requests.inc()
+            self._m_inflight.inc()
+            self.inflight += 1
+            try:
+                async for item in handler(body, ctx):
+                    yield item
+            except (asyncio.CancelledError, GeneratorExit):
+                raise
+            except BaseException as exc:
+                wire = error_to_wire(exc)
+                self._m_errors.labels(*self._labels, str(wire["code"])).inc()
+                if not isinstance(exc, DynamoError):
+                    logger.exception("handler failed path=%s request_id=%s", self.path, ctx.request_id)
+                raise
+            finally:
+                self.inflight -= 1
+                self._m_inflight.dec()
+                self._m_duration.observe(time.perf_counter() - start)
+
+        return instrumented
