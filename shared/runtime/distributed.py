@@ -50,6 +50,7 @@ class DistributedRuntime:
         self.registry = registry or CollectorRegistry()
         self.metrics = ComponentMetrics(self.registry)
         self.lease: Lease | None = None
+        self._instance_id = 0
         self.events: EventPlane | None = None
         self.request_client: RequestPlaneClient = make_client(nats_url=settings.nats_server)
         self._server: RequestPlaneServer | None = None
@@ -78,6 +79,9 @@ class DistributedRuntime:
         rt = cls(settings, store, registry)
         await store.start()
         rt.lease = await store.create_lease(settings.lease_ttl_s)
+        # Fixed at creation: keys already registered keep this id even if a backend had to re-grant
+        # the lease under another id after an outage.
+        rt._instance_id = rt.lease.id
         if events:
             rt.events = make_event_plane(settings.event_plane, nats_url=settings.nats_server, store=store, lease=rt.lease)
             await rt.events.start()
@@ -99,7 +103,7 @@ class DistributedRuntime:
     @property
     def instance_id(self) -> int:
         assert self.lease is not None, "runtime not started"
-        return self.lease.id
+        return self._instance_id
 
     @property
     def status_url(self) -> str:
