@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 
@@ -69,7 +70,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     settings = settings_from_args(args)
     model = resolve_model(args.model)
     if args.context_length:
-        model.context_length = args.context_length
+        model = dataclasses.replace(model, context_length=args.context_length)
     runtime = await DistributedRuntime.create(settings)
     services: list[WorkerService] = []
     try:

@@ -1,0 +1,157 @@
+"""Settings of the mocker engine, with Dynamo's flag names and defaults.
+
+One ``MockerConfig`` describes one engine (all of its data-parallel ranks share it). The numbers
+that shape scheduling and memory mirror vLLM's engine arguments because the router, the planner and
+the trace replayer reason in those terms (blocks, batched tokens, sequences); the three values a
+real engine takes from its tokenizer and model (``vocab_size``, ``eos_token_ids``,
+``context_length``) are passed in by the daemon, which owns the tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from dynamod.shared.errors import ConfigError
+
+DEFAULT_NUM_GPU_BLOCKS = 16384
+DEFAULT_BLOCK_SIZE = 64
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_WATERMARK = 0.01
+DEFAULT_SPEEDUP_RATIO = 1.0
+DEFAULT_DATA_PARALLEL_SIZE = 1
+DEFAULT_VOCAB_SIZE = 32000
+
+
+class MockerConfigError(ConfigError, ValueError):
+    """A mocker setting out of range. Both a ``ConfigError`` (CLI: one line, exit non-zero) and a
+    ``ValueError`` (library callers building a config by hand)."""
+
+
+@dataclass(slots=True)
+class MockerConfig:
+    """The mocker's engine arguments. ``context_length`` 0 means "as long as the KV cache holds"."""
+
+    num_gpu_blocks: int = DEFAULT_NUM_GPU_BLOCKS
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    enable_prefix_caching: bool = True
+    watermark: float = DEFAULT_WATERMARK
+    speedup_ratio: float = DEFAULT_SPEEDUP_RATIO
+    data_parallel_size: int = DEFAULT_DATA_PARALLEL_SIZE
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    context_length: int = 0
+
+    def __post_init__(self) -> None:
+        self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
+        self.validate()
+        if self.context_length == 0:
+            self.context_length = self.kv_capacity_tokens
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens one data-parallel rank's KV cache can hold."""
+        return self.num_gpu_blocks * self.block_size
+
+    @property
+    def watermark_blocks(self) -> int:
+        """Free blocks kept back when admitting new requests (vLLM's ``watermark_blocks``)."""
+        return int(self.watermark * self.num_gpu_blocks)
+
+    def validate(self) -> None:
+        """Raises ``MockerConfigError`` naming the flag and the accepted range."""
+        _positive("--num-gpu-blocks", self.num_gpu_blocks)
+        _positive("--block-size", self.block_size)
+        _positive("--max-num-seqs", self.max_num_seqs)
+        _positive("--max-num-batched-tokens", self.max_num_batched_tokens)
+        _positive("--data-parallel-size", self.data_parallel_size)
+        _positive("vocab_size", self.vocab_size)
+        if not 0.0 <= self.watermark < 1.0:
+            raise MockerConfigError(f"--watermark must be in [0, 1), got {self.watermark}")
+        if not self.speedup_ratio > 0.0:
+            raise MockerConfigError(f"--speedup-ratio must be > 0, got {self.speedup_ratio}")
+        if self.context_length < 0:
+            raise MockerConfigError(f"context_length must be >= 0 (0: KV capacity), got {self.context_length}")
+        if self.context_length > self.kv_capacity_tokens:
+            raise MockerConfigError(
+                f"context_length {self.context_length} exceeds the KV cache capacity of "
+                f"{self.kv_capacity_tokens} tokens (--num-gpu-blocks {self.num_gpu_blocks} x "
+                f"--block-size {self.block_size}); a request that long could never be scheduled"
+            )
+        for tok in self.eos_token_ids:
+            if not 0 <= tok < self.vocab_size:
+                raise MockerConfigError(f"eos token id {tok} is outside the vocabulary [0, {self.vocab_size})")
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise MockerConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def add_mocker_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Adds the mocker's flags (Dynamo's names and defaults) to the daemon's parser, in one group."""
+    group = parser.add_argument_group("mocker engine")
+    add_mocker_flags(group)
+    return group
+
+
+def add_mocker_flags(group: argparse._ActionsContainer) -> None:
+    """Adds the mocker's flags to an existing parser or argument group."""
+    group.add_argument(
+        "--num-gpu-blocks", type=int, default=DEFAULT_NUM_GPU_BLOCKS,
+        help="KV cache blocks per data-parallel rank (default: %(default)s)",
+    )
+    group.add_argument(
+        "--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+        help="tokens per KV block (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+        help="most sequences running at once (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        help="token budget of one engine step; longer prompts are prefilled in chunks (default: %(default)s)",
+    )
+    group.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="reuse cached KV blocks across requests (default: on)",
+    )
+    group.add_argument(
+        "--watermark", type=float, default=DEFAULT_WATERMARK,
+        help="fraction of KV blocks kept free when admitting requests (default: %(default)s)",
+    )
+    group.add_argument(
+        "--speedup-ratio", type=float, default=DEFAULT_SPEEDUP_RATIO,
+        help="simulated step times are divided by this (default: %(default)s)",
+    )
+    group.add_argument(
+        "--data-parallel-size", type=int, default=DEFAULT_DATA_PARALLEL_SIZE,
+        help="data-parallel ranks, each with its own scheduler and KV cache (default: %(default)s)",
+    )
+
+
+def config_from_args(
+    ns: argparse.Namespace,
+    *,
+    vocab_size: int | None = None,
+    eos_token_ids: tuple[int, ...] | list[int] | None = None,
+    context_length: int | None = None,
+) -> MockerConfig:
+    """Builds the config from parsed flags; the tokenizer-derived values come from the daemon."""
+    return MockerConfig(
+        num_gpu_blocks=ns.num_gpu_blocks,
+        block_size=ns.block_size,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        enable_prefix_caching=ns.enable_prefix_caching,
+        watermark=ns.watermark,
+        speedup_ratio=ns.speedup_ratio,
+        data_parallel_size=ns.data_parallel_size,
+        vocab_size=DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size,
+        eos_token_ids=tuple(eos_token_ids or ()),
+        context_length=context_length or 0,
+    )

@@ -1,0 +1,450 @@
+"""``MockerEngine``: the Engine Protocol (daemon/worker/engine.py) around one core per DP rank.
+
+Each data-parallel rank is a ``MockerCore`` driven by its own step-loop task, as each vLLM DP rank
+is its own engine: the loop runs ``core.step()``, publishes the step's KV events at once (vLLM
+publishes them when it schedules), waits until the step's simulated duration divided by
+``--speedup-ratio`` has passed, then hands the step's tokens to the requests' streams.
+
+Pacing keeps a running deadline, so oversleeping one step is made up by the next ones and the
+simulated clock tracks the wall clock. Steps due within the event loop's timer resolution run back
+to back without sleeping (their tokens reach a client together). If the loop ever falls more than
+``_MAX_LAG_S`` behind it restarts its clock instead of bursting, and records the lag
+(``loop_stats()``), so an overloaded host shows up as lag rather than as silent slowdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from dynamod.daemon.engines.mocker.config import MockerConfig
+from dynamod.daemon.engines.mocker.core import MockerCore, StepOutput
+from dynamod.daemon.engines.mocker.streams import RequestStream
+from dynamod.daemon.worker.engine import EngineInfo, LoraInfo
+from dynamod.shared.errors import EngineError, InvalidRequestError, NotFoundError, UnavailableError
+from dynamod.shared.protocol.kv_events import KvEvent, RouterEvent
+from dynamod.shared.protocol.llm import FINISH_ABORT, EngineOutput, PreprocessedRequest, Usage
+from dynamod.shared.protocol.load import LoadMetrics
+from dynamod.shared.protocol.model_card import RuntimeConfig
+
+logger = logging.getLogger(__name__)
+
+_TIMER_SLACK_S = 0.001  # the event loop's timer resolution: shorter waits are not worth a sleep
+_MAX_LAG_S = 0.25  # behind by more than this: restart the clock instead of catching up in a burst
+_MAX_BUSY_S = 0.005  # yield to the event loop at least this often while running back to back
+DEFAULT_KV_EVENT_BUFFER = 65536
+
+STATUS_CREATED = "created"
+STATUS_READY = "ready"
+STATUS_SLEEPING = "sleeping"
+STATUS_STOPPED = "stopped"
+
+
+@dataclass(slots=True)
+class LoopStats:
+    """How one rank's step loop kept pace with the simulated clock."""
+
+    steps: int = 0
+    simulated_ms: float = 0.0  # step durations before speedup
+    lag_sum_s: float = 0.0
+    lag_max_s: float = 0.0
+    clock_resets: int = 0  # times the loop fell more than _MAX_LAG_S behind
+    idle_s: float = 0.0  # wall time spent with no request to run
+
+    @property
+    def lag_mean_s(self) -> float:
+        return self.lag_sum_s / self.steps if self.steps else 0.0
+
+
+class MockerEngine:
+    """A simulated vLLM worker: real KV block management and scheduling, modelled step times."""
+
+    def __init__(self, config: MockerConfig, worker_id: int, *, kv_event_buffer: int = DEFAULT_KV_EVENT_BUFFER) -> None:
+        self.config = config
+        self.worker_id = worker_id
+        self.cores = [MockerCore(config, rank) for rank in range(config.data_parallel_size)]
+        self._info = EngineInfo(
+            kv_block_size=config.block_size,
+            context_length=config.context_length,
+            runtime_config=RuntimeConfig(
+                total_kv_blocks=config.num_gpu_blocks,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                data_parallel_size=config.data_parallel_size,
+            ),
+            vocab_size=config.vocab_size,
+            eos_token_ids=list(config.eos_token_ids),
+        )
+        self._streams: dict[str, RequestStream] = {}
+        self._loras: dict[str, LoraInfo] = {}
+        self._next_lora_id = 1
+        self._status = STATUS_CREATED
+        self.sleep_level = 0  # 2 means the "weights" were released too
+        self._event_id = 0  # last event id handed out; the first event is 1
+        self._events: asyncio.Queue[RouterEvent | None] = asyncio.Queue(maxsize=kv_event_buffer)
+        self.events_dropped = 0
+        self._dropping = False  # in a burst of drops (log once per burst)
+        self._wake = [asyncio.Event() for _ in self.cores]
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stats = [LoopStats() for _ in self.cores]
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def status(self) -> str:
+        return self._status
+
+    async def start(self) -> None:
+        if self._status == STATUS_STOPPED:
+            raise EngineError("mocker engine was stopped; create a new one")
+        if self._tasks:
+            return
+        self._status = STATUS_READY
+        self._tasks = [
+            asyncio.create_task(self._step_loop(rank), name=f"mocker-{self.worker_id:x}-dp{rank}")
+            for rank in range(len(self.cores))
+        ]
+        cfg = self.config
+        logger.info(
+            "mocker started worker_id=%x dp=%d num_gpu_blocks=%d block_size=%d max_num_seqs=%d "
+            "max_num_batched_tokens=%d prefix_caching=%s speedup_ratio=%g",
+            self.worker_id, cfg.data_parallel_size, cfg.num_gpu_blocks, cfg.block_size, cfg.max_num_seqs,
+            cfg.max_num_batched_tokens, cfg.enable_prefix_caching, cfg.speedup_ratio,
+        )
+
+    async def stop(self) -> None:
+        if self._status == STATUS_STOPPED:
+            return
+        self._status = STATUS_STOPPED
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._end_all(UnavailableError("mocker engine stopped"))
+        for core in self.cores:
+            core.abort_all()
+        # End kv_events(): make room for the end marker if the buffer is full.
+        if self._events.full():
+            self._events.get_nowait()
+            self.events_dropped += 1
+        self._events.put_nowait(None)
+        logger.info("mocker stopped worker_id=%x", self.worker_id)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+        """Streams the request's outputs; the last one has ``finish_reason`` and ``usage``.
+
+        Errors (invalid request, engine asleep) are raised when iteration starts. Closing the
+        iterator early aborts the request and frees its blocks.
+        """
+        return self._generate(request)
+
+    async def _generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+        self._check_serving()
+        if request.lora_name and request.lora_name not in self._loras:
+            loaded = ", ".join(sorted(self._loras)) or "none"
+            raise InvalidRequestError(
+                f"LoRA adapter {request.lora_name!r} is not loaded on this worker (loaded: {loaded})", param="model"
+            )
+        if request.request_id in self._streams:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in flight", param="request_id")
+        rank = self._pick_rank(request)
+        core = self.cores[rank]
+        core.add_preprocessed(request)
+        request_id = request.request_id
+        stream = RequestStream(request_id, rank, len(request.token_ids))
+        if request.prefill_only:
+            stream.final_params = {
+                "worker_id": self.worker_id,
+                "dp_rank": rank,
+                "prompt_tokens": len(request.token_ids),
+                "block_size": self.config.block_size,
+            }
+        self._streams[request_id] = stream
+        self._wake[rank].set()
+        done = False
+        try:
+            while True:
+                out = await stream.get()
+                if out.finish_reason is not None:
+                    done = True
+                    yield out
+                    return
+                yield out
+        finally:
+            if not done:
+                if self._streams.get(request_id) is stream:
+                    del self._streams[request_id]
+                if core.abort(request_id):
+                    self._wake[rank].set()
+                    logger.debug("mocker request aborted request_id=%s dp_rank=%d", request_id, rank)
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        self.cores[stream.dp_rank].abort(request_id)
+        self._wake[stream.dp_rank].set()
+        stream.finish(FINISH_ABORT, Usage(prompt_tokens=stream.prompt_tokens, completion_tokens=stream.num_tokens))
+
+    def _check_serving(self) -> None:
+        if self._status == STATUS_READY:
+            return
+        if self._status == STATUS_SLEEPING:
+            raise UnavailableError(f"worker {self.worker_id:x} is asleep (level {self.sleep_level}); wake it up first")
+        if self._status == STATUS_STOPPED:
+            raise UnavailableError(f"worker {self.worker_id:x} is stopped")
+        raise UnavailableError(f"worker {self.worker_id:x} is not started")
+
+    def _pick_rank(self, request: PreprocessedRequest) -> int:
+        n = len(self.cores)
+        if request.dp_rank is not None:
+            if not 0 <= request.dp_rank < n:
+                raise InvalidRequestError(f"dp_rank {request.dp_rank} out of range [0, {n})", param="dp_rank")
+            return request.dp_rank
+        if n == 1:
+            return 0
+        # vLLM's DP coordinator balances on queue lengths, waiting counted four times.
+        best, best_score = 0, None
+        for rank, core in enumerate(self.cores):
+            sched = core.scheduler
+            score = 4 * len(sched.waiting) + len(sched.running)
+            if best_score is None or score < best_score:
+                best, best_score = rank, score
+        return best
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._streams)
+
+    # ---- the step loop -------------------------------------------------------------------------
+
+    async def _step_loop(self, rank: int) -> None:
+        core = self.cores[rank]
+        wake = self._wake[rank]
+        stats = self._stats[rank]
+        loop = asyncio.get_running_loop()
+        scale = 1.0 / (1000.0 * self.config.speedup_ratio)
+        deadline = last_yield = loop.time()
+        while True:
+            if not core.has_unfinished_requests():
+                wake.clear()
+                idle_from = loop.time()
+                await wake.wait()
+                deadline = last_yield = loop.time()
+                stats.idle_s += deadline - idle_from
+                continue
+            try:
+                out = core.step()
+            except Exception as exc:  # a bug in the core must not kill the worker silently
+                logger.exception("mocker step failed worker_id=%x dp_rank=%d", self.worker_id, rank)
+                self._fail_rank(rank, EngineError(f"mocker step failed: {exc}"))
+                continue
+            if out.kv_events:
+                self._publish(rank, out.kv_events)
+            if not out.req_ids and not out.duration_ms:
+                # Nothing could run (should not happen: an idle rank always admits its head
+                # request); wait for an arrival or an abort instead of spinning.
+                wake.clear()
+                await wake.wait()
+                deadline = last_yield = loop.time()
+                continue
+            deadline += out.duration_ms * scale
+            now = loop.time()
+            delay = deadline - now
+            if delay > _TIMER_SLACK_S:
+                await asyncio.sleep(delay)
+                now = last_yield = loop.time()
+                lag = max(now - deadline, 0.0)
+            else:
+                lag = -delay if delay < 0.0 else 0.0
+                if lag > _MAX_LAG_S:
+                    stats.clock_resets += 1
+                    deadline = now
+                if now - last_yield > _MAX_BUSY_S:
+                    await asyncio.sleep(0)
+                    last_yield = loop.time()
+            stats.steps += 1
+            stats.simulated_ms += out.duration_ms
+            stats.lag_sum_s += lag
+            if lag > stats.lag_max_s:
+                stats.lag_max_s = lag
+            self._deliver(out)
+
+    def _deliver(self, out: StepOutput) -> None:
+        streams = self._streams
+        for request_id, token in zip(out.req_ids, out.token_ids, strict=True):
+            stream = streams.get(request_id)
+            if stream is not None:
+                stream.push(token)
+        for fin in out.finished:
+            stream = streams.pop(fin.request_id, None)
+            if stream is not None:
+                stream.finish(fin.finish_reason, fin.usage)
+
+    def _fail_rank(self, rank: int, exc: BaseException) -> None:
+        for request_id in self.cores[rank].abort_all():
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.fail(exc)
+
+    def _end_all(self, exc: BaseException | None) -> None:
+        """Ends every in-flight stream: with ``exc``, or as aborted when None."""
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            if exc is None:
+                stream.finish(FINISH_ABORT, Usage(prompt_tokens=stream.prompt_tokens, completion_tokens=stream.num_tokens))
+            else:
+                stream.fail(exc)
+
+    def loop_stats(self) -> list[LoopStats]:
+        """Per-rank pacing statistics (benchmarks, diagnostics)."""
+        return list(self._stats)
+
+    # ---- KV events -----------------------------------------------------------------------------
+
+    def _publish(self, rank: int, events: list[KvEvent]) -> None:
+        queue = self._events
+        for event in events:
+            self._event_id += 1
+            if queue.full():
+                # The consumer fell behind: drop. The gap in event ids makes the router re-read
+                # this worker through kv_dump, which is the designed recovery.
+                if not self._dropping:
+                    self._dropping = True
+                    logger.warning(
+                        "mocker kv event buffer full worker_id=%x event_id=%d dropped_total=%d",
+                        self.worker_id, self._event_id, self.events_dropped + 1,
+                    )
+                self.events_dropped += 1
+                continue
+            self._dropping = False
+            queue.put_nowait(RouterEvent(worker_id=self.worker_id, dp_rank=rank, event_id=self._event_id, event=event))
+
+    async def kv_events(self) -> AsyncIterator[RouterEvent]:
+        """The KV events of every rank in order (one consumer); ends when the engine stops."""
+        while True:
+            event = await self._events.get()
+            if event is None:
+                return
+            yield event
+
+    @property
+    def last_event_id(self) -> int:
+        return self._event_id
+
+    async def kv_dump(self) -> list[RouterEvent]:
+        """Every cached block as stored events, parents first. Their ``event_id`` is the id of the
+        last event published before the dump, so a reader resumes the stream after it."""
+        out = []
+        for rank, core in enumerate(self.cores):
+            for stored in core.kv_dump():
+                out.append(RouterEvent(worker_id=self.worker_id, dp_rank=rank, event_id=self._event_id, event=stored))
+        return out
+
+    async def clear_kv_blocks(self) -> int:
+        dropped = 0
+        for rank, core in enumerate(self.cores):
+            dropped += core.clear_kv_blocks()
+            self._publish(rank, core.take_events())
+        logger.info("mocker kv cleared worker_id=%x blocks=%d", self.worker_id, dropped)
+        return dropped
+
+    # ---- load ----------------------------------------------------------------------------------
+
+    def load_metrics(self) -> list[LoadMetrics]:
+        now = time.time()
+        status = self._status
+        out = []
+        for rank, core in enumerate(self.cores):
+            load = core.load()
+            out.append(
+                LoadMetrics(
+                    worker_id=self.worker_id,
+                    dp_rank=rank,
+                    active_decode_blocks=load.active_blocks,
+                    active_prefill_tokens=load.active_prefill_tokens,
+                    kv_usage=load.kv_usage,
+                    total_blocks=load.total_blocks,
+                    num_waiting=load.num_waiting,
+                    num_running=load.num_running,
+                    prefix_hit_rate=load.prefix_hit_rate,
+                    status=status,
+                    ts=now,
+                )
+            )
+        return out
+
+    # ---- sleep / wake --------------------------------------------------------------------------
+
+    async def sleep(self, level: int) -> None:
+        """Level 1 aborts in-flight requests and drops the KV cache; level 2 also releases the
+        (simulated) weights. ``generate`` is refused until ``wake_up``."""
+        if level not in (1, 2):
+            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level}", param="level")
+        if self._status == STATUS_STOPPED:
+            raise UnavailableError(f"worker {self.worker_id:x} is stopped")
+        if self._status == STATUS_SLEEPING:
+            self.sleep_level = max(self.sleep_level, level)
+            return
+        self._status = STATUS_SLEEPING
+        self.sleep_level = level
+        aborted = len(self._streams)
+        self._end_all(None)
+        dropped = 0
+        for rank, core in enumerate(self.cores):
+            core.abort_all()
+            dropped += core.clear_kv_blocks()
+            self._publish(rank, core.take_events())
+        logger.info(
+            "mocker asleep worker_id=%x level=%d aborted=%d kv_blocks_dropped=%d",
+            self.worker_id, level, aborted, dropped,
+        )
+
+    async def wake_up(self) -> None:
+        if self._status == STATUS_STOPPED:
+            raise UnavailableError(f"worker {self.worker_id:x} is stopped")
+        if self._status != STATUS_SLEEPING:
+            return
+        level, self.sleep_level = self.sleep_level, 0
+        self._status = STATUS_READY if self._tasks else STATUS_CREATED
+        logger.info("mocker awake worker_id=%x from_level=%d", self.worker_id, level)
+
+    # ---- LoRA ----------------------------------------------------------------------------------
+
+    async def load_lora(self, name: str, source: str) -> LoraInfo:
+        if not name:
+            raise InvalidRequestError("lora_name must not be empty", param="lora_name")
+        existing = self._loras.get(name)
+        if existing is not None:
+            if existing.source == source:
+                return existing
+            raise InvalidRequestError(
+                f"LoRA adapter {name!r} is already loaded from {existing.source!r}; unload it first",
+                param="lora_name",
+            )
+        info = LoraInfo(name=name, source=source, lora_id=self._next_lora_id)
+        self._next_lora_id += 1
+        self._loras[name] = info
+        logger.info("mocker lora loaded worker_id=%x lora=%s lora_id=%d source=%s", self.worker_id, name, info.lora_id, source)
+        return info
+
+    async def unload_lora(self, name: str) -> None:
+        if self._loras.pop(name, None) is None:
+            raise NotFoundError(f"LoRA adapter {name!r} is not loaded on worker {self.worker_id:x}")
+        logger.info("mocker lora unloaded worker_id=%x lora=%s", self.worker_id, name)
+
+    def list_loras(self) -> list[LoraInfo]:
+        return list(self._loras.values())

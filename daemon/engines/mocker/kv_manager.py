@@ -1,0 +1,139 @@
+"""Per-request KV accounting on top of the block pool: prefix lookup, slot allocation, freeing.
+
+Modelled on vLLM's ``KVCacheManager``. "Does not fit right now" is a normal answer (``None`` from
+``allocate_slots``), not an exception: the scheduler reacts by preempting or by waiting. Full
+blocks are offered to the prefix cache as soon as they are scheduled (as vLLM v1 does), so a
+request admitted later in the same step already hits them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dynamod.daemon.engines.mocker.block_pool import BlockPool, KVBlock
+from dynamod.daemon.engines.mocker.request import MockRequest
+from dynamod.shared.protocol.kv_events import KvEvent
+
+_NO_BLOCKS: list[KVBlock] = []
+
+
+class KVCacheManager:
+    """Allocates blocks to requests of one data-parallel rank."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.block_pool.get_num_used_blocks()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def get_computed_blocks(self, request: MockRequest) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of ``request`` as (blocks, tokens); nothing is referenced yet.
+
+        At most ``num_tokens - 1`` tokens can hit: the last one must be computed to sample from.
+        """
+        if not self.enable_caching:
+            return _NO_BLOCKS, 0
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        if max_blocks <= 0:
+            return _NO_BLOCKS, 0
+        request.ensure_block_hashes(max_blocks, bs)
+        lookup = self.block_pool.cached_block_hash_to_block.get
+        hashes = request.block_hashes
+        hits: list[KVBlock] = []
+        for i in range(max_blocks):
+            block = lookup(hashes[i])
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * bs
+
+    def allocate_slots(
+        self,
+        request: MockRequest,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = _NO_BLOCKS,
+        num_new_computed_tokens: int = 0,
+        watermark_blocks: int = 0,
+    ) -> list[KVBlock] | None:
+        """Makes room for ``num_new_tokens`` more tokens of ``request``; None if they do not fit.
+
+        ::
+
+            | computed (held) | new computed (cache hits) | new tokens (this step) | unallocated |
+                                                           ^ blocks allocated here
+
+        ``watermark_blocks`` free blocks must remain afterwards (the scheduler asks for it when
+        admitting a request while others run, so running requests keep room to grow).
+        """
+        bs = self.block_size
+        pool = self.block_pool
+        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_new_blocks = -(-num_tokens // bs) - len(request.blocks) - len(new_computed_blocks)
+        free = pool.free_block_queue.num_free_blocks
+        if new_computed_blocks:
+            # Hits that sit in the free list leave it when touched.
+            free -= sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > free - watermark_blocks and num_new_blocks > 0:
+            return None
+        if new_computed_blocks:
+            pool.touch(new_computed_blocks)
+            request.blocks.extend(new_computed_blocks)
+            request.num_cached_blocks = len(request.blocks)
+        if num_new_blocks > 0:
+            new_blocks = pool.get_new_blocks(num_new_blocks)
+            request.blocks.extend(new_blocks)
+        else:
+            new_blocks = _NO_BLOCKS
+        if self.enable_caching and num_tokens >= (request.num_cached_blocks + 1) * bs:
+            self._cache_full_blocks(request, num_tokens // bs)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: MockRequest, num_full_blocks: int) -> None:
+        """Offers blocks [num_cached_blocks, num_full_blocks) to the prefix cache and queues one
+        ``KvStored`` per run of blocks that were new to it."""
+        bs = self.block_size
+        pool = self.block_pool
+        request.ensure_block_hashes(num_full_blocks, bs)
+        hashes = request.block_hashes
+        local = request.local_hashes
+        blocks = request.blocks
+        lora = request.lora_name
+        run: list[KVBlock] = []
+        run_parent: int | None = None
+        for i in range(request.num_cached_blocks, num_full_blocks):
+            parent = hashes[i - 1] if i else None
+            if pool.cache_block(blocks[i], hashes[i], local[i], parent, lora):
+                if not run:
+                    run_parent = parent
+                run.append(blocks[i])
+            elif run:
+                pool.emit_stored(run_parent, run, lora)
+                run = []
+        if run:
+            pool.emit_stored(run_parent, run, lora)
+        request.num_cached_blocks = num_full_blocks
+
+    def free(self, request: MockRequest) -> None:
+        """Releases the request's blocks, tail first, so its last blocks are evicted first."""
+        if request.blocks:
+            self.block_pool.free_blocks(reversed(request.blocks))
+            request.blocks = []
+        request.num_cached_blocks = 0
+
+    def reset_prefix_cache(self) -> int:
+        return self.block_pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KvEvent]:
+        return self.block_pool.take_events()

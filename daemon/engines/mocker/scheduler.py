@@ -1,0 +1,241 @@
+"""A vLLM v1-like scheduler: waiting and running queues, a token budget, chunked prefill and
+preemption by recompute.
+
+``schedule()`` decides what one engine step computes; ``update_from_output()`` applies the step's
+result (samples a token for every request whose known tokens are now all computed, checks stop
+conditions, frees finished requests). Like vLLM there is no separate prefill and decode phase in
+the policy: each request needs ``num_tokens - num_computed_tokens`` more tokens, decodes need 1,
+and the budget ``max_num_batched_tokens`` is spent on running requests first (in order), then on
+admitting waiting ones. When a running request cannot grow, the newest running request (the tail)
+is preempted: its blocks are freed and it goes back to the front of the waiting queue to be
+recomputed later, keeping the tokens it already produced.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from dynamod.daemon.engines.mocker.kv_manager import KVCacheManager
+from dynamod.daemon.engines.mocker.request import MockRequest, RequestStatus
+from dynamod.shared.protocol.llm import FINISH_LENGTH, FINISH_STOP
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step computes. ``prefill_*`` are parallel lists."""
+
+    prefill_reqs: list[MockRequest] = field(default_factory=list)
+    prefill_num_tokens: list[int] = field(default_factory=list)
+    decode_reqs: list[MockRequest] = field(default_factory=list)
+    preempted_reqs: list[MockRequest] = field(default_factory=list)
+    num_prefill_tokens: int = 0  # new (uncached) prefill tokens that cost compute this step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill_reqs and not self.decode_reqs
+
+
+@dataclass(slots=True)
+class UpdateResult:
+    """Tokens sampled this step (parallel lists) and the requests that finished."""
+
+    req_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finished: list[MockRequest] = field(default_factory=list)
+
+
+class Scheduler:
+    """Owns the request queues of one data-parallel rank; memory decisions go to the KV manager."""
+
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        watermark_blocks: int,
+        context_length: int,
+    ) -> None:
+        self.kv_manager = kv_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.watermark_blocks = watermark_blocks
+        self.context_length = context_length
+        self.requests: dict[str, MockRequest] = {}
+        self.waiting: deque[MockRequest] = deque()
+        self.running: list[MockRequest] = []
+        self.num_preemptions = 0
+        # Prefix-cache statistics over first schedulings (what usage reports as cached tokens).
+        self.prompt_tokens_seen = 0
+        self.cached_tokens_seen = 0
+
+    # ---- request lifecycle ---------------------------------------------------------------------
+
+    def add_request(self, request: MockRequest) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already scheduled")
+        if self.kv_manager.enable_caching:
+            request.hash_prompt(self.kv_manager.block_size)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> MockRequest | None:
+        """Removes a request wherever it is and frees its blocks; None if unknown or finished."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_manager.free(request)
+        request.status = RequestStatus.FINISHED
+        return request
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_manager
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        running = self.running
+        prefill_reqs, prefill_tokens, decode_reqs = out.prefill_reqs, out.prefill_num_tokens, out.decode_reqs
+
+        bs = kv.block_size
+        caching = kv.enable_caching
+
+        # 1. Running requests, in order; preempt from the tail when one cannot grow.
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_computed = request.num_computed_tokens
+            num_new = len(request.token_ids) - num_computed
+            if (
+                num_new == 1
+                and num_computed < len(request.blocks) * bs
+                and not (caching and (num_computed + 1) % bs == 0)
+                and num_computed >= request.prefill_target
+            ):
+                # Hot path: a decode whose token fits in its last block without filling it has
+                # nothing to allocate or cache.
+                budget -= 1
+                decode_reqs.append(request)
+                i += 1
+                continue
+            if num_new > budget:
+                num_new = budget
+            while kv.allocate_slots(request, num_new) is None:
+                victim = running.pop()
+                self._preempt(victim)
+                out.preempted_reqs.append(victim)
+                if victim is request:
+                    break
+            else:
+                budget -= num_new
+                if request.num_computed_tokens < request.prefill_target:
+                    prefill_reqs.append(request)
+                    prefill_tokens.append(num_new)
+                    if not request.kv_transferred:
+                        out.num_prefill_tokens += num_new
+                else:
+                    decode_reqs.append(request)
+                i += 1
+                continue
+            break  # the request preempted itself: every request behind it is already preempted
+
+        # 2. Admit waiting requests, unless memory was short this step.
+        if not out.preempted_reqs:
+            waiting = self.waiting
+            while waiting and budget > 0 and len(running) < self.max_num_seqs:
+                request = waiting[0]
+                hits, num_hit_tokens = kv.get_computed_blocks(request)
+                num_new = request.num_tokens - num_hit_tokens
+                if num_new > budget:
+                    num_new = budget  # chunked prefill
+                # Keep the watermark only while others run: alone, a request may use every block.
+                watermark = self.watermark_blocks if running else 0
+                if kv.allocate_slots(request, num_new, hits, num_hit_tokens, watermark) is None:
+                    break
+                waiting.popleft()
+                request.num_computed_tokens = num_hit_tokens
+                request.status = RequestStatus.RUNNING
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit_tokens
+                    self.prompt_tokens_seen += request.num_prompt_tokens
+                    self.cached_tokens_seen += num_hit_tokens
+                running.append(request)
+                budget -= num_new
+                prefill_reqs.append(request)
+                prefill_tokens.append(num_new)
+                if not request.kv_transferred:
+                    out.num_prefill_tokens += num_new
+        return out
+
+    def _preempt(self, request: MockRequest) -> None:
+        self.kv_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.prefill_target = request.num_tokens
+        request.kv_transferred = False  # the transferred KV is gone; recompute it here
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.debug(
+            "mocker preempted request_id=%s tokens=%d preemptions=%d free_blocks=%d",
+            request.request_id, request.num_tokens, request.num_preemptions, self.kv_manager.num_free_blocks,
+        )
+
+    def update_from_output(self, sched: SchedulerOutput) -> UpdateResult:
+        """Advances every scheduled request; samples where all known tokens are now computed."""
+        result = UpdateResult()
+        for request, num_new in zip(sched.prefill_reqs, sched.prefill_num_tokens, strict=True):
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens >= request.num_tokens:
+                self._sample(request, result)
+        sample = self._sample
+        for request in sched.decode_reqs:
+            request.num_computed_tokens += 1
+            sample(request, result)
+        if result.finished:
+            finished = set(map(id, result.finished))
+            self.running = [r for r in self.running if id(r) not in finished]
+        return result
+
+    def _sample(self, request: MockRequest, result: UpdateResult) -> None:
+        token = request.next_token()
+        tokens = request.token_ids
+        tokens.append(token)
+        result.req_ids.append(request.request_id)
+        result.token_ids.append(token)
+        num_out = len(tokens) - request.num_prompt_tokens
+        if request.stop_ids and token in request.stop_ids and num_out >= request.min_tokens:
+            reason = FINISH_STOP
+        elif num_out >= request.max_output_tokens or len(tokens) >= self.context_length:
+            reason = FINISH_LENGTH
+        else:
+            return
+        request.finish_reason = reason
+        request.status = RequestStatus.FINISHED
+        self.kv_manager.free(request)
+        del self.requests[request.request_id]
+        result.finished.append(request)
+
+    # ---- cache control -------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv_manager.reset_prefix_cache()
