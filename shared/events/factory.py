@@ -1,0 +1,50 @@
+"""Chooses the event plane by name (``DYN_EVENT_PLANE`` / ``--event-plane``).
+
+``nats`` goes with etcd across nodes (a NATS server is the meeting point); ``zmq`` needs no server
+and finds publishers through discovery (the ``file``/``mem`` backends of ``dynamod up``, or etcd).
+Each implementation is imported only when chosen.
+"""
+
+from __future__ import annotations
+
+from dynamod.shared.discovery.store import DiscoveryStore, Lease
+from dynamod.shared.errors import ConfigError
+from dynamod.shared.events.plane import EventPlane
+
+EVENT_PLANE_NAMES = ("nats", "zmq")
+
+
+def make_event_plane(
+    name: str,
+    *,
+    nats_url: str | None = None,
+    store: DiscoveryStore | None = None,
+    lease: Lease | None = None,
+    host: str = "127.0.0.1",
+) -> EventPlane:
+    """Builds (does not start) the event plane called ``name``.
+
+    ``nats`` needs ``nats_url``; ``zmq`` needs the process's discovery ``store`` and ``lease`` (its
+    publishers are registered under that lease) and binds its PUB sockets on ``host``.
+    """
+    if name == "nats":
+        if not nats_url:
+            raise ConfigError("event plane 'nats' needs a NATS URL: pass --nats-server or set NATS_SERVER")
+        from dynamod.shared.events.nats_plane import NatsEventPlane
+
+        return NatsEventPlane(nats_url)
+    if name == "zmq":
+        missing = [
+            what for what, value in (("a discovery store", store), ("a lease", lease)) if value is None
+        ]
+        if missing:
+            raise ConfigError(
+                f"event plane 'zmq' needs {' and '.join(missing)}: its publishers are found through discovery"
+            )
+        assert store is not None and lease is not None
+        from dynamod.shared.events.zmq_plane import ZmqEventPlane
+
+        return ZmqEventPlane(store, lease, host=host)
+    raise ConfigError(
+        f"unknown event plane {name!r}; choose one of {', '.join(EVENT_PLANE_NAMES)} (--event-plane / DYN_EVENT_PLANE)"
+    )

@@ -1,0 +1,256 @@
+"""The ZMQ event plane: no broker, publishers found through discovery.
+
+Each publisher binds a PUB socket on ``host`` (an ephemeral port) and registers
+``v1/event_channels/{ns}/{component}/{topic}/{instance_id:x}`` -> ``{"address", "pid"}`` under the
+process's lease, so it vanishes from discovery when the process dies. Subscribers watch that prefix
+and connect a SUB socket to each publisher as it appears (see ``zmq_subscriber``). Frames are
+vLLM's ``[topic, seq u64 big-endian, payload]``, ``seq`` starting at 1 per publisher, so a
+subscriber can count what it lost.
+
+One publisher per (namespace, component, topic) per plane: several workers in one process share
+its socket and its sequence (a second PUB socket would register a second key for the same instance
+id). Each caller gets its own handle; the socket closes when the last handle does.
+
+No durability: ``durable=True`` is refused. A consumer that must not drift (the KV router) watches
+``publisher_id``/``seq`` and re-reads the publisher's state (``kv_dump``) on a gap or when it first
+sees a publisher. That also covers ZMQ's *slow joiner*: a SUB socket that just connected misses what
+was published before the TCP connection and subscription handshake completed (a few ms), and
+nothing resends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+
+import zmq
+import zmq.asyncio
+
+from dynamod.shared.discovery.store import DiscoveryStore, Lease
+from dynamod.shared.errors import ConfigError, DiscoveryError, EventPlaneError, InvalidRequestError
+from dynamod.shared.events.zmq_subscriber import ZmqEventSubscriber
+from dynamod.shared.protocol.keys import event_channel_key
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HWM = 10_000  # messages a socket queues per peer before ZMQ drops (PUB) or stops reading (SUB)
+DEFAULT_SUBSCRIBER_QUEUE = 10_000
+_CLOSE_LINGER_MS = 200  # lets messages already queued on a closing PUB socket still go out
+
+_Scope = tuple[str, str, str]
+
+
+class ZmqEventPlane:
+    """Publishers and subscribers of one process, registered under its discovery lease.
+
+    ``host`` is where PUB sockets bind *and* the address written to discovery, so it must be one
+    the subscribers can reach: loopback for one host, the node's own IP across nodes (not 0.0.0.0).
+    """
+
+    name = "zmq"
+
+    def __init__(
+        self,
+        store: DiscoveryStore,
+        lease: Lease,
+        *,
+        host: str = "127.0.0.1",
+        sndhwm: int = DEFAULT_HWM,
+        rcvhwm: int = DEFAULT_HWM,
+        subscriber_queue: int = DEFAULT_SUBSCRIBER_QUEUE,
+    ) -> None:
+        self.store = store
+        self.lease = lease
+        self.host = host
+        self.sndhwm = sndhwm
+        self.rcvhwm = rcvhwm
+        self.subscriber_queue = subscriber_queue
+        self._ctx: zmq.asyncio.Context | None = None
+        self._channels: dict[_Scope, _ZmqChannel] = {}
+        self._subscribers: set[ZmqEventSubscriber] = set()
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    async def start(self) -> None:
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context(io_threads=1)
+
+    async def close(self) -> None:
+        """Closes subscribers and publishers (their discovery keys are deleted) and the context."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.gather(*(s.close() for s in list(self._subscribers)), return_exceptions=True)
+        for channel in list(self._channels.values()):
+            await channel.shutdown()
+        self._channels.clear()
+        if self._ctx is not None:
+            # term() waits for lingering sockets; do that off the event loop.
+            await asyncio.to_thread(self._ctx.term)
+            self._ctx = None
+
+    def stats(self) -> dict[str, int]:
+        """Counters for metrics: consumer-side drops and the sequence holes subscribers saw."""
+        subs = list(self._subscribers)
+        return {
+            "subscribe_dropped": sum(s.dropped for s in subs),
+            "gaps": sum(s.gaps for s in subs),
+            "missed": sum(s.missed for s in subs),
+            "publishers": len(self._channels),
+        }
+
+    async def publisher(
+        self, namespace: str, component: str, topic: str, *, durable: bool = False
+    ) -> ZmqEventPublisher:
+        """A handle on this process's PUB socket for the scope (created and registered on first use)."""
+        if durable:
+            raise ConfigError(
+                "the zmq event plane keeps no history (durable=True); use --event-plane nats for durable events"
+            )
+        if component == "*":
+            raise InvalidRequestError("a publisher needs a concrete component, not '*'", param="component")
+        ctx = self._require_started()
+        scope = (namespace, component, topic)
+        async with self._lock:
+            channel = self._channels.get(scope)
+            if channel is None:
+                channel = await self._open_channel(ctx, scope)
+                self._channels[scope] = channel
+            channel.refs += 1
+        return ZmqEventPublisher(self, channel)
+
+    async def subscribe(
+        self, namespace: str, component: str, topic: str, *, durable_name: str | None = None
+    ) -> ZmqEventSubscriber:
+        """Connects to every publisher of ``topic`` in ``namespace/component`` (``"*"``: every
+        component), now and as they come and go. Messages from before a connection completes are
+        not seen (slow joiner); ``seq`` gaps after that are counted in ``subscriber.gaps``."""
+        if durable_name is not None:
+            raise ConfigError(
+                "the zmq event plane has no durable consumers (durable_name); use --event-plane nats for them"
+            )
+        ctx = self._require_started()
+        sub = ZmqEventSubscriber(
+            ctx,
+            self.store,
+            namespace,
+            component,
+            topic,
+            rcvhwm=self.rcvhwm,
+            queue_size=self.subscriber_queue,
+            on_close=self._subscribers.discard,
+        )
+        await sub.start()
+        self._subscribers.add(sub)
+        return sub
+
+    def _require_started(self) -> zmq.asyncio.Context:
+        if self._closed:
+            raise EventPlaneError("zmq event plane is closed")
+        if self._ctx is None:
+            raise EventPlaneError("zmq event plane is not started; call start() first")
+        return self._ctx
+
+    async def _open_channel(self, ctx: zmq.asyncio.Context, scope: _Scope) -> _ZmqChannel:
+        namespace, component, topic = scope
+        instance_id = self.lease.id
+        key = event_channel_key(namespace, component, topic, instance_id)
+        sock = ctx.socket(zmq.PUB)
+        # HWM must be set before bind/connect: ZMQ applies it to a pipe when the pipe is created.
+        sock.setsockopt(zmq.SNDHWM, self.sndhwm)
+        sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
+        try:
+            sock.bind(f"tcp://{self.host}:0")
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise EventPlaneError(f"cannot bind a ZMQ PUB socket on {self.host}: {exc}") from exc
+        address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        value = json.dumps({"address": address, "pid": os.getpid()}).encode()
+        try:
+            await self.store.put(key, value, lease=self.lease)
+        except DiscoveryError:
+            sock.close(linger=0)
+            raise
+        logger.info("event publisher registered backend=zmq key=%s address=%s", key, address)
+        return _ZmqChannel(self, scope, key, address, sock)
+
+    def _release(self, channel: _ZmqChannel) -> None:
+        if self._channels.get(channel.scope) is channel:
+            del self._channels[channel.scope]
+
+
+class _ZmqChannel:
+    """One registered PUB socket and its sequence counter, shared by the handles of a scope."""
+
+    def __init__(
+        self, plane: ZmqEventPlane, scope: _Scope, key: str, address: str, sock: zmq.asyncio.Socket
+    ) -> None:
+        self.plane = plane
+        self.scope = scope
+        self.topic = scope[2]
+        self.topic_bytes = scope[2].encode()
+        self.key = key
+        self.address = address
+        self.socket = sock
+        self.seq = 0
+        self.refs = 0
+        self.closed = False
+
+    async def send(self, payload: bytes) -> None:
+        self.seq += 1
+        # A PUB socket never blocks: past SNDHWM for a slow subscriber ZMQ drops for that one only,
+        # and that subscriber sees the hole in seq.
+        await self.socket.send_multipart([self.topic_bytes, self.seq.to_bytes(8, "big"), payload])
+
+    async def shutdown(self) -> None:
+        """Deregisters first (subscribers disconnect), then closes the socket."""
+        if self.closed:
+            return
+        self.closed = True
+        self.plane._release(self)
+        try:
+            await self.plane.store.delete(self.key)
+        except DiscoveryError as exc:
+            # The key is under the lease: it still goes when the lease does.
+            logger.warning("event publisher deregistration failed key=%s error=%s", self.key, exc)
+        self.socket.close()
+        logger.info("event publisher closed backend=zmq key=%s published=%d", self.key, self.seq)
+
+
+class ZmqEventPublisher:
+    """A caller's handle on a shared PUB socket; ``close`` releases only this handle."""
+
+    def __init__(self, plane: ZmqEventPlane, channel: _ZmqChannel) -> None:
+        self._plane = plane
+        self._channel = channel
+        self._closed = False
+        self.topic = channel.topic
+        self.key = channel.key
+        self.address = channel.address
+
+    @property
+    def seq(self) -> int:
+        """The last sequence number sent on the shared socket (0 before the first message)."""
+        return self._channel.seq
+
+    async def publish(self, topic: str, payload: bytes) -> None:
+        if self._closed or self._channel.closed:
+            raise EventPlaneError(f"publisher {self.key} is closed")
+        if topic != self.topic:
+            raise InvalidRequestError(
+                f"this publisher was created for topic {self.topic!r}, not {topic!r}; create one per topic",
+                param="topic",
+            )
+        await self._channel.send(payload)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        async with self._plane._lock:
+            self._channel.refs -= 1
+            if self._channel.refs > 0:
+                return
+            await self._channel.shutdown()

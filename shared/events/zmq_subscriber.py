@@ -1,0 +1,271 @@
+"""ZMQ subscriber: follows the publishers registered in discovery and merges their streams.
+
+One SUB socket per publisher rather than one socket connected to all of them: ZMQ does not say
+which peer a message came from, and the consumer needs ``publisher_id`` (parsed from the discovery
+key) to attribute ``seq`` and detect loss per publisher. Each socket has a small receive task that
+moves frames into one bounded drop-oldest queue, which the iterator reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from dynamod.shared.discovery.store import DiscoveryStore, WatchEvent, WatchEventKind
+from dynamod.shared.errors import DiscoveryError
+from dynamod.shared.events.dropqueue import DropOldestQueue, QueueClosed
+from dynamod.shared.events.plane import EventMessage
+from dynamod.shared.events.seq import SeqTracker
+from dynamod.shared.protocol.keys import EVENT_CHANNELS_ROOT, event_channels_prefix, parse_key
+
+logger = logging.getLogger(__name__)
+
+_RETRY_MIN_S = 0.2
+_RETRY_MAX_S = 5.0
+_RECV_BATCH = 256
+
+
+@dataclass(slots=True)
+class _Connection:
+    key: str
+    publisher_id: int
+    address: str
+    socket: zmq.asyncio.Socket
+    task: asyncio.Task[None] | None = None
+
+
+class ZmqEventSubscriber:
+    """Iterates events of one topic from every matching publisher; counts drops and seq gaps."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        store: DiscoveryStore,
+        namespace: str,
+        component: str,
+        topic: str,
+        *,
+        rcvhwm: int,
+        queue_size: int,
+        on_close: Callable[[ZmqEventSubscriber], None] | None = None,
+    ) -> None:
+        self.namespace = namespace
+        self.component = component
+        self.topic = topic
+        self._topic_bytes = topic.encode()
+        self._ctx = ctx
+        self._store = store
+        self._rcvhwm = rcvhwm
+        self._on_close = on_close
+        # Narrowest prefix discovery can filter on; "*" watches the whole namespace and filters here.
+        self._prefix = (
+            event_channels_prefix(namespace)
+            if component == "*"
+            else event_channels_prefix(namespace, component, topic)
+        )
+        self._queue: DropOldestQueue[EventMessage] = DropOldestQueue(queue_size)
+        self._conns: dict[str, _Connection] = {}
+        self._seqs = SeqTracker()
+        self._watcher: asyncio.Task[None] | None = None
+        self._closed = False
+        self.malformed = 0
+
+    # -- counters ----------------------------------------------------------------------------
+
+    @property
+    def gaps(self) -> int:
+        """Sequence discontinuities seen across publishers (each one is at least one lost event)."""
+        return self._seqs.gaps
+
+    @property
+    def missed(self) -> int:
+        """Events known lost: the sum of the holes in every publisher's ``seq``."""
+        return self._seqs.missed
+
+    @property
+    def dropped(self) -> int:
+        """Events discarded (oldest first) because the consumer fell behind."""
+        return self._queue.dropped
+
+    @property
+    def received(self) -> int:
+        return self._queue.put_count
+
+    @property
+    def publishers(self) -> dict[str, str]:
+        """Discovery key -> address of every publisher this subscriber is connected to."""
+        return {key: conn.address for key, conn in self._conns.items()}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connects to the publishers registered now, then follows discovery in the background."""
+        self._sync(await self._store.get_prefix(self._prefix))
+        self._watcher = asyncio.create_task(self._watch_loop(), name=f"zmq-sub-watch-{self._prefix}")
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
+        for key in list(self._conns):
+            self._disconnect(key)
+        self._queue.close()
+        if self._on_close is not None:
+            self._on_close(self)
+
+    def __aiter__(self) -> AsyncIterator[EventMessage]:
+        return self
+
+    async def __anext__(self) -> EventMessage:
+        try:
+            return await self._queue.get()
+        except QueueClosed:
+            raise StopAsyncIteration from None
+
+    # -- discovery ---------------------------------------------------------------------------
+
+    async def _watch_loop(self) -> None:
+        delay = _RETRY_MIN_S
+        resync = False
+        while True:
+            watch = self._store.watch_prefix(self._prefix)
+            try:
+                if resync:
+                    # Changes made while the watch was down produced no DELETEs for us: reconcile.
+                    self._sync(await self._store.get_prefix(self._prefix))
+                    logger.info(
+                        "event subscriber watch resumed prefix=%s publishers=%d",
+                        self._prefix,
+                        len(self._conns),
+                    )
+                async for event in watch:
+                    delay = _RETRY_MIN_S
+                    self._apply(event)
+                return  # the store closed the watch: it is shutting down
+            except DiscoveryError as exc:
+                logger.warning(
+                    "event subscriber watch failed prefix=%s error=%s retry_s=%.1f", self._prefix, exc, delay
+                )
+            finally:
+                aclose = getattr(watch, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            resync = True
+            await asyncio.sleep(delay)  # backoff before re-watching, not synchronization
+            delay = min(_RETRY_MAX_S, delay * 2)
+
+    def _sync(self, entries: dict[str, bytes]) -> None:
+        wanted = {key: value for key, value in entries.items() if self._matches(key)}
+        for key in list(self._conns):
+            if key not in wanted:
+                self._disconnect(key)
+        for key, value in wanted.items():
+            self._connect(key, value)
+
+    def _apply(self, event: WatchEvent) -> None:
+        if not self._matches(event.key):
+            return
+        if event.kind is WatchEventKind.DELETE:
+            self._disconnect(event.key)
+        elif event.value is not None:
+            self._connect(event.key, event.value)
+
+    def _matches(self, key: str) -> bool:
+        parsed = parse_key(key)
+        return (
+            parsed is not None
+            and parsed.root == EVENT_CHANNELS_ROOT
+            and parsed.namespace == self.namespace
+            and parsed.name == self.topic
+            and (self.component == "*" or parsed.component == self.component)
+        )
+
+    # -- sockets -----------------------------------------------------------------------------
+
+    def _connect(self, key: str, value: bytes) -> None:
+        if self._closed:
+            return
+        try:
+            address = str(json.loads(value)["address"])
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.warning("event channel ignored key=%s reason=bad value error=%r", key, exc)
+            return
+        current = self._conns.get(key)
+        if current is not None:
+            if current.address == address:
+                return  # a re-put (lease re-granted, watch resumed): same publisher
+            self._disconnect(key)  # same instance, new socket: a new sequence starts
+        for other, conn in list(self._conns.items()):
+            if conn.address == address:
+                # An address belongs to one live publisher: the other key is stale (its DELETE was
+                # missed) and its port was reused; keeping it would misattribute messages.
+                self._disconnect(other)
+        parsed = parse_key(key)
+        assert parsed is not None  # _matches checked it
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.RCVHWM, self._rcvhwm)  # before connect, like SNDHWM before bind
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, self._topic_bytes)
+        try:
+            sock.connect(address)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            logger.warning("event channel ignored key=%s address=%s error=%s", key, address, exc)
+            return
+        conn = _Connection(key, parsed.instance_id, address, sock)
+        conn.task = asyncio.create_task(self._recv_loop(conn), name=f"zmq-sub-{key}")
+        self._conns[key] = conn
+        logger.info("event subscriber connected backend=zmq key=%s address=%s", key, address)
+
+    def _disconnect(self, key: str) -> None:
+        conn = self._conns.pop(key, None)
+        if conn is None:
+            return
+        if conn.task is not None:
+            conn.task.cancel()
+        conn.socket.close(linger=0)
+        self._seqs.forget(key)
+        logger.info("event subscriber disconnected backend=zmq key=%s", key)
+
+    async def _recv_loop(self, conn: _Connection) -> None:
+        try:
+            sock = conn.socket
+            # The same socket without asyncio futures: after a wake-up, what is already queued is
+            # taken with plain non-blocking calls (a batch at most, so other tasks get the loop).
+            drain = zmq.Socket.shadow(sock.underlying)
+            while True:
+                self._on_frames(conn, await sock.recv_multipart())
+                for _ in range(_RECV_BATCH):
+                    try:
+                        frames = drain.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_frames(conn, frames)
+        except asyncio.CancelledError:
+            raise
+        except zmq.ZMQError as exc:
+            if not self._closed and conn.key in self._conns:
+                logger.warning("event subscriber socket failed key=%s error=%s", conn.key, exc)
+
+    def _on_frames(self, conn: _Connection, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.malformed += 1
+            logger.debug("event frame ignored key=%s frames=%d", conn.key, len(frames))
+            return
+        topic, raw_seq, payload = frames
+        if topic != self._topic_bytes:
+            return  # SUBSCRIBE filters by prefix; "kv-events" must not take "kv-events-x"
+        seq = int.from_bytes(raw_seq, "big")
+        missing = self._seqs.observe(conn.key, seq)
+        if missing:
+            logger.debug("event gap key=%s seq=%d missing=%d", conn.key, seq, missing)
+        self._queue.put_nowait(EventMessage(self.topic, payload, publisher_id=conn.publisher_id, seq=seq))

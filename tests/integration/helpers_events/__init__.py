@@ -1,0 +1,1 @@
+"""Child-process helpers for the event plane integration tests (a publisher in another process)."""
