@@ -42,7 +42,11 @@ def _available(mapping: dict[str, str]) -> dict[str, str]:
     """Only the roles whose module is part of this build are offered."""
     out = {}
     for name, module in mapping.items():
-        if importlib.util.find_spec(module) is not None:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # the parent package is not part of this build either
+            found = False
+        if found:
             out[name] = module
     return out
 
