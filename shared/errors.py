@@ -161,15 +161,24 @@ def error_to_wire(exc: BaseException) -> dict[str, object]:
 def error_from_wire(err: dict[str, object]) -> DynamoError:
     """Rebuilds an exception from an error frame.
 
-    Known client-facing codes (invalid request, not found, overloaded, unavailable) come back as
-    their own class so callers can branch on type; everything else is a ``RemoteError``.
+    Known client-facing codes (invalid request, not found, overloaded, unavailable) and the request
+    plane's own failures (frame too large, protocol error, deadline) come back as their own class so
+    callers can branch on type; everything else is a ``RemoteError``.
     """
     code = str(err.get("code", "internal_error"))
     message = str(err.get("message", ""))
     status = int(err.get("status", 500))  # type: ignore[arg-type]
     cls = _BY_CODE.get(code)
     if cls is not None and issubclass(
-        cls, InvalidRequestError | NotFoundError | OverloadedError | UnavailableError | EngineError
+        cls,
+        InvalidRequestError
+        | NotFoundError
+        | OverloadedError
+        | UnavailableError
+        | EngineError
+        | FrameTooLargeError
+        | ProtocolError
+        | DeadlineExceededError,
     ):
         return cls(message)
     return RemoteError(message, remote_code=code, http_status=status)

@@ -1,0 +1,326 @@
+"""TCP request-plane client: one multiplexed connection per server address, opened on first use.
+
+Each ``stream()`` call takes the next stream id on the shared connection. Frames from the server
+are routed to their stream from ``data_received`` without a task per stream; the reader of a
+stream only wakes up when its buffer was empty. When the connection drops, every open stream on
+it raises TransportError (the caller may migrate the request) and the next ``stream()`` to that
+address reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from msgspec import UNSET
+
+from dynamod.shared.errors import ProtocolError, TransportError, error_from_wire
+from dynamod.shared.transport.client_stream import ClientStream
+from dynamod.shared.transport.framing import (
+    CONNECTION_STREAM_ID,
+    DEFAULT_WINDOW_FRAMES,
+    ClientFrame,
+    FrameReader,
+    MalformedFrame,
+    OversizeFrame,
+    ServerFrame,
+)
+from dynamod.shared.transport.plane import DEFAULT_MAX_FRAME_BYTES, ServerAddress
+from dynamod.shared.transport.tcp_connection import FrameConnection
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+
+
+def parse_host_port(address: str) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6]:port"`` -> ``(host, port)``."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise TransportError(f"bad tcp address {address!r}; expected host:port")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+class _ClientConnection(FrameConnection):
+    """One connection to one server, shared by every stream this process opens to it."""
+
+    def __init__(
+        self, address: str, max_frame_bytes: int, on_closed: Callable[[_ClientConnection], None]
+    ) -> None:
+        super().__init__(max_frame_bytes, address)
+        self.address = address
+        self._reader: FrameReader[ServerFrame] = FrameReader(ServerFrame, max_frame_bytes)
+        self._on_closed = on_closed
+        self._writable: asyncio.Future[None] | None = None
+        self._next_sid = 1
+        # Weak references: a stream its reader dropped (``break`` without ``aclose``) is collected,
+        # and its finalizer sends the cancel.
+        self.streams: dict[int, weakref.ref[TcpClientStream]] = {}
+
+    def allocate_stream_id(self) -> int:
+        sid = self._next_sid
+        self._next_sid = sid + 1
+        return sid
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        streams = self.streams
+        for frame in self._reader.feed(data):
+            if type(frame) is ServerFrame:
+                item = frame.data
+                if item is not UNSET:
+                    ref = streams.get(frame.stream_id)
+                    if ref is not None and (stream := ref()) is not None:
+                        stream.push_data(item)
+                elif frame.end is True:
+                    ref = streams.pop(frame.stream_id, None)
+                    if ref is not None and (stream := ref()) is not None:
+                        stream.push_end()
+                elif frame.error is not UNSET:
+                    self._on_error_frame(frame.stream_id, frame.error)  # type: ignore[arg-type]
+                else:
+                    self._fail(
+                        ProtocolError(f"server {self.address} sent a frame with no data, error or end")
+                    )
+                    return
+            elif isinstance(frame, MalformedFrame):
+                ref = streams.pop(frame.stream_id, None) if frame.stream_id is not None else None
+                if ref is not None and (stream := ref()) is not None:
+                    stream.push_error(ProtocolError(f"malformed frame from {self.address}: {frame.reason}"))
+                else:
+                    self._fail(TransportError(f"malformed frame from {self.address}: {frame.reason}"))
+                    return
+            elif isinstance(frame, OversizeFrame):
+                self._fail(
+                    TransportError(
+                        f"server {self.address} sent a frame of {frame.size} bytes over the limit of {frame.limit}"
+                    )
+                )
+                return
+
+    def _on_error_frame(self, sid: int, err: dict[str, Any]) -> None:
+        if sid == CONNECTION_STREAM_ID:
+            exc = error_from_wire(err)
+            logger.warning(
+                "request_plane.tcp.connection_error address=%s code=%s message=%s",
+                self.address,
+                exc.code,
+                exc,
+            )
+            self._fail(exc)
+            return
+        ref = self.streams.pop(sid, None)
+        if ref is not None and (stream := ref()) is not None:
+            stream.push_error(error_from_wire(err))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._on_closed(self)
+        if self.streams:
+            logger.info(
+                "request_plane.tcp.connection_lost address=%s open_streams=%d reason=%s",
+                self.address,
+                len(self.streams),
+                exc or "closed by server",
+            )
+        self._fail_streams(
+            TransportError(f"connection to {self.address} lost: {exc or 'closed by the server'}")
+        )
+        self._wake_writers()
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        self._wake_writers()
+
+    # -- frames out ---------------------------------------------------------------------------
+
+    async def wait_writable(self) -> None:
+        """Waits while the socket buffer is over its high-water mark (large request bodies)."""
+        while self.paused and not self.closed:
+            if self._writable is None or self._writable.done():
+                self._writable = self._loop.create_future()
+            await self._writable
+
+    def _wake_writers(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+
+    # -- teardown -----------------------------------------------------------------------------
+
+    def _fail_streams(self, exc: BaseException) -> None:
+        refs = list(self.streams.values())
+        self.streams.clear()
+        for ref in refs:
+            stream = ref()
+            if stream is not None:
+                stream.push_error(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """The connection cannot be trusted any more: fail its streams and close it."""
+        self._fail_streams(exc)
+        self.close()
+
+    def close(self) -> None:
+        """Sends what is queued (cancels, credit), then closes."""
+        self.close_transport()
+        if not self.closed:
+            self.closed = True
+            self._on_closed(self)
+
+
+class TcpClientStream(ClientStream):
+    """One request on a shared TCP connection."""
+
+    __slots__ = ("_body", "_client", "_conn", "_endpoint", "_headers", "_request_id", "_sid", "address")
+
+    def __init__(
+        self,
+        client: TcpRequestClient,
+        address: ServerAddress,
+        endpoint_path: str,
+        body: Any,
+        headers: dict[str, str] | None,
+        timeout_s: float | None,
+        request_id: str | None,
+        window: int,
+    ) -> None:
+        super().__init__(window=window, timeout_s=timeout_s)
+        self._client = client
+        self.address = address
+        self._endpoint = endpoint_path
+        self._body = body
+        self._headers = headers
+        self._request_id = request_id
+        self._conn: _ClientConnection | None = None
+        self._sid = 0
+
+    async def _open(self) -> None:
+        conn = await self._client.connection(self.address)
+        if conn.paused:
+            await conn.wait_writable()
+        sid = conn.allocate_stream_id()
+        frame = ClientFrame(
+            sid,
+            endpoint=self._endpoint,
+            headers=self._headers if self._headers else UNSET,
+            body=self._body,
+            request_id=self._request_id if self._request_id is not None else UNSET,
+            timeout_s=float(self.timeout_s) if self.timeout_s is not None else UNSET,
+            credit=self.window,
+        )
+        conn.write_frame(frame)  # FrameTooLargeError / ProtocolError / TransportError leave no trace
+        conn.streams[sid] = weakref.ref(self)
+        self._conn = conn
+        self._sid = sid
+        self._body = None  # the request is on its way; do not pin a large prompt for the stream's life
+
+    def _send_grant(self, frames: int) -> None:
+        conn = self._conn
+        if conn is not None and not conn.closed:
+            conn.write_frame(ClientFrame(self._sid, credit=frames))
+
+    def _send_cancel(self) -> None:
+        conn = self._conn
+        if conn is None:
+            return
+        conn.streams.pop(self._sid, None)  # stream ids are never reused: the entry is this stream's
+        if not conn.closed:
+            conn.write_frame(ClientFrame(self._sid, cancel=True))
+
+
+class TcpRequestClient:
+    """Opens request streams to TCP request-plane servers; one connection per server address."""
+
+    def __init__(
+        self,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        window_frames: int = DEFAULT_WINDOW_FRAMES,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    ) -> None:
+        self.max_frame_bytes = max_frame_bytes
+        self.window_frames = window_frames
+        self.connect_timeout_s = connect_timeout_s
+        self._conns: dict[str, _ClientConnection] = {}
+        self._connecting: dict[str, asyncio.Task[_ClientConnection]] = {}
+        self._closed = False
+
+    def stream(
+        self,
+        address: ServerAddress,
+        endpoint_path: str,
+        body: Any,
+        *,
+        headers: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+        request_id: str | None = None,
+    ) -> TcpClientStream:
+        return TcpClientStream(
+            self, address, endpoint_path, body, headers, timeout_s, request_id, self.window_frames
+        )
+
+    def connection_count(self) -> int:
+        return sum(1 for c in self._conns.values() if not c.closed)
+
+    async def connection(self, address: ServerAddress) -> _ClientConnection:
+        """The open connection to ``address``, connecting (once, however many callers) if needed."""
+        if self._closed:
+            raise TransportError("request plane client is closed")
+        key = address.address
+        conn = self._conns.get(key)
+        if conn is not None and not conn.closed:
+            return conn
+        pending = self._connecting.get(key)
+        if pending is None:
+            pending = asyncio.get_running_loop().create_task(self._connect(key))
+            self._connecting[key] = pending
+            pending.add_done_callback(lambda task, key=key: self._connect_done(key, task))
+        return await asyncio.shield(pending)
+
+    def _connect_done(self, key: str, task: asyncio.Task[_ClientConnection]) -> None:
+        if self._connecting.get(key) is task:
+            del self._connecting[key]
+        if not task.cancelled():
+            task.exception()  # retrieved here so an abandoned attempt is not reported as unhandled
+
+    async def _connect(self, key: str) -> _ClientConnection:
+        host, port = parse_host_port(key)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await loop.create_connection(
+                    lambda: _ClientConnection(key, self.max_frame_bytes, self._forget), host, port
+                )
+        except (OSError, TimeoutError) as exc:
+            logger.info(
+                "request_plane.tcp.connect_failed address=%s reason=%s", key, exc or type(exc).__name__
+            )
+            raise TransportError(f"cannot connect to {key}: {exc or 'timed out'}") from exc
+        if self._closed:
+            conn.close()
+            raise TransportError("request plane client is closed")
+        self._conns[key] = conn
+        logger.debug("request_plane.tcp.connected address=%s", key)
+        return conn
+
+    def _forget(self, conn: _ClientConnection) -> None:
+        if self._conns.get(conn.address) is conn:
+            del self._conns[conn.address]
+
+    async def close(self) -> None:
+        """Closes every connection; streams still open raise TransportError."""
+        self._closed = True
+        for task in list(self._connecting.values()):
+            task.cancel()
+        for conn in list(self._conns.values()):
+            conn._fail(TransportError("request plane client closed"))
+        self._conns.clear()

@@ -1,0 +1,354 @@
+"""TCP request-plane server: one asyncio Protocol per client connection, many streams on each.
+
+Writes are batched (see ``tcp_connection``). When the socket's buffer fills up (``pause_writing``),
+every stream of that connection waits and the connection stops reading; with per-stream credit
+this only happens when the client process itself falls behind, never because one of its readers
+is slow.
+
+A connection that sends an oversize frame gets a connection-level error frame and is closed; a
+frame that does not decode gets an error frame (for its stream when its id can be read) and the
+connection carries on. Neither affects other connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+import time
+import uuid
+from typing import Any
+
+from msgspec import UNSET
+
+from dynamod.shared.errors import (
+    DynamoError,
+    FrameTooLargeError,
+    OverloadedError,
+    ProtocolError,
+    TransportError,
+    error_to_wire,
+)
+from dynamod.shared.transport.framing import (
+    CONNECTION_STREAM_ID,
+    DEFAULT_WINDOW_FRAMES,
+    MAX_WINDOW_FRAMES,
+    ClientFrame,
+    FrameReader,
+    MalformedFrame,
+    OversizeFrame,
+    ServerFrame,
+)
+from dynamod.shared.transport.plane import (
+    DEFAULT_MAX_FRAME_BYTES,
+    Handler,
+    RequestContext,
+    ServerAddress,
+)
+from dynamod.shared.transport.server_stream import ServerStream, ServingState
+from dynamod.shared.transport.tcp_connection import FrameConnection
+
+logger = logging.getLogger(__name__)
+
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+DEFAULT_MAX_STREAMS_PER_CONNECTION = 16384
+
+
+class _TcpServerStream(ServerStream):
+    __slots__ = ("conn", "stream_id")
+
+    def __init__(self, conn: _ServerConnection, stream_id: int, ctx: RequestContext, credit: int) -> None:
+        super().__init__(ctx, credit)
+        self.conn = conn
+        self.stream_id = stream_id
+
+    def _blocked(self) -> bool:
+        return self.credit <= 0 or self.conn.paused
+
+    def _peer_gone(self) -> bool:
+        return self.conn.closed
+
+    def _write_data(self, item: Any) -> None:
+        self.conn.write_frame(ServerFrame(self.stream_id, data=item))
+
+    def _write_end(self) -> None:
+        self.conn.write_frame(ServerFrame(self.stream_id, end=True))
+
+    def _write_error(self, err: dict[str, Any]) -> None:
+        self.conn.write_frame(ServerFrame(self.stream_id, error=err))
+
+
+class _ServerConnection(FrameConnection):
+    """One client connection: decodes client frames, runs streams, batches response frames."""
+
+    def __init__(self, server: TcpRequestServer) -> None:
+        super().__init__(server.max_frame_bytes, "?")
+        self._server = server
+        self._reader: FrameReader[ClientFrame] = FrameReader(ClientFrame, server.max_frame_bytes)
+        self.streams: dict[int, _TcpServerStream] = {}
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self._server._connections.add(self)
+        logger.debug("request_plane.tcp.connection_opened peer=%s", self.peer)
+
+    def data_received(self, data: bytes) -> None:
+        for frame in self._reader.feed(data):
+            if type(frame) is ClientFrame:
+                self._on_frame(frame)
+            elif isinstance(frame, MalformedFrame):
+                self._on_malformed(frame)
+            elif isinstance(frame, OversizeFrame):
+                self._on_oversize(frame)
+                return
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._server._connections.discard(self)
+        if self.streams:
+            logger.info(
+                "request_plane.tcp.connection_lost peer=%s open_streams=%d reason=%s",
+                self.peer,
+                len(self.streams),
+                exc or "closed by peer",
+            )
+        for stream in list(self.streams.values()):
+            stream.cancel(None)
+            stream.wake()
+
+    def pause_writing(self) -> None:
+        # The client is not reading: stop reading its frames too, so even error replies to a
+        # flood of bad frames cannot pile up in our buffer.
+        self.paused = True
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
+        for stream in list(self.streams.values()):
+            stream.wake()
+
+    # -- frames in ----------------------------------------------------------------------------
+
+    def _on_frame(self, frame: ClientFrame) -> None:
+        sid = frame.stream_id
+        if frame.endpoint is not UNSET:  # a request
+            self._on_request(frame)
+            return
+        stream = self.streams.get(sid)
+        if frame.credit is not UNSET:
+            if stream is not None and frame.credit > 0:  # type: ignore[operator]
+                stream.add_credit(frame.credit)  # type: ignore[arg-type]
+        elif frame.cancel is True:
+            if stream is not None:
+                logger.debug(
+                    "request_plane.tcp.cancel_received peer=%s request_id=%s",
+                    self.peer,
+                    stream.ctx.request_id,
+                )
+                stream.cancel(None)
+        else:
+            self._on_malformed(
+                MalformedFrame(sid or None, "frame is neither a request, a window update nor a cancel")
+            )
+
+    def _on_request(self, frame: ClientFrame) -> None:
+        sid = frame.stream_id
+        if sid <= CONNECTION_STREAM_ID or sid in self.streams:
+            self._send_error(
+                sid, ProtocolError(f"stream id {sid} is reserved or already open on this connection")
+            )
+            return
+        if len(self.streams) >= self._server.max_streams_per_connection:
+            self._send_error(
+                sid,
+                OverloadedError(f"{len(self.streams)} streams already open on this connection; retry later"),
+            )
+            return
+        endpoint = frame.endpoint
+        assert isinstance(endpoint, str)
+        try:
+            handler = self._server._state.handler_for(endpoint)
+        except DynamoError as exc:
+            self._send_error(sid, exc)
+            return
+        timeout = frame.timeout_s if frame.timeout_s is not UNSET else None
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        request_id = frame.request_id if frame.request_id is not UNSET else self._server.next_request_id()
+        headers = frame.headers if frame.headers is not UNSET else {}
+        credit = frame.credit if frame.credit is not UNSET else DEFAULT_WINDOW_FRAMES
+        credit = min(max(1, credit), MAX_WINDOW_FRAMES)  # type: ignore[type-var]
+        ctx = RequestContext(request_id, endpoint, headers, deadline)  # type: ignore[arg-type]
+        stream = _TcpServerStream(self, sid, ctx, credit)  # type: ignore[arg-type]
+        self.streams[sid] = stream
+        body = frame.body if frame.body is not UNSET else None
+        self._server._state.start(stream, handler, body, self._on_stream_done)
+        # Queued behind the new task's first step: whatever that step yields goes out in the same
+        # loop pass instead of one pass later (a quick reply saves a whole iteration).
+        self.flush_soon()
+
+    def _on_stream_done(self, stream: ServerStream) -> None:
+        assert isinstance(stream, _TcpServerStream)
+        if self.streams.get(stream.stream_id) is stream:
+            del self.streams[stream.stream_id]
+
+    def _on_malformed(self, frame: MalformedFrame) -> None:
+        logger.warning(
+            "request_plane.tcp.malformed_frame peer=%s stream_id=%s reason=%s",
+            self.peer,
+            frame.stream_id,
+            frame.reason,
+        )
+        sid = frame.stream_id
+        if sid is not None and sid in self.streams:
+            # A broken frame for a running stream leaves that stream in an unknown state: stop it.
+            self.streams[sid].cancel(ProtocolError(f"malformed frame: {frame.reason}"))
+            return
+        self._send_error(sid or CONNECTION_STREAM_ID, ProtocolError(f"malformed frame: {frame.reason}"))
+
+    def _on_oversize(self, frame: OversizeFrame) -> None:
+        logger.warning(
+            "request_plane.tcp.oversize_frame peer=%s size=%d limit=%d action=close_connection",
+            self.peer,
+            frame.size,
+            frame.limit,
+        )
+        self._send_error(
+            CONNECTION_STREAM_ID,
+            FrameTooLargeError(
+                f"frame of {frame.size} bytes exceeds the server's maximum of {frame.limit} bytes"
+            ),
+        )
+        self.close()
+
+    # -- frames out ---------------------------------------------------------------------------
+
+    def _send_error(self, sid: int, exc: DynamoError) -> None:
+        try:
+            self.write_frame(ServerFrame(sid, error=error_to_wire(exc)))
+        except DynamoError as write_exc:
+            logger.warning("request_plane.tcp.error_frame_failed peer=%s reason=%s", self.peer, write_exc)
+
+    def close(self) -> None:
+        """Flushes what is queued and closes the connection."""
+        self.close_transport()
+
+
+class TcpRequestServer:
+    """The default request-plane server: endpoints of this process behind one TCP listener."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        advertise_host: str | None = None,
+        max_streams_per_connection: int = DEFAULT_MAX_STREAMS_PER_CONNECTION,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.max_frame_bytes = max_frame_bytes
+        self.max_streams_per_connection = max_streams_per_connection
+        self._request_ids = itertools.count(1)
+        self._request_id_prefix = uuid.uuid4().hex[:12]
+        self._advertise_host = advertise_host
+        self._state = ServingState()
+        self._connections: set[_ServerConnection] = set()
+        self._server: asyncio.Server | None = None
+        self._address: ServerAddress | None = None
+
+    async def start(self) -> ServerAddress:
+        if self._address is not None:
+            return self._address
+        loop = asyncio.get_running_loop()
+        try:
+            self._server = await loop.create_server(
+                lambda: _ServerConnection(self), self.host, self.port, reuse_address=True
+            )
+        except OSError as exc:
+            raise TransportError(f"cannot listen on {self.host}:{self.port}: {exc}") from exc
+        port = self._server.sockets[0].getsockname()[1]
+        host = self._advertise_host or _advertised_host(self.host)
+        self._address = ServerAddress("tcp", f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        logger.info(
+            "request_plane.tcp.listening bind=%s:%d address=%s", self.host, port, self._address.address
+        )
+        return self._address
+
+    @property
+    def address(self) -> ServerAddress | None:
+        return self._address
+
+    @property
+    def stopping(self) -> bool:
+        """True once ``stop()`` began: new requests are refused with UnavailableError."""
+        return self._state.stopping
+
+    def next_request_id(self) -> str:
+        """An id for a request that came without one: unique, and cheaper than a uuid per request."""
+        return f"{self._request_id_prefix}-{next(self._request_ids)}"
+
+    def register(self, endpoint_path: str, handler: Handler) -> None:
+        self._state.register(endpoint_path, handler)
+
+    def unregister(self, endpoint_path: str) -> None:
+        self._state.unregister(endpoint_path)
+
+    @property
+    def inflight(self) -> int:
+        return self._state.inflight
+
+    def stats(self) -> dict[str, int]:
+        """Connections, streams and bytes queued for sending (for status pages and tests)."""
+        return {
+            "connections": len(self._connections),
+            "inflight": self._state.inflight,
+            "write_buffer_bytes": sum(c.write_buffer_bytes for c in self._connections),
+            "streams_waiting_for_credit": sum(
+                1 for c in self._connections for s in c.streams.values() if s.credit <= 0
+            ),
+        }
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Stops accepting, lets in-flight streams finish for up to ``grace_s``, cancels the rest
+        (their clients get UnavailableError), then closes every connection."""
+        if self._state.stopping and self._server is None:
+            return
+        self._state.stopping = True
+        inflight = self._state.inflight
+        logger.info("request_plane.tcp.stopping inflight=%d grace_s=%s", inflight, grace_s)
+        server = self._server
+        if server is not None:
+            server.close()
+        cancelled = await self._state.drain(grace_s)
+        for conn in list(self._connections):
+            conn.close()
+        if server is not None:
+            await server.wait_closed()
+        self._server = None
+        logger.info(
+            "request_plane.tcp.stopped served_to_end=%d cancelled=%d", inflight - cancelled, cancelled
+        )
+
+
+def _advertised_host(bind_host: str) -> str:
+    """The address peers should dial: the bind address, or this host's primary address when the
+    server binds every interface."""
+    if bind_host not in _WILDCARD_HOSTS:
+        return bind_host
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("10.255.255.255", 1))  # UDP connect sends nothing; it only picks a route
+        return str(probe.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+    finally:
+        probe.close()
