@@ -1,0 +1,157 @@
+"""Calls a worker's control endpoints by instance id: the one code path behind every console key
+and every ``dynamoctl`` verb.
+
+The target is found in discovery (any namespace and component), the call goes direct to that
+instance over the request plane (so a draining or sleeping worker is reachable), and the reply is
+turned into an ``ActionResult`` with a one-line message whether it succeeded or not.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from dynamod.shared.errors import DynamoError, NotFoundError
+from dynamod.shared.protocol import control
+from dynamod.shared.protocol.instance import Instance, decode_instance
+from dynamod.shared.protocol.keys import instances_prefix
+from dynamod.shared.runtime.client import EndpointClient
+
+if TYPE_CHECKING:
+    from dynamod.shared.runtime.distributed import DistributedRuntime
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+@dataclass(slots=True)
+class ActionResult:
+    action: str
+    target: str  # instance id in hex
+    ok: bool
+    message: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"action": self.action, "instance": self.target, "ok": self.ok, "message": self.message, **self.data}
+
+
+def resolve_instance_id(text: str, known: list[int]) -> int:
+    """An instance id from what an operator typed: the full hex id, or a unique hex prefix."""
+    needle = text.strip().lower().removeprefix("0x")
+    if not needle:
+        raise NotFoundError("empty instance id")
+    try:
+        int(needle, 16)
+    except ValueError:
+        raise NotFoundError(f"{text!r} is not an instance id (hex, as `dynamoctl status` prints it)") from None
+    exact = [i for i in known if f"{i:x}" == needle]
+    if exact:
+        return exact[0]
+    matches = sorted({i for i in known if f"{i:x}".startswith(needle)})
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise NotFoundError(f"no instance {needle} in discovery")
+    shown = ", ".join(f"{i:x}" for i in matches[:5])
+    raise NotFoundError(f"instance id {needle} is ambiguous: matches {shown}")
+
+
+class ControlClient:
+    """Sends control requests through a runtime. Endpoint clients are cached per endpoint."""
+
+    def __init__(self, runtime: DistributedRuntime, *, namespace: str | None = None) -> None:
+        self._rt = runtime
+        self._namespace = namespace
+        self._clients: dict[tuple[str, str, str], EndpointClient] = {}
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()
+
+    async def instances(self) -> list[Instance]:
+        out = []
+        for value in (await self._rt.store.get_prefix(instances_prefix(self._namespace))).values():
+            try:
+                out.append(decode_instance(value))
+            except msgspec.DecodeError:
+                continue
+        return out
+
+    async def resolve(self, target: str | int, endpoint: str) -> Instance:
+        """The record of ``endpoint`` served by the instance ``target`` (id or unique prefix)."""
+        records = await self.instances()
+        iid = target if isinstance(target, int) else resolve_instance_id(target, sorted({r.instance_id for r in records}))
+        mine = [r for r in records if r.instance_id == iid]
+        if not mine:
+            raise NotFoundError(f"no instance {iid:x} in discovery")
+        for r in mine:
+            if r.endpoint == endpoint:
+                return r
+        comps = ", ".join(sorted({f"{r.namespace}/{r.component}" for r in mine}))
+        raise NotFoundError(f"instance {iid:x} ({comps}) does not serve the {endpoint} control endpoint")
+
+    async def _client(self, rec: Instance) -> EndpointClient:
+        key = (rec.namespace, rec.component, rec.endpoint)
+        client = self._clients.get(key)
+        if client is None:
+            client = await self._rt.namespace(rec.namespace).component(rec.component).endpoint(rec.endpoint).client()
+            self._clients[key] = client
+        if client.instance_set.get(rec.instance_id) is None:
+            # The watch may lag the listing we resolved from by a moment.
+            await client.instance_set.wait_for(lambda insts: any(i.instance_id == rec.instance_id for i in insts), 5.0)
+        return client
+
+    async def call(
+        self, action: str, target: str | int, endpoint: str, body: dict[str, Any], *, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> ActionResult:
+        """Never raises for cluster-side failures: they come back as ``ok=False`` with the reason."""
+        label = target if isinstance(target, str) else f"{target:x}"
+        try:
+            rec = await self.resolve(target, endpoint)
+            label = f"{rec.instance_id:x}"
+            client = await self._client(rec)
+            replies = await client.call(body, instance_id=rec.instance_id, timeout_s=timeout_s)
+        except DynamoError as exc:
+            logger.info("control call failed action=%s instance=%s error=%s", action, label, exc)
+            return ActionResult(action, label, False, str(exc))
+        except TimeoutError:
+            return ActionResult(action, label, False, f"instance {label} did not appear on the request plane in time")
+        reply = replies[-1] if replies else {}
+        if not isinstance(reply, dict):
+            return ActionResult(action, label, False, f"unexpected reply {reply!r}")
+        ok = reply.get("status") == control.STATUS_OK
+        message = str(reply.get("message", "")) or ("ok" if ok else "failed")
+        data = {k: v for k, v in reply.items() if k not in ("status", "message")}
+        logger.info("control call action=%s instance=%s ok=%s message=%s", action, label, ok, message)
+        return ActionResult(action, label, ok, message, data)
+
+    # -- the verbs --------------------------------------------------------------------------------
+
+    async def drain(self, target: str | int, *, wait: bool = False, timeout_s: float = 300.0) -> ActionResult:
+        return await self.call(
+            "drain", target, control.DRAIN, {"wait": wait, "timeout_s": timeout_s}, timeout_s=timeout_s + 10.0
+        )
+
+    async def sleep(self, target: str | int, level: int = 1) -> ActionResult:
+        return await self.call("sleep", target, control.SLEEP, {"level": level})
+
+    async def wake(self, target: str | int) -> ActionResult:
+        return await self.call("wake", target, control.WAKE_UP, {})
+
+    async def clear_kv(self, target: str | int) -> ActionResult:
+        return await self.call("clear-kv", target, control.CLEAR_KV_BLOCKS, {})
+
+    async def load_lora(self, target: str | int, name: str, source: str) -> ActionResult:
+        return await self.call("lora load", target, control.LOAD_LORA, {"lora_name": name, "source": {"uri": source}})
+
+    async def unload_lora(self, target: str | int, name: str) -> ActionResult:
+        return await self.call("lora unload", target, control.UNLOAD_LORA, {"lora_name": name})
+
+    async def list_loras(self, target: str | int) -> ActionResult:
+        return await self.call("lora list", target, control.LIST_LORAS, {})

@@ -1,0 +1,31 @@
+"""The operator actions, declared once: the TUI binds keys and palette entries from this registry,
+and ``dynamoctl`` maps its subcommands onto the same control endpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dynamod.shared.protocol import control
+
+
+@dataclass(frozen=True, slots=True)
+class ActionSpec:
+    name: str  # method suffix in the TUI (action_<name>) and dynamoctl verb
+    key: str  # single key, k9s style
+    title: str  # shown in the palette, the help and the notifications
+    short: str  # footer label: six actions must fit an 80-column footer
+    endpoint: str  # worker control endpoint it calls
+    removes_capacity: bool  # asks for confirmation first
+    help: str
+
+
+ACTIONS: tuple[ActionSpec, ...] = (
+    ActionSpec("drain", "d", "Drain", "Drain", control.DRAIN, True, "stop sending new requests to the worker; in-flight ones finish"),
+    ActionSpec("sleep", "s", "Sleep", "Sleep", control.SLEEP, True, "release the engine's memory (level 1 keeps weights on host, 2 drops them)"),
+    ActionSpec("wake", "w", "Wake", "Wake", control.WAKE_UP, False, "wake a sleeping (or drained) worker so it takes requests again"),
+    ActionSpec("load_lora", "l", "Load LoRA", "+LoRA", control.LOAD_LORA, False, "load a LoRA adapter by name from a path or URI"),
+    ActionSpec("unload_lora", "u", "Unload LoRA", "-LoRA", control.UNLOAD_LORA, True, "unload a LoRA adapter; requests for it fail afterwards"),
+    ActionSpec("clear_kv", "c", "Clear KV", "ClearKV", control.CLEAR_KV_BLOCKS, True, "drop the worker's cached KV blocks (prefix hits restart from zero)"),
+)
+ACTIONS_BY_NAME = {a.name: a for a in ACTIONS}

@@ -1,0 +1,1 @@
+"""Collectors: watch discovery, subscribe to the event plane, scrape frontends; feed a StateSink."""

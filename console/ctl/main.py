@@ -1,0 +1,158 @@
+"""``dynamoctl``: the console's actions as commands for scripts and SSH sessions.
+
+    dynamoctl status [--json]                      every instance: id, component, role, status, model, LoRAs, node, pid, load
+    dynamoctl drain|sleep|wake|clear-kv INSTANCE   one worker (id in hex, or a unique prefix of it)
+    dynamoctl lora load INSTANCE NAME SOURCE       load a LoRA adapter from a path or URI
+    dynamoctl lora unload INSTANCE NAME
+    dynamoctl lora list [INSTANCE]
+    dynamoctl watch [--json|--raw]                 cluster events as lines, JSON, or raw recordings
+    dynamoctl cluster up|down|status|logs --inventory FILE
+
+Connection flags (``--discovery``, ``--etcd``, ``--nats``, ``--namespace``) default to finding a
+``dynamod up`` cluster on this machine. Failures print one line and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from dynamod.console.settings import add_connection_args
+from dynamod.shared.errors import DynamoError
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def _connection_parent() -> argparse.ArgumentParser:
+    """Connection flags accepted before or after the subcommand; SUPPRESS keeps a value given
+    before the subcommand from being reset by the subparser's default."""
+    parent = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    add_connection_args(parent)
+    return parent
+
+
+def build_parser() -> argparse.ArgumentParser:
+    conn = _connection_parent()
+    p = argparse.ArgumentParser(
+        prog="dynamoctl",
+        description="Operate a dynamod cluster from the shell: status, worker actions, events, SSH cluster admin.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(__doc__ or "").split("\n\n")[1],
+    )
+    add_connection_args(p)
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the cluster to answer [default 10]")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    s = sub.add_parser("status", parents=[conn], help="list every instance with its status and load")
+    s.add_argument("--json", action="store_true", help="print a JSON array instead of a table")
+    s.add_argument("--all", action="store_true", help="include instances that just went away")
+    s.add_argument("--wait", type=float, default=2.0, help="seconds to collect load metrics [default 2]")
+
+    d = sub.add_parser("drain", parents=[conn], help="stop sending new requests to a worker")
+    d.add_argument("instance")
+    d.add_argument("--wait", action="store_true", help="return only once in-flight requests finished")
+    d.add_argument("--drain-timeout", type=float, default=300.0, help="with --wait: give up after this many seconds")
+    d.add_argument("--json", action="store_true")
+    sl = sub.add_parser("sleep", parents=[conn], help="put a worker to sleep (release engine memory)")
+    sl.add_argument("instance")
+    sl.add_argument("--level", type=int, default=1, choices=(1, 2), help="1 keeps weights on host, 2 drops them [default 1]")
+    sl.add_argument("--json", action="store_true")
+    for name, text in (("wake", "wake a sleeping or drained worker"), ("clear-kv", "drop a worker's cached KV blocks")):
+        a = sub.add_parser(name, parents=[conn], help=text)
+        a.add_argument("instance")
+        a.add_argument("--json", action="store_true")
+
+    lora = sub.add_parser("lora", help="LoRA adapters: load, unload, list")
+    lsub = lora.add_subparsers(dest="lora_command", metavar="load|unload|list")
+    ll = lsub.add_parser("load", parents=[conn], help="load an adapter on a worker")
+    ll.add_argument("instance")
+    ll.add_argument("name")
+    ll.add_argument("source", help="path or URI of the adapter (file://, s3://, hf://, or a directory)")
+    ll.add_argument("--json", action="store_true")
+    lu = lsub.add_parser("unload", parents=[conn], help="unload an adapter from a worker")
+    lu.add_argument("instance")
+    lu.add_argument("name")
+    lu.add_argument("--json", action="store_true")
+    ls = lsub.add_parser("list", parents=[conn], help="adapters loaded on one worker, or on all")
+    ls.add_argument("instance", nargs="?")
+    ls.add_argument("--json", action="store_true")
+
+    w = sub.add_parser("watch", parents=[conn], help="print cluster events as they happen")
+    w.add_argument("--json", action="store_true", help="one JSON object per event")
+    w.add_argument("--raw", action="store_true", help="every collector input as a replayable recording line")
+    w.add_argument("--kind", action="append", default=[], help="only these event kinds (repeatable)")
+    w.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+
+    c = sub.add_parser("cluster", help="start, stop, check and read logs of roles on hosts over SSH")
+    csub = c.add_subparsers(dest="cluster_command", metavar="up|down|status|logs")
+    for name, text in (("up", "start every role of the inventory"), ("down", "stop every role"),
+                       ("status", "state and /health of every role"), ("logs", "recent log lines of every role")):
+        cp = csub.add_parser(name, help=text)
+        cp.add_argument("--inventory", "-i", required=True, help="inventory TOML file")
+        cp.add_argument("--host", help="only this host (name or address)")
+        cp.add_argument("--role", help="only this role (role or role name)")
+        if name in ("up", "down", "status"):
+            cp.add_argument("--json", action="store_true")
+        if name == "up":
+            cp.add_argument("--wait", type=float, default=60.0, help="seconds to wait for /health [default 60]")
+        if name == "logs":
+            cp.add_argument("--lines", "-n", type=int, default=100, help="lines per role [default 100]")
+    return p
+
+
+def _print_json(value: Any) -> None:
+    sys.stdout.write(json.dumps(value, indent=2, default=str) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    if args.command == "lora" and args.lora_command is None:
+        parser.parse_args(["lora", "--help"])
+    if args.command == "cluster" and args.cluster_command is None:
+        parser.parse_args(["cluster", "--help"])
+    from dynamod.shared.observability.logging import configure_logging
+
+    configure_logging("warning" if not args.command == "watch" else "error")
+    runner = _dispatch(args)
+    try:
+        return asyncio.run(runner())
+    except KeyboardInterrupt:
+        return 130
+    except DynamoError as exc:
+        print(f"dynamoctl: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except (OSError, TimeoutError) as exc:
+        print(f"dynamoctl: error: {exc or type(exc).__name__}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _dispatch(args: argparse.Namespace) -> Callable[[], Awaitable[int]]:
+    from dynamod.console.ctl import commands
+
+    if args.command == "cluster":
+        return lambda: commands.cluster(args)
+    table: dict[str, Callable[[argparse.Namespace], Awaitable[int]]] = {
+        "status": commands.status,
+        "drain": commands.action,
+        "sleep": commands.action,
+        "wake": commands.action,
+        "clear-kv": commands.action,
+        "lora": commands.lora,
+        "watch": commands.watch,
+    }
+    fn = table[args.command]
+    return lambda: fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Turning ClusterState into rows and short strings: shared by the TUI views and dynamoctl.
+
+Pure functions with no Textual import, so ``dynamoctl status`` prints the same figures the console
+shows, and both are tested without a terminal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from dynamod.console.state.cluster import ClusterState
+from dynamod.console.state.records import STATUS_GONE, Worker, fmt_id
+
+SPARK_CHARS = "▁▂▃▄▅▆▇█"
+
+
+def fmt_age(seconds: float | None) -> str:
+    if seconds is None or seconds < 0 or math.isnan(seconds):
+        return "-"
+    if seconds < 60:
+        return f"{int(seconds)}s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)}m"
+    if seconds < 86400:
+        return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}"
+    return f"{int(seconds // 86400)}d"
+
+
+def fmt_pct(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction * 100:.0f}%"
+
+
+def fmt_ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    ms = seconds * 1000
+    if ms < 10:
+        return f"{ms:.1f}ms"
+    if ms < 1000:
+        return f"{ms:.0f}ms"
+    return f"{seconds:.1f}s"
+
+
+def fmt_rate(rate: float | None) -> str:
+    if rate is None:
+        return "-"
+    return f"{rate:.1f}/s" if rate < 100 else f"{rate:.0f}/s"
+
+
+def fmt_count(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if value < 10_000 else f"{value / 1000:.0f}k"
+
+
+def sparkline(values: Sequence[float], width: int, scale_max: float | None = None) -> str:
+    """The last ``width`` values as block characters scaled to ``scale_max`` (or their own max)."""
+    tail = list(values)[-width:]
+    if not tail:
+        return " " * width
+    top = scale_max if scale_max is not None else max(tail)
+    if top <= 0:
+        line = SPARK_CHARS[0] * len(tail)
+    else:
+        steps = len(SPARK_CHARS) - 1
+        line = "".join(SPARK_CHARS[min(steps, max(0, round(v / top * steps)))] for v in tail)
+    return line.rjust(width)
+
+
+def worker_load_scale(workers: Iterable[Worker]) -> float:
+    """One scale for every sparkline in a table, so the hot worker's line stands out."""
+    top = 0.0
+    for w in workers:
+        if w.stats.history:
+            top = max(top, max(w.stats.history))
+    return top or 1.0
+
+
+def worker_record(w: Worker, now: float) -> dict[str, Any]:
+    """Everything ``dynamoctl status --json`` prints for one instance (stable keys)."""
+    st = w.stats
+    return {
+        "id": w.id_hex,
+        "namespace": w.namespace,
+        "component": w.component,
+        "endpoint": "generate" if "generate" in w.endpoints else min(w.endpoints, default=""),
+        "endpoints": sorted(w.endpoints),
+        "role": w.role,
+        "status": w.status,
+        "model": w.model,
+        "loras": sorted(w.loras),
+        "node": w.node,
+        "pid": w.pid,
+        "age_s": round(now - w.started_at, 1) if w.started_at else None,
+        "load": {
+            "running": st.running,
+            "waiting": st.waiting,
+            "kv_usage": round(st.kv_usage, 4) if st.kv_usage is not None else None,
+            "prefix_hit_rate": round(st.hit_rate, 4) if st.hit_rate is not None else None,
+            "cached_blocks": st.cached_blocks,
+            "ttft_s": st.ttft_s,
+            "itl_s": st.itl_s,
+            "routed": st.routed,
+        }
+        if st.loads or st.ttft_s is not None or st.routed
+        else None,
+    }
+
+
+def status_records(state: ClusterState, *, include_gone: bool = False) -> list[dict[str, Any]]:
+    now = state.clock()
+    return [worker_record(w, now) for w in state.worker_list(workers_only=False, include_gone=include_gone)]
+
+
+STATUS_COLUMNS = ("ID", "COMPONENT", "ROLE", "STATUS", "MODEL", "LORAS", "NODE", "PID", "RUN", "WAIT", "KV", "HIT", "AGE")
+
+
+def status_table_rows(state: ClusterState, *, include_gone: bool = False) -> list[tuple[str, ...]]:
+    now = state.clock()
+    rows = []
+    for w in state.worker_list(workers_only=False, include_gone=include_gone):
+        st = w.stats
+        has_load = bool(st.loads)
+        rows.append(
+            (
+                w.id_hex,
+                f"{w.namespace}/{w.component}",
+                w.role or "-",
+                w.status,
+                w.model or "-",
+                ",".join(sorted(w.loras)) or "-",
+                w.node or "-",
+                str(w.pid or "-"),
+                str(st.running) if has_load else "-",
+                str(st.waiting) if has_load else "-",
+                fmt_pct(st.kv_usage),
+                fmt_pct(st.hit_rate),
+                fmt_age(now - w.started_at if w.started_at else None),
+            )
+        )
+    return rows
+
+
+def format_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Plain aligned columns for terminals and pipes (no colour, no box drawing)."""
+    widths = [len(c) for c in columns]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    lines = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(columns)).rstrip()]
+    for row in rows:
+        lines.append("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip())
+    return "\n".join(lines)
+
+
+def connection_summary(state: ClusterState) -> str:
+    parts = []
+    for name in ("discovery", "events"):
+        conn = state.connections.get(name)
+        if conn is not None:
+            parts.append(f"{name} {conn.state}")
+    return ", ".join(parts) or "not connected"
+
+
+def cluster_counts(state: ClusterState) -> dict[str, int]:
+    counts = {"workers": 0, "ready": 0, "draining": 0, "sleeping": 0, "gone": 0, "others": 0}
+    for w in state.workers.values():
+        if w.is_worker:
+            counts["workers"] += w.status != STATUS_GONE
+            if w.status in counts:
+                counts[w.status] += 1
+        elif w.gone_at is None:
+            counts["others"] += 1  # frontends, routers, planners
+    return counts
+
+
+def short_id(instance_id: int) -> str:
+    return fmt_id(instance_id)

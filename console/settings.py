@@ -1,0 +1,115 @@
+"""How the console and dynamoctl find a cluster: flags with the project's env fallbacks.
+
+With no flags they find a ``dynamod up`` cluster on this machine: file discovery in
+``default_file_kv_dir()`` and ZMQ events. ``--discovery etcd`` switches to etcd and NATS.
+``--namespace`` limits the view to one namespace; without it every namespace is shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from dynamod.shared.config import DEFAULT_ETCD, DEFAULT_NAMESPACE, DEFAULT_NATS, RuntimeSettings
+from dynamod.shared.errors import ConfigError
+
+DISCOVERY_CHOICES = ("file", "etcd")
+# Where `dynamod up` serves HTTP by default: scraped when nothing else is known, so the Models view
+# fills in on a local cluster with no flags.
+LOCAL_FRONTEND_URL = "http://127.0.0.1:8000"
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value else None
+
+
+@dataclass(slots=True)
+class ConsoleSettings:
+    discovery: str = "file"
+    etcd_endpoints: list[str] = field(default_factory=lambda: [DEFAULT_ETCD])
+    nats_server: str = DEFAULT_NATS
+    file_kv: str | None = None
+    namespace: str | None = None  # None: every namespace
+    event_plane: str | None = None  # None: nats with etcd, zmq with file
+    frontend_urls: list[str] = field(default_factory=list)
+    scrape_interval_s: float = 2.0
+    probe_interval_s: float = 2.0
+    retry_max_s: float = 5.0
+
+    @property
+    def resolved_event_plane(self) -> str:
+        return self.event_plane or ("nats" if self.discovery == "etcd" else "zmq")
+
+    def describe(self) -> str:
+        """Where this console looks, in one line (shown in the top bar and in errors)."""
+        if self.discovery == "etcd":
+            where = f"etcd {','.join(self.etcd_endpoints)}"
+        else:
+            from dynamod.shared.discovery.factory import default_file_kv_dir
+
+            where = f"file {self.file_kv or default_file_kv_dir()}"
+        events = f"nats {self.nats_server}" if self.resolved_event_plane == "nats" else "zmq"
+        return f"{where} | events {events} | ns {self.namespace or '*'}"
+
+    def discovery_target(self) -> str:
+        if self.discovery == "etcd":
+            return ",".join(self.etcd_endpoints)
+        from dynamod.shared.discovery.factory import default_file_kv_dir
+
+        return self.file_kv or default_file_kv_dir()
+
+    def runtime_settings(self) -> RuntimeSettings:
+        """Settings for the console's own runtime: it serves nothing, it only watches and calls."""
+        s = RuntimeSettings()
+        s.namespace = self.namespace or DEFAULT_NAMESPACE
+        s.discovery_backend = self.discovery
+        s.etcd_endpoints = list(self.etcd_endpoints)
+        s.file_kv = self.file_kv
+        s.event_plane = self.resolved_event_plane
+        s.nats_server = self.nats_server
+        s.system_port = None
+        return s.validate()
+
+
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("connection")
+    g.add_argument(
+        "--discovery",
+        choices=DISCOVERY_CHOICES,
+        help="discovery backend [env DYN_DISCOVERY_BACKEND, default file: finds `dynamod up` on this machine]",
+    )
+    g.add_argument("--etcd", help=f"comma-separated etcd endpoints [env ETCD_ENDPOINTS, default {DEFAULT_ETCD}]")
+    g.add_argument("--nats", help=f"NATS URL [env NATS_SERVER, default {DEFAULT_NATS}]")
+    g.add_argument("--file-kv", help="file discovery directory [env DYN_FILE_KV, default /tmp/dynamod-UID/discovery]")
+    g.add_argument("--namespace", help="show one namespace only [env DYN_NAMESPACE, default: all]")
+    g.add_argument("--event-plane", choices=("nats", "zmq"), help="event plane [default nats with etcd, zmq with file]")
+    g.add_argument(
+        "--frontend-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="also scrape this frontend's /metrics (repeatable); registered frontends are found on their own",
+    )
+
+
+def settings_from_args(ns: argparse.Namespace) -> ConsoleSettings:
+    from dynamod.shared.discovery.factory import parse_etcd_endpoints
+
+    s = ConsoleSettings()
+    discovery = getattr(ns, "discovery", None) or _env("DYN_DISCOVERY_BACKEND") or "file"
+    if discovery not in DISCOVERY_CHOICES:
+        raise ConfigError(f"the console reads discovery from {' or '.join(DISCOVERY_CHOICES)}, not {discovery!r}")
+    s.discovery = discovery
+    s.etcd_endpoints = parse_etcd_endpoints(getattr(ns, "etcd", None) or _env("ETCD_ENDPOINTS") or DEFAULT_ETCD)
+    s.nats_server = getattr(ns, "nats", None) or _env("NATS_SERVER") or DEFAULT_NATS
+    s.file_kv = getattr(ns, "file_kv", None) or _env("DYN_FILE_KV")
+    s.namespace = getattr(ns, "namespace", None) or _env("DYN_NAMESPACE")
+    s.event_plane = getattr(ns, "event_plane", None) or _env("DYN_EVENT_PLANE")
+    s.frontend_urls = [u.rstrip("/") for u in getattr(ns, "frontend_url", None) or []]
+    if not s.frontend_urls and s.discovery == "file":
+        s.frontend_urls = [LOCAL_FRONTEND_URL]
+    if s.namespace is not None and ("/" in s.namespace or "." in s.namespace):
+        raise ConfigError(f"namespace must be a name without '/' or '.', got {s.namespace!r}")
+    return s

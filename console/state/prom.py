@@ -1,0 +1,101 @@
+"""Reads the numbers the console needs out of a frontend's Prometheus ``/metrics`` text.
+
+Names follow Dynamo's frontend (``dynamo_frontend_*``), so the console works against our frontend
+and against Dynamo's. Unknown families are ignored: a scrape never fails because a frontend exports
+more than we read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+REQUESTS = "dynamo_frontend_requests"
+TTFT = "dynamo_frontend_time_to_first_token_seconds"
+ITL = "dynamo_frontend_inter_token_latency_seconds"
+INFLIGHT = "dynamo_frontend_inflight_requests"
+MIGRATIONS = ("dynamo_frontend_model_migration", "dynamo_frontend_migrations")
+PROMPT_TOKENS = "dynamo_frontend_prompt_tokens"
+CACHED_TOKENS = "dynamo_frontend_cached_tokens"
+WORKER_TTFT = "dynamo_frontend_worker_last_time_to_first_token_seconds"
+WORKER_ITL = "dynamo_frontend_worker_last_inter_token_latency_seconds"
+OK_STATUSES = frozenset({"success", "ok", "200", "cancelled"})  # a client hanging up is not an error
+
+
+@dataclass(slots=True)
+class FrontendScrape:
+    """One scrape of one frontend, keyed by served model name (and worker id for per-worker gauges)."""
+
+    requests: dict[str, float] = field(default_factory=dict)
+    errors: dict[str, float] = field(default_factory=dict)
+    ttft: dict[str, dict[float, float]] = field(default_factory=dict)
+    itl: dict[str, dict[float, float]] = field(default_factory=dict)
+    inflight: dict[str, float] = field(default_factory=dict)
+    migrations: dict[str, float] = field(default_factory=dict)
+    prompt_tokens: dict[str, float] = field(default_factory=dict)
+    cached_tokens: dict[str, float] = field(default_factory=dict)
+    worker_ttft: dict[int, float] = field(default_factory=dict)
+    worker_itl: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def models(self) -> set[str]:
+        return set(self.requests) | set(self.ttft) | set(self.itl) | set(self.inflight) | set(self.migrations)
+
+
+def parse_worker_id(text: str) -> int | None:
+    """Worker ids are printed in hex across the project (``{id:x}``); ``0x`` is tolerated."""
+    try:
+        return int(text[2:] if text.lower().startswith("0x") else text, 16)
+    except ValueError:
+        return None
+
+
+def _bucket_bound(le: str) -> float:
+    return math.inf if le in ("+Inf", "Inf", "inf") else float(le)
+
+
+def parse_frontend_metrics(text: str) -> FrontendScrape:
+    """Parses Prometheus text exposition; raises ValueError on text that is not exposition format."""
+    out = FrontendScrape()
+    for family in text_string_to_metric_families(text):
+        name = family.name
+        if name == REQUESTS:
+            for s in family.samples:
+                if not s.name.endswith("_total"):
+                    continue
+                model = s.labels.get("model", "")
+                out.requests[model] = out.requests.get(model, 0.0) + s.value
+                if s.labels.get("status", "success").lower() not in OK_STATUSES:
+                    out.errors[model] = out.errors.get(model, 0.0) + s.value
+        elif name in (TTFT, ITL):
+            target = out.ttft if name == TTFT else out.itl
+            for s in family.samples:
+                if s.name.endswith("_bucket"):
+                    model = s.labels.get("model", "")
+                    bounds = target.setdefault(model, {})
+                    le = _bucket_bound(s.labels["le"])
+                    bounds[le] = bounds.get(le, 0.0) + s.value
+        elif name == INFLIGHT:
+            for s in family.samples:
+                model = s.labels.get("model", "")
+                out.inflight[model] = out.inflight.get(model, 0.0) + s.value
+        elif name in MIGRATIONS:
+            for s in family.samples:
+                if s.name.endswith("_total"):
+                    model = s.labels.get("model", "")
+                    out.migrations[model] = out.migrations.get(model, 0.0) + s.value
+        elif name in (PROMPT_TOKENS, CACHED_TOKENS):
+            target_t = out.prompt_tokens if name == PROMPT_TOKENS else out.cached_tokens
+            for s in family.samples:
+                if s.name.endswith("_total"):
+                    model = s.labels.get("model", "")
+                    target_t[model] = target_t.get(model, 0.0) + s.value
+        elif name in (WORKER_TTFT, WORKER_ITL):
+            target_w = out.worker_ttft if name == WORKER_TTFT else out.worker_itl
+            for s in family.samples:
+                wid = parse_worker_id(s.labels.get("worker_id", ""))
+                if wid is not None:
+                    target_w[wid] = s.value
+    return out

@@ -1,0 +1,351 @@
+"""The entities ClusterState keeps: endpoint instances, workers (one lease id in one component),
+their live statistics, models, router decisions and operator-facing events.
+
+Plain dataclasses with slots: the console holds hundreds of workers updated ten times a second, so
+these stay small and are updated in place rather than rebuilt.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynamod.shared.protocol.instance import Instance
+from dynamod.shared.protocol.load import LoadMetrics
+
+WORKER_ROLES = frozenset({"agg", "decode", "prefill"})
+STATUS_GONE = "gone"
+HISTORY_LEN = 60  # sparkline samples, one a second: the last minute of load
+
+# Event kinds shown in the Events view and printed by ``dynamoctl watch``.
+EV_REGISTERED = "registered"
+EV_EXPIRED = "expired"
+EV_DRAIN = "drain"
+EV_SLEEP = "sleep"
+EV_WAKE = "wake"
+EV_LORA = "lora"
+EV_SCALING = "scaling"
+EV_ERROR = "error"
+EV_ACTION = "action"
+EV_CONNECTION = "connection"
+EV_KV = "kv"
+EV_IMBALANCE = "imbalance"
+EVENT_KINDS = (
+    EV_REGISTERED,
+    EV_EXPIRED,
+    EV_DRAIN,
+    EV_SLEEP,
+    EV_WAKE,
+    EV_LORA,
+    EV_SCALING,
+    EV_ERROR,
+    EV_ACTION,
+    EV_CONNECTION,
+    EV_KV,
+    EV_IMBALANCE,
+)
+
+
+def fmt_id(instance_id: int | None) -> str:
+    """Instance ids print in lowercase hex, as in discovery keys and ``dynamoctl`` arguments."""
+    return "-" if instance_id is None else f"{instance_id:x}"
+
+
+@dataclass(slots=True)
+class ClusterEvent:
+    ts: float
+    kind: str
+    message: str
+    namespace: str = ""
+    component: str = ""
+    instance_id: int | None = None
+    severity: str = "info"  # info | warning | error
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ts": self.ts,
+            "kind": self.kind,
+            "severity": self.severity,
+            "namespace": self.namespace,
+            "component": self.component,
+            "instance_id": fmt_id(self.instance_id) if self.instance_id is not None else None,
+            "message": self.message,
+        }
+
+    def matches(self, needle: str) -> bool:
+        if not needle:
+            return True
+        hay = f"{self.kind} {self.severity} {self.namespace}/{self.component} {fmt_id(self.instance_id)} {self.message}"
+        return needle.lower() in hay.lower()
+
+
+@dataclass(slots=True)
+class EndpointInstance:
+    """One ``v1/instances/...`` record: one endpoint served under one instance id."""
+
+    key: str
+    record: Instance
+    gone_at: float | None = None
+
+    @property
+    def status(self) -> str:
+        return STATUS_GONE if self.gone_at is not None else self.record.status
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """What the event plane and frontends tell about one instance id (load, KV, latency)."""
+
+    loads: dict[int, LoadMetrics] = field(default_factory=dict)  # dp_rank -> latest
+    last_load_at: float = 0.0
+    history: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY_LEN))
+    samples: int = 0  # history samples ever taken: lets views cache what they drew from history
+    ttft_s: float | None = None
+    itl_s: float | None = None
+    cached_blocks: int = 0
+    kv_events: int = 0
+    kv_gaps: int = 0
+    last_event_id: int = -1
+    routed: int = 0  # router decisions that chose this worker
+
+    @property
+    def running(self) -> int:
+        return sum(m.num_running for m in self.loads.values())
+
+    @property
+    def waiting(self) -> int:
+        return sum(m.num_waiting for m in self.loads.values())
+
+    @property
+    def kv_usage(self) -> float | None:
+        if not self.loads:
+            return None
+        return sum(m.kv_usage for m in self.loads.values()) / len(self.loads)
+
+    @property
+    def hit_rate(self) -> float | None:
+        if not self.loads:
+            return None
+        return sum(m.prefix_hit_rate for m in self.loads.values()) / len(self.loads)
+
+    @property
+    def load_value(self) -> float:
+        """The sparkline's quantity: requests the worker holds (running + waiting)."""
+        return float(self.running + self.waiting)
+
+
+@dataclass(slots=True)
+class Worker:
+    """Everything registered under one instance id in one component (Dynamo's "instance").
+
+    A worker process registers ``generate`` and its control endpoints under its lease id; the
+    console groups them so a status change is one row and one event, not nine.
+    """
+
+    namespace: str
+    component: str
+    instance_id: int
+    endpoints: dict[str, EndpointInstance] = field(default_factory=dict)  # endpoint name -> record
+    loras: dict[str, str] = field(default_factory=dict)  # adapter name -> base model
+    card_model: str = ""
+    stats: WorkerStats = field(default_factory=WorkerStats)
+    first_seen: float = 0.0
+    gone_at: float | None = None
+    status: str = "ready"
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.namespace, self.component, self.instance_id)
+
+    @property
+    def id_hex(self) -> str:
+        return fmt_id(self.instance_id)
+
+    def _primary(self) -> Instance | None:
+        ep = self.endpoints.get("generate") or next(iter(self.endpoints.values()), None)
+        return ep.record if ep else None
+
+    def derive_status(self) -> str:
+        if self.gone_at is not None:
+            return STATUS_GONE
+        live = [e for e in self.endpoints.values() if e.gone_at is None]
+        if not live:
+            return STATUS_GONE
+        gen = self.endpoints.get("generate")
+        if gen is not None and gen.gone_at is None:
+            return gen.record.status
+        return live[0].record.status
+
+    @property
+    def role(self) -> str:
+        rec = self._primary()
+        return rec.role if rec else ""
+
+    @property
+    def model(self) -> str:
+        rec = self._primary()
+        return (rec.model if rec and rec.model else "") or self.card_model
+
+    @property
+    def node(self) -> str:
+        rec = self._primary()
+        return rec.node if rec else ""
+
+    @property
+    def pid(self) -> int:
+        rec = self._primary()
+        return rec.pid if rec else 0
+
+    @property
+    def started_at(self) -> float:
+        rec = self._primary()
+        return rec.started_at if rec and rec.started_at else self.first_seen
+
+    @property
+    def system_url(self) -> str:
+        rec = self._primary()
+        return rec.system_url if rec else ""
+
+    @property
+    def labels(self) -> dict[str, str]:
+        rec = self._primary()
+        return dict(rec.labels) if rec else {}
+
+    @property
+    def is_worker(self) -> bool:
+        """Engine workers (agg/decode/prefill) go to the Workers table; frontends and routers do not."""
+        return self.role in WORKER_ROLES or "generate" in self.endpoints and self.role == ""
+
+    def label(self) -> str:
+        return f"{self.namespace}/{self.component}/{self.id_hex}"
+
+
+@dataclass(slots=True)
+class Candidate:
+    worker_id: int
+    dp_rank: int = 0
+    overlap_blocks: float | None = None
+    prefill_blocks: float | None = None
+    decode_blocks: float | None = None
+    cost: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# RoutingDecision.reason values (daemon/router/decision.py) in words; the usual one says nothing.
+REASON_WORDS = {
+    "lowest_cost": "",
+    "only_candidate": "only candidate",
+    "tie_smallest_tree": "tie, smallest cache",
+    "tie_random": "tie, random",
+    "sampled": "sampled (temperature > 0)",
+}
+
+
+@dataclass(slots=True)
+class RouterDecision:
+    ts: float
+    namespace: str
+    worker_id: int
+    dp_rank: int = 0
+    overlap_blocks: float | None = None
+    request_id: str = ""
+    isl_blocks: float | None = None
+    candidates: list[Candidate] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def chosen(self) -> Candidate | None:
+        for c in self.candidates:
+            if c.worker_id == self.worker_id and c.dp_rank == self.dp_rank:
+                return c
+        return None
+
+    def why(self) -> str:
+        """The cost breakdown of the chosen worker and its margin over the runner-up (and, when the
+        router says so, that it was a tie-break, a sample at temperature > 0, or the only choice)."""
+        text = self._breakdown()
+        reason = REASON_WORDS.get(str(self.extra.get("reason", "")), "")
+        busy = self.extra.get("busy")
+        if isinstance(busy, list) and busy:
+            text += f"; {len(busy)} busy skipped"
+        return f"{reason}: {text}" if reason else text
+
+    def _breakdown(self) -> str:
+        chosen = self.chosen()
+        if chosen is None or chosen.cost is None:
+            parts = []
+            if self.overlap_blocks is not None:
+                parts.append(f"overlap {fmt_num(self.overlap_blocks)} blocks")
+            if self.candidates:
+                parts.append(f"{len(self.candidates)} candidates")
+            return ", ".join(parts) or "no cost breakdown published"
+        text = (
+            f"cost {fmt_num(chosen.cost)} = prefill {fmt_num(chosen.prefill_blocks)} + decode "
+            f"{fmt_num(chosen.decode_blocks)} (overlap {fmt_num(chosen.overlap_blocks)})"
+        )
+        others = sorted(
+            (c for c in self.candidates if c is not chosen and c.cost is not None), key=lambda c: c.cost or 0.0
+        )
+        if others:
+            text += f"; next {fmt_id(others[0].worker_id)} cost {fmt_num(others[0].cost)}"
+        return text
+
+    def explanation(self) -> str:
+        """One line an operator can read: which worker, why, and by how much it beat the next one."""
+        head = f"picked {fmt_id(self.worker_id)}" + (f"/dp{self.dp_rank}" if self.dp_rank else "")
+        return f"{head}: {self.why()}"
+
+
+def fmt_num(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.0f}" if float(v).is_integer() else f"{v:.2f}"
+
+
+@dataclass(slots=True)
+class ModelStats:
+    """Per served model, from the frontends' metrics over the recent window."""
+
+    request_rate: float | None = None
+    requests_total: float = 0.0
+    errors_total: float = 0.0
+    migrations_total: float = 0.0
+    inflight: float = 0.0
+    hit_rate: float | None = None  # cached prompt tokens / prompt tokens (window, else lifetime)
+    ttft_p50: float | None = None
+    ttft_p99: float | None = None
+    itl_p50: float | None = None
+    itl_p99: float | None = None
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    name: str
+    base_model: str | None = None  # set for LoRA adapters
+    model_types: list[str] = field(default_factory=list)
+    context_length: int = 0
+    kv_block_size: int = 0
+    workers: set[int] = field(default_factory=set)
+    stats: ModelStats = field(default_factory=ModelStats)
+
+    @property
+    def is_lora(self) -> bool:
+        return self.base_model is not None
+
+
+@dataclass(slots=True)
+class Imbalance:
+    kind: str  # "hot" | "slow"
+    instance_id: int
+    namespace: str
+    component: str
+    message: str
+
+
+@dataclass(slots=True)
+class ConnectionStatus:
+    name: str  # "discovery" | "events"
+    target: str
+    state: str = "connecting"  # connecting | ok | lost
+    detail: str = ""
+    since: float = 0.0

@@ -1,0 +1,389 @@
+"""``ConsoleApp``: the Textual app. It owns no cluster logic: collectors feed ``ClusterState``, the
+views render it on a timer, and the action keys call the same ``ControlClient`` as dynamoctl.
+
+Keys follow k9s: ``:`` jumps to a view, ``/`` filters, Enter drills in, Esc goes back, ``?`` is
+help; single keys act on the selected worker (drain, sleep, wake, LoRA load/unload, clear KV), and
+those that remove capacity ask first. ``--read-only`` hides and refuses every action.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from functools import partial
+
+from textual import on
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.suggester import SuggestFromList
+from textual.widget import Widget
+from textual.widgets import ContentSwitcher, DataTable, Footer, Input, Tree
+from textual.worker import Worker as TextualWorker
+from textual.worker import WorkerState
+
+from dynamod.console.actions.control import ActionResult, ControlClient
+from dynamod.console.actions.specs import ACTIONS, ACTIONS_BY_NAME
+from dynamod.console.collectors.connection import ClusterConnection
+from dynamod.console.state.cluster import ClusterState
+from dynamod.console.tui.commands import ConsoleCommands
+from dynamod.console.tui.messages import ActionFinished, JumpToView, ShowWorker
+from dynamod.console.tui.screens import (
+    ConfirmScreen,
+    HelpScreen,
+    LoraLoadScreen,
+    LoraUnloadScreen,
+    SleepLevelScreen,
+    WorkerScreen,
+)
+from dynamod.console.tui.views.base import ViewMixin
+from dynamod.console.tui.views.events import EventsView
+from dynamod.console.tui.views.models import ModelsView
+from dynamod.console.tui.views.router import RouterView
+from dynamod.console.tui.views.topology import TopologyView
+from dynamod.console.tui.views.workers import WorkersView
+from dynamod.console.tui.widgets import TopBar, ViewTabs, top_bar_text
+
+logger = logging.getLogger(__name__)
+
+ControlFactory = Callable[[], ControlClient | None]
+REFRESH_SAMPLES = 100_000
+
+CONFIRM_TEXT = {
+    "drain": "Drain worker {t}{m}? It stops taking new requests; in-flight requests finish.",
+    "sleep": "Put worker {t}{m} to sleep at level {level}? It stops serving until woken.",
+    "unload_lora": "Unload LoRA {lora} from worker {t}? Requests for it will fail there.",
+    "clear_kv": "Clear the KV cache of worker {t}{m}? Cached prefixes are lost.",
+}
+
+
+class ConsoleApp(App[None]):
+    TITLE = "dynamo-console"
+    VIEWS: tuple[str, ...] = ("topology", "workers", "models", "events", "router")
+    COMMANDS = App.COMMANDS | {ConsoleCommands}
+    ENABLE_COMMAND_PALETTE = True
+    CSS = """
+    Screen { layout: vertical; }
+    #views { height: 1fr; }
+    #prompt { height: 1; border: none; padding: 0 1; display: none; background: $boost; }
+    #prompt.shown { display: block; }
+    DataTable { scrollbar-size-vertical: 1; }
+    """
+    # Actions first: at 80 columns the footer has room for them and the two keys that lead to the
+    # rest (``?`` lists everything, ``/`` filters); ``:``, the digits and ``q`` are in the help.
+    BINDINGS = [
+        *[Binding(a.key, f"act('{a.name}')", a.short, tooltip=a.help) for a in ACTIONS],
+        Binding("colon", "prompt_view", "View", key_display=":", show=False),
+        Binding("slash", "prompt_filter", "Filter", key_display="/"),
+        Binding("question_mark", "help", "Help", key_display="?"),
+        Binding("escape", "back", "Back", show=False),
+        Binding("q", "quit", "Quit", show=False),
+        *[Binding(str(i), f"show_view('{v}')", v, show=False) for i, v in enumerate(VIEWS, 1)],
+    ]
+
+    def __init__(
+        self,
+        state: ClusterState,
+        *,
+        connection: ClusterConnection | None = None,
+        control_factory: ControlFactory | None = None,
+        read_only: bool = False,
+        refresh_s: float = 0.5,
+        initial_view: str = "workers",
+    ) -> None:
+        super().__init__()
+        self.state = state
+        self.connection = connection
+        self.read_only = read_only
+        self.refresh_s = refresh_s
+        self.current_view = initial_view if initial_view in self.VIEWS else "workers"
+        self.refresh_times: deque[float] = deque(maxlen=REFRESH_SAMPLES)
+        self._control_factory = control_factory
+        self._control: ControlClient | None = None
+        self._prompt_mode = ""
+        self._top_seen: tuple[int, int] = (-1, -1)
+        self._connection_task: asyncio.Task[None] | None = None
+
+    # -- layout ---------------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield TopBar(id="topbar")
+        yield ViewTabs(id="tabs")
+        with ContentSwitcher(initial=self.current_view, id="views"):
+            yield TopologyView(id="topology")
+            yield WorkersView(id="workers")
+            yield ModelsView(id="models")
+            yield EventsView(id="events")
+            yield RouterView(id="router")
+        yield Input(id="prompt", suggester=SuggestFromList(self.VIEWS, case_sensitive=False))
+        yield Footer(compact=True, show_command_palette=False)
+
+    def on_mount(self) -> None:
+        if self.connection is not None:
+            # A plain task, not a Textual worker: on exit it must be cancelled *and awaited*, so the
+            # runtime closes its sockets and lease before the loop ends (see on_unmount).
+            self._connection_task = asyncio.create_task(self.connection.run(), name="console-connection")
+            self._connection_task.add_done_callback(self._connection_ended)
+        if self.connection is not None:
+            self.query_one(WorkersView).empty_hint = (
+                f"No workers registered ({self.connection.settings.describe()}).\n"
+                "Start a local cluster with `dynamod up`, or point the console elsewhere with --discovery/--etcd/--file-kv."
+            )
+        self.set_interval(self.refresh_s, self.refresh_now)
+        self.show_view(self.current_view)
+
+    def view(self, name: str | None = None) -> ViewMixin:
+        widget = self.query_one(f"#{name or self.current_view}")
+        assert isinstance(widget, ViewMixin)
+        return widget
+
+    def _focus_target(self, name: str) -> Widget:
+        widget = self.query_one(f"#{name}")
+        if isinstance(widget, DataTable | Tree):
+            return widget
+        return widget.query(DataTable).first()
+
+    # -- refresh --------------------------------------------------------------------------------
+
+    def refresh_now(self) -> None:
+        """Redraws what changed: the active view (or the worker screen) and the top bar. Timed,
+        because refresh latency at 256 workers is the console's benchmark."""
+        start = time.perf_counter()
+        screen = self.screen
+        if isinstance(screen, WorkerScreen):
+            screen.refresh_from()
+        elif screen is self.screen_stack[0]:
+            self.view().refresh_from(self.state)
+        top_seen = (self.state.versions.topology + self.state.versions.connection, self.size.width)
+        if top_seen != self._top_seen:
+            self._top_seen = top_seen
+            self.query_one(TopBar).update(top_bar_text(self.state, read_only=self.read_only, width=self.size.width))
+        self.refresh_times.append(time.perf_counter() - start)
+
+    def on_resize(self) -> None:
+        self._top_seen = (-1, -1)
+        if self.is_mounted:
+            self.refresh_now()
+
+    # -- navigation -----------------------------------------------------------------------------
+
+    def show_view(self, name: str) -> None:
+        if name not in self.VIEWS:
+            self.notify(f"no view {name!r}; views: {', '.join(self.VIEWS)}", severity="error")
+            return
+        while len(self.screen_stack) > 1:
+            self.pop_screen()
+        self.current_view = name
+        self.query_one("#views", ContentSwitcher).current = name
+        view = self.view()
+        view.refresh_from(self.state, force=True)
+        self._focus_target(name).focus()
+        self._show_tabs()
+
+    def _show_tabs(self) -> None:
+        self.query_one(ViewTabs).show(self.VIEWS, self.current_view, self.view().filter_text)
+
+    def action_show_view(self, name: str) -> None:
+        self.show_view(name)
+
+    def action_prompt_view(self) -> None:
+        self._open_prompt("view", "view: " + " | ".join(self.VIEWS))
+
+    def action_prompt_filter(self) -> None:
+        self._open_prompt("filter", f"filter {self.current_view} (Enter keeps, Esc clears)", self.view().filter_text)
+
+    def _open_prompt(self, mode: str, placeholder: str, value: str = "") -> None:
+        if len(self.screen_stack) > 1:
+            return
+        prompt = self.query_one("#prompt", Input)
+        self._prompt_mode = mode
+        prompt.placeholder = placeholder
+        with prompt.prevent(Input.Changed):
+            prompt.value = value
+        prompt.add_class("shown")
+        prompt.focus()
+
+    def _close_prompt(self) -> None:
+        prompt = self.query_one("#prompt", Input)
+        prompt.remove_class("shown")
+        self._prompt_mode = ""
+        self._focus_target(self.current_view).focus()
+
+    @on(Input.Changed, "#prompt")
+    def _prompt_changed(self, event: Input.Changed) -> None:
+        if self._prompt_mode == "filter":
+            self.view().set_filter(event.value.strip(), self.state)
+            self._show_tabs()
+
+    @on(Input.Submitted, "#prompt")
+    def _prompt_submitted(self, event: Input.Submitted) -> None:
+        mode, value = self._prompt_mode, event.value.strip().lower()
+        self._close_prompt()
+        if mode == "view" and value:
+            matches = [v for v in self.VIEWS if v.startswith(value)]
+            self.show_view(matches[0] if len(matches) == 1 else value)
+
+    def action_back(self) -> None:
+        if self._prompt_mode:
+            mode = self._prompt_mode
+            self._close_prompt()
+            if mode == "filter":
+                self.view().set_filter("", self.state)
+                self._show_tabs()
+            return
+        if len(self.screen_stack) > 1:
+            self.pop_screen()
+            return
+        if self.view().filter_text:
+            self.view().set_filter("", self.state)
+            self._show_tabs()
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen(self.read_only))
+
+    @on(ShowWorker)
+    def _show_worker(self, message: ShowWorker) -> None:
+        self.push_screen(WorkerScreen(self.state, message.instance_id))
+
+    @on(JumpToView)
+    def _jump(self, message: JumpToView) -> None:
+        self.show_view(message.view)
+        self.view().set_filter(message.filter_text, self.state)
+        self._show_tabs()
+
+    # -- actions --------------------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "act" and self.read_only:
+            return False
+        return True
+
+    def selected_worker_id(self) -> int | None:
+        screen = self.screen
+        if isinstance(screen, WorkerScreen):
+            return screen.instance_id
+        if screen is not self.screen_stack[0]:
+            return None
+        return self.view().selected_worker_id()
+
+    def action_act(self, name: str) -> None:
+        self.start_action(name)
+
+    def start_action(self, name: str) -> None:
+        """Starts action ``name`` on the selected worker: asks what it needs, confirms, calls."""
+        if self.read_only:
+            self.notify("read-only console: actions are disabled", severity="warning")
+            return
+        spec = ACTIONS_BY_NAME[name]
+        iid = self.selected_worker_id()
+        if iid is None:
+            self.notify(f"{spec.title}: select a worker first", severity="warning")
+            return
+        worker = self.state.find_worker(iid)
+        target = f"{iid:x}"
+        model = f" ({worker.model})" if worker is not None and worker.model else ""
+        if name == "sleep":
+            self.push_screen(SleepLevelScreen(target), partial(self._sleep_level_chosen, iid, model))
+        elif name == "load_lora":
+            self.push_screen(LoraLoadScreen(target), partial(self._lora_chosen, iid))
+        elif name == "unload_lora":
+            loras = sorted(worker.loras) if worker is not None else []
+            if not loras:
+                self.notify(f"no LoRA adapter is loaded on {target}", severity="warning")
+                return
+            self.push_screen(LoraUnloadScreen(target, loras), partial(self._unload_chosen, iid))
+        elif spec.removes_capacity:
+            self._confirm_then(name, iid, CONFIRM_TEXT[name].format(t=target, m=model))
+        else:
+            self._execute(name, iid)
+
+    def _confirm_then(self, name: str, iid: int, question: str, **kwargs: object) -> None:
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self._execute(name, iid, **kwargs)
+            else:
+                self.notify(f"{ACTIONS_BY_NAME[name].title} {iid:x} cancelled")
+
+        self.push_screen(ConfirmScreen(question), answered)
+
+    def _sleep_level_chosen(self, iid: int, model: str, level: int | None) -> None:
+        if level:
+            self._confirm_then("sleep", iid, CONFIRM_TEXT["sleep"].format(t=f"{iid:x}", m=model, level=level), level=level)
+
+    def _lora_chosen(self, iid: int, answer: tuple[str, str] | None) -> None:
+        if answer:
+            self._execute("load_lora", iid, lora=answer[0], source=answer[1])
+
+    def _unload_chosen(self, iid: int, lora: str | None) -> None:
+        if lora:
+            self._confirm_then("unload_lora", iid, CONFIRM_TEXT["unload_lora"].format(t=f"{iid:x}", lora=lora), lora=lora)
+
+    def control(self) -> ControlClient | None:
+        if self._control_factory is not None:
+            return self._control_factory()
+        if self._control is None and self.connection is not None and self.connection.runtime is not None:
+            self._control = ControlClient(self.connection.runtime)
+        return self._control
+
+    def _execute(self, name: str, iid: int, **kwargs: object) -> None:
+        self.notify(f"{ACTIONS_BY_NAME[name].title} {iid:x}…", timeout=2)
+        self.run_worker(self._call(name, iid, kwargs), group="actions", name=f"action:{name}", exit_on_error=False)
+
+    async def _call(self, name: str, iid: int, kwargs: dict[str, object]) -> ActionResult:
+        control = self.control()
+        if control is None:
+            result = ActionResult(name, f"{iid:x}", False, "not connected to a cluster")
+        elif name == "drain":
+            result = await control.drain(iid, wait=False)
+        elif name == "sleep":
+            result = await control.sleep(iid, int(kwargs.get("level", 1)))  # type: ignore[call-overload]
+        elif name == "wake":
+            result = await control.wake(iid)
+        elif name == "load_lora":
+            result = await control.load_lora(iid, str(kwargs["lora"]), str(kwargs["source"]))
+        elif name == "unload_lora":
+            result = await control.unload_lora(iid, str(kwargs["lora"]))
+        else:
+            result = await control.clear_kv(iid)
+        self.post_message(ActionFinished(result))
+        return result
+
+    @on(ActionFinished)
+    def _action_finished(self, message: ActionFinished) -> None:
+        r = message.result
+        self.state.record_action(r.action, r.target, r.ok, r.message)
+        if r.ok:
+            self.notify(f"{r.action} {r.target}: {r.message}", title="done")
+        else:
+            self.notify(f"{r.action} {r.target}: {r.message}", title="failed", severity="error", timeout=8)
+
+    @on(TextualWorker.StateChanged)
+    def _worker_state(self, event: TextualWorker.StateChanged) -> None:
+        """The one place a failed background job becomes visible."""
+        if event.state is WorkerState.ERROR:
+            error = event.worker.error
+            logger.error("console job failed name=%s error=%s", event.worker.name, error)
+            self.state.add_event("error", f"{event.worker.name} failed: {error}", severity="error")
+            self.notify(f"{event.worker.name} failed: {error}", severity="error", timeout=10)
+
+    def _connection_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            logger.error("console connection ended error=%s", exc)
+            self.state.add_event("error", f"cluster connection ended: {exc}", severity="error")
+            self.notify(f"cluster connection ended: {exc}", severity="error", timeout=30)
+
+    async def on_unmount(self) -> None:
+        if self._control is not None:
+            await self._control.close()
+        task, self._connection_task = self._connection_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await asyncio.wait_for(task, timeout=10)
+            except (asyncio.CancelledError, TimeoutError):
+                pass

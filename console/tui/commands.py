@@ -1,0 +1,38 @@
+"""Command palette (ctrl+p): every view and, unless read-only, every action on the selected worker."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING
+
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+
+from dynamod.console.actions.specs import ACTIONS
+
+if TYPE_CHECKING:
+    from dynamod.console.tui.app import ConsoleApp
+
+
+class ConsoleCommands(Provider):
+    def _entries(self) -> list[tuple[str, object, str]]:
+        app: ConsoleApp = self.app  # type: ignore[assignment]
+        out: list[tuple[str, object, str]] = []
+        for view in app.VIEWS:
+            out.append((f"View: {view}", partial(app.show_view, view), f"jump to the {view} view"))
+        if not app.read_only:
+            target = app.selected_worker_id()
+            where = f" {target:x}" if target is not None else " (select a worker first)"
+            for spec in ACTIONS:
+                out.append((f"{spec.title}{where}", partial(app.start_action, spec.name), spec.help))
+        return out
+
+    async def discover(self) -> Hits:
+        for title, callback, help_text in self._entries():
+            yield DiscoveryHit(title, callback, help=help_text)  # type: ignore[arg-type]
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for title, callback, help_text in self._entries():
+            score = matcher.match(title)
+            if score > 0:
+                yield Hit(score, matcher.highlight(title), callback, help=help_text)  # type: ignore[arg-type]

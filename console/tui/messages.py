@@ -1,0 +1,29 @@
+"""App-level messages: views post them upward, the app acts ("attributes down, messages up")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.message import Message
+
+from dynamod.console.actions.control import ActionResult
+
+
+@dataclass
+class ShowWorker(Message):
+    """Drill into one worker (Enter on a worker row or topology instance)."""
+
+    instance_id: int
+
+
+@dataclass
+class JumpToView(Message):
+    """Switch view, optionally with a filter (Enter on a model jumps to its workers)."""
+
+    view: str
+    filter_text: str = ""
+
+
+@dataclass
+class ActionFinished(Message):
+    result: ActionResult

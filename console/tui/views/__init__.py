@@ -1,0 +1,1 @@
+"""One widget per view (topology, workers, models, events, router); each only renders ClusterState."""

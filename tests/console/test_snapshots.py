@@ -1,0 +1,57 @@
+"""Snapshots of every view at 80x24 (an SSH session's default) and 160x50, from the recorded
+cluster with its clock frozen, so ages and figures are the same on every run.
+
+Update after an intended visual change with ``pytest tests/console/test_snapshots.py --snapshot-update``
+and look at the SVGs in ``__snapshots__/`` before committing them."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynamod.console.state.recording import replay
+from dynamod.console.tui.app import ConsoleApp
+from tests.console.fixtures.make_recording import WORKER_A, WORKER_B
+
+VIEWS = ("topology", "workers", "models", "events", "router")
+SIZES = ((80, 24), (160, 50))
+
+
+def _app(recording: list[dict], view: str = "workers", **kw) -> ConsoleApp:
+    return ConsoleApp(replay(recording), initial_view=view, **kw)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("view", VIEWS)
+def test_view(snap_compare, recording, view: str, size: tuple[int, int]) -> None:
+    assert snap_compare(_app(recording, view), terminal_size=size)
+
+
+def test_read_only_workers(snap_compare, recording) -> None:
+    assert snap_compare(_app(recording, read_only=True), terminal_size=(80, 24))
+
+
+def test_worker_detail(snap_compare, recording) -> None:
+    async def open_detail(pilot) -> None:
+        app = pilot.app
+        table = app.query_one("#workers-table")
+        keys = [r.key.value for r in table.ordered_rows]
+        table.move_cursor(row=next(i for i, k in enumerate(keys) if k.endswith(f"{WORKER_B:x}")))
+        await pilot.press("enter")
+        await pilot.pause()
+
+    assert snap_compare(_app(recording), run_before=open_detail, terminal_size=(80, 24))
+
+
+def test_confirm_drain(snap_compare, recording) -> None:
+    async def ask(pilot) -> None:
+        table = pilot.app.query_one("#workers-table")
+        keys = [r.key.value for r in table.ordered_rows]
+        table.move_cursor(row=next(i for i, k in enumerate(keys) if k.endswith(f"{WORKER_A:x}")))
+        await pilot.press("d")
+        await pilot.pause()
+
+    assert snap_compare(_app(recording), run_before=ask, terminal_size=(80, 24))
+
+
+def test_help(snap_compare, recording) -> None:
+    assert snap_compare(_app(recording), press=["question_mark"], terminal_size=(80, 24))
