@@ -1,0 +1,180 @@
+"""The frontend's Starlette application: routes, and the small informational endpoints.
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    GET  /health (503 while shutting down)   GET /live   GET /metrics
+
+Unknown paths and methods get OpenAI-shaped 404/405 bodies; an unexpected exception gets a 500
+body without a traceback (it is logged).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from dynamod.daemon.frontend.asgi import Scope, send_bytes, send_json
+from dynamod.daemon.frontend.endpoints import ChatCompletionsEndpoint, CompletionsEndpoint
+from dynamod.daemon.frontend.errors import error_body
+from dynamod.daemon.frontend.protocol import ModelList, ModelObject, encoder
+from dynamod.daemon.frontend.state import FrontendState
+
+logger = logging.getLogger(__name__)
+
+
+class ModelsEndpoint:
+    def __init__(self, state: FrontendState) -> None:
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        data = []
+        for model in sorted(self.state.registry.models.values(), key=lambda m: m.name):
+            card = model.card
+            data.append(
+                ModelObject(
+                    id=model.name,
+                    created=model.created,
+                    parent=card.base_model if card.lora else None,
+                    root=card.base_model if card.lora else model.name,
+                    max_model_len=card.context_length or None,
+                )
+            )
+        await send_json(send, 200, encoder.encode(ModelList(data=data)))
+
+
+class HealthEndpoint:
+    """200 while serving, 503 once shutdown began; the body names models, workers and pids."""
+
+    def __init__(self, state: FrontendState) -> None:
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        state = self.state
+        models = []
+        instances = []
+        for model in sorted(state.registry.models.values(), key=lambda m: m.name):
+            workers = []
+            for wid, pool in sorted(model.workers.items()):
+                inst = pool.instances.get(wid)
+                status = inst.status if inst is not None else "registering"
+                if wid in state.dispatcher.quarantine:
+                    status = "unreachable"
+                workers.append({"instance_id": f"{wid:x}", "status": status})
+            ready = sum(1 for w in workers if w["status"] == "ready")
+            models.append({"model": model.name, "lora": model.card.lora, "workers": workers, "ready": ready})
+        for pool in state.registry.pools():
+            for inst in sorted(pool.instances.values(), key=lambda i: i.instance_id):
+                instances.append(
+                    {
+                        "component": inst.component,
+                        "endpoint": inst.endpoint,
+                        "instance_id": f"{inst.instance_id:x}",
+                        "status": inst.status,
+                        "address": inst.address,
+                        "pid": inst.pid,
+                        "node": inst.node,
+                    }
+                )
+        body = {
+            "status": "draining" if state.draining else "healthy",
+            "pid": state.pid,
+            "frontend_pids": state.frontend_pids or [state.pid],
+            "inflight": state.inflight,
+            "router_mode": state.config.router_mode,
+            "models": models,
+            "instances": instances,
+        }
+        await send_json(send, 503 if state.draining else 200, json.dumps(body).encode())
+
+
+async def live(scope: Scope, receive: Any, send: Any) -> None:
+    await send_json(send, 200, b'{"status":"live"}')
+
+
+class MetricsEndpoint:
+    def __init__(self, state: FrontendState) -> None:
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        body = generate_latest(self.state.metrics.registry)
+        await send_bytes(send, 200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"no route for {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    return Response(error_body(exc.status_code, message), status_code=exc.status_code, media_type="application/json")
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    logger.error("unhandled error path=%s error=%s", request.url.path, type(exc).__name__, exc_info=exc)
+    return Response(error_body(500, "internal error; see the frontend log"), status_code=500, media_type="application/json")
+
+
+def _route(path: str, endpoint: Any, methods: list[str]) -> Route:
+    # An object (not a function) is served as a raw ASGI app by Starlette: no Request wrapper.
+    return Route(path, endpoint, methods=methods)
+
+
+class _AsgiFunction:
+    """Wraps a bare ASGI function so Starlette serves it raw instead of as a request handler."""
+
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        await self._fn(scope, receive, send)
+
+
+class FrontendApp:
+    """The two generation routes go straight to their endpoints; everything else through Starlette.
+
+    Those two carry nearly all the traffic, and each streamed chunk would otherwise pass through
+    Starlette's two exception-handling ``send`` wrappers. The endpoints turn every failure into an
+    OpenAI error body themselves, so the wrappers add nothing there.
+    """
+
+    def __init__(self, state: FrontendState) -> None:
+        chat = ChatCompletionsEndpoint(state)
+        completions = CompletionsEndpoint(state)
+        self._hot = {"/v1/chat/completions": chat, "/v1/completions": completions}
+        self.starlette = _build_starlette(state, chat, completions)
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self._hot.get(scope["path"])
+            if endpoint is not None:
+                await endpoint(scope, receive, send)
+                return
+        await self.starlette(scope, receive, send)
+
+
+def build_app(state: FrontendState) -> FrontendApp:
+    return FrontendApp(state)
+
+
+def _build_starlette(state: FrontendState, chat: ChatCompletionsEndpoint, completions: CompletionsEndpoint) -> Starlette:
+    routes = [
+        _route("/v1/chat/completions", chat, ["POST"]),
+        _route("/v1/completions", completions, ["POST"]),
+        _route("/v1/models", ModelsEndpoint(state), ["GET"]),
+        _route("/health", HealthEndpoint(state), ["GET"]),
+        _route("/live", _AsgiFunction(live), ["GET"]),
+        _route("/metrics", MetricsEndpoint(state), ["GET"]),
+    ]
+    return Starlette(
+        routes=routes,
+        exception_handlers={404: _http_exception, 405: _http_exception, Exception: _unexpected},
+    )

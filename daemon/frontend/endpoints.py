@@ -1,0 +1,406 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``: one pipeline, two formats.
+
+    body -> validated request -> model -> prompt token ids -> context check -> EngineStream
+         -> TextGeneration (detokenize, stop strings) -> SSE chunks or one JSON body
+
+Everything up to the first generated token can still fail with a proper HTTP status (the first
+delta is awaited before the response starts), so a bad LoRA name or a missing worker is a 4xx/503
+rather than a broken stream. After that, an error is sent as an SSE ``error`` event, which the
+official client raises as ``APIError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from abc import ABC, abstractmethod
+from typing import Any
+
+from dynamod.daemon.frontend.asgi import DisconnectWatch, Scope, header, read_body, send_error, send_json
+from dynamod.daemon.frontend.errors import to_http_error
+from dynamod.daemon.frontend.formatters import (
+    SSE_DONE,
+    ChatFormatter,
+    CompletionFormatter,
+    LogprobCollector,
+    make_usage,
+)
+from dynamod.daemon.frontend.generation import Delta, TextGeneration
+from dynamod.daemon.frontend.metrics import (
+    ENDPOINT_CHAT,
+    ENDPOINT_COMPLETIONS,
+    STATUS_CANCELLED,
+    STATUS_ERROR,
+    STATUS_SUCCESS,
+)
+from dynamod.daemon.frontend.models import ServedModel
+from dynamod.daemon.frontend.preprocessor import ModelPreprocessor, completion_prompts
+from dynamod.daemon.frontend.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_chat_request,
+    decode_completion_request,
+)
+from dynamod.daemon.frontend.routing import header_candidates
+from dynamod.daemon.frontend.state import FrontendState
+from dynamod.shared.errors import (
+    ContextLengthError,
+    InvalidRequestError,
+    OverloadedError,
+    UnavailableError,
+)
+from dynamod.shared.protocol.llm import PreprocessedRequest, SamplingOptions, StopConditions
+
+logger = logging.getLogger(__name__)
+
+WORKER_HEADER = b"x-dynamo-worker-instance-id"
+REQUEST_ID_HEADER = b"x-request-id"
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+FALLBACK_MAX_TOKENS = 4096  # a card without a context length: some bound is needed
+
+
+def plan_max_tokens(prompt_len: int, requested: int | None, context_length: int, default: int | None) -> int:
+    """The output budget, or ``ContextLengthError`` with the numbers when it cannot fit."""
+    if context_length and prompt_len >= context_length:
+        raise ContextLengthError(
+            f"This model's maximum context length is {context_length} tokens. However, your prompt has "
+            f"{prompt_len} tokens, which leaves no room for the completion. Please shorten the prompt.",
+            param="messages",
+        )
+    room = context_length - prompt_len if context_length else FALLBACK_MAX_TOKENS
+    if requested is None:
+        return min(default, room) if default is not None else room
+    if context_length and prompt_len + requested > context_length:
+        raise ContextLengthError(
+            f"This model's maximum context length is {context_length} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the completion). "
+            "Please reduce the length of the prompt or the completion.",
+            param="max_tokens",
+        )
+    return requested
+
+
+class _Plan:
+    """What the endpoint-specific part decides before generation starts."""
+
+    __slots__ = ("prompt_ids", "max_tokens", "logprobs", "echo_text", "stops")
+
+    def __init__(self, prompt_ids: list[int], max_tokens: int, logprobs: int | None, echo_text: str, stops: list[str]) -> None:
+        self.prompt_ids = prompt_ids
+        self.max_tokens = max_tokens
+        self.logprobs = logprobs
+        self.echo_text = echo_text
+        self.stops = stops
+
+
+class OpenAIEndpoint(ABC):
+    """The shared pipeline; subclasses decode their request, build the prompt and pick a format."""
+
+    endpoint_name = ""
+
+    def __init__(self, state: FrontendState) -> None:
+        self.state = state
+
+    # -- endpoint-specific ------------------------------------------------------------------------
+
+    @abstractmethod
+    def decode(self, body: bytes) -> Any:
+        """The validated request struct (``InvalidRequestError`` naming the bad parameter)."""
+
+    @abstractmethod
+    async def plan(self, req: Any, model: ServedModel, pre: ModelPreprocessor) -> _Plan:
+        """Prompt token ids, output budget and the options generation needs."""
+
+    @abstractmethod
+    def formatter(self, req: Any, response_id: str, created: int) -> ChatFormatter | CompletionFormatter:
+        """The response format of this endpoint."""
+
+    @abstractmethod
+    def _logprobs(self, collector: LogprobCollector | None, delta: Delta) -> Any:
+        """The ``logprobs`` object of one chunk (None when not asked for or not given)."""
+
+    @abstractmethod
+    def _total_logprobs(self, collector: LogprobCollector | None) -> Any:
+        """The ``logprobs`` object of a whole (unary) response."""
+
+    # -- the pipeline -----------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        start = time.perf_counter()
+        state = self.state
+        request_id = uuid.uuid4().hex
+        try:
+            body = await read_body(receive)
+            req = self.decode(body)
+            if state.draining:
+                raise UnavailableError("the frontend is shutting down; retry on another frontend")
+            if state.inflight >= state.config.max_inflight:
+                raise OverloadedError(
+                    f"the frontend has {state.inflight} requests in flight (limit {state.config.max_inflight})",
+                    retry_after_s=1.0,
+                )
+            model = state.registry.get(req.model)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
+            error = to_http_error(exc, request_id=request_id)
+            state.metrics.count_request("unknown", self.endpoint_name, False, STATUS_ERROR)
+            await send_error(send, error)
+            return
+        state.admit()
+        mm = model.metrics
+        mm.inflight.inc()
+        status = STATUS_ERROR
+        watch = DisconnectWatch(receive)
+        try:
+            status = await self._serve(scope, send, req, model, request_id, start, watch)
+        except asyncio.CancelledError:
+            if not watch.absorb_cancel():
+                raise
+            status = STATUS_CANCELLED
+            mm.disconnects.inc()
+            logger.info("client disconnected request_id=%s model=%s action=aborted", request_id, model.name)
+        finally:
+            watch.done()
+            mm.inflight.dec()
+            state.release()
+            mm.duration.observe(time.perf_counter() - start)
+            state.metrics.count_request(model.name, self.endpoint_name, req.stream, status)
+
+    async def _serve(
+        self, scope: Scope, send: Any, req: Any, model: ServedModel, request_id: str, start: float, watch: DisconnectWatch
+    ) -> str:
+        """Runs one admitted request; returns its metrics status. The engine request is closed on
+        every way out (end, error, client gone)."""
+        gen: TextGeneration | None = None
+        try:
+            try:
+                gen, pre, plan = await self._start(scope, req, model, request_id)
+                first = await gen.__anext__()
+            except Exception as exc:  # noqa: BLE001 - nothing sent yet: a proper HTTP error
+                watch.done()
+                await send_error(send, to_http_error(exc, request_id=request_id))
+                return STATUS_ERROR
+            mm = model.metrics
+            now = time.perf_counter()
+            mm.ttft.observe(now - start)
+            mm.isl.observe(gen.prompt_tokens)
+            worker_hex = f"{gen.engine.worker_id:x}".encode()
+            fmt = self.formatter(req, request_id, int(time.time()))
+            collector = LogprobCollector(pre) if plan.logprobs is not None else None
+            if req.stream:
+                status = await self._stream(send, req, gen, first, fmt, collector, plan, worker_hex, now, watch)
+            else:
+                status = await self._unary(send, gen, first, fmt, collector, plan, watch)
+            if status == STATUS_SUCCESS:
+                mm.osl.observe(gen.completion_tokens)
+                mm.usage(gen.prompt_tokens, gen.cached_tokens)
+            return status
+        finally:
+            if gen is not None:
+                await gen.aclose()
+
+    async def _start(
+        self, scope: Scope, req: Any, model: ServedModel, request_id: str
+    ) -> tuple[TextGeneration, ModelPreprocessor, _Plan]:
+        """Preprocesses the request and opens its engine stream (not yet awaited)."""
+        if req.n != 1:
+            raise InvalidRequestError("n > 1 is not supported; send n separate requests", param="n")
+        pre = await model.preprocessor()
+        plan = await self.plan(req, model, pre)
+        direct = header(scope, WORKER_HEADER)
+        direct_ids = header_candidates(direct) if direct else None
+        preq = PreprocessedRequest(
+            request_id=request_id,
+            model=model.card.base_model or model.name,
+            token_ids=plan.prompt_ids,
+            sampling=SamplingOptions(
+                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed, logprobs=plan.logprobs
+            ),
+            stop=StopConditions(
+                max_tokens=plan.max_tokens,
+                min_tokens=req.min_tokens,
+                stop_token_ids=req.stop_token_ids or [],
+                ignore_eos=req.wants_ignore_eos,
+            ),
+            lora_name=model.lora_name,
+        )
+        engine = self.state.dispatcher.open(model, preq, direct_ids=direct_ids, migration_limit=model.card.migration_limit)
+        gen = TextGeneration(engine, pre.detokenizer(plan.prompt_ids), plan.stops, want_logprobs=plan.logprobs is not None)
+        return gen, pre, plan
+
+    async def _stream(
+        self,
+        send: Any,
+        req: Any,
+        gen: TextGeneration,
+        first: Delta,
+        fmt: ChatFormatter | CompletionFormatter,
+        collector: LogprobCollector | None,
+        plan: _Plan,
+        worker_hex: bytes,
+        first_at: float,
+        watch: DisconnectWatch,
+    ) -> str:
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [*_SSE_HEADERS, (WORKER_HEADER, worker_hex)]}
+        )
+        continuous = req.continuous_usage
+        itl = gen.engine.model.metrics.itl
+        # Coalescing would have to merge log-probabilities across chunks; with them, send each delta.
+        coalesce_s = self.state.config.coalesce_s if collector is None else 0.0
+        delta = first
+        text = plan.echo_text + first.text
+        last_sent = first_at
+        return_tokens = req.return_token_ids
+        pending_tokens: list[int] = []
+        chunk_tokens: list[int] | None = None
+        try:
+            while True:
+                finish = delta.finish_reason
+                now = time.perf_counter()
+                if finish is None and coalesce_s and now - last_sent < coalesce_s and delta is not first:
+                    pending_text = text
+                    if return_tokens:
+                        pending_tokens = pending_tokens + delta.token_ids
+                else:
+                    usage = make_usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens) if continuous else None
+                    if return_tokens:
+                        chunk_tokens = pending_tokens + delta.token_ids if pending_tokens else delta.token_ids
+                    chunk = fmt.chunk(text, finish, self._logprobs(collector, delta), usage, chunk_tokens)
+                    if delta is not first:
+                        itl.observe(now - last_sent)
+                    last_sent = now
+                    pending_text = ""
+                    pending_tokens = []
+                    if finish is not None:
+                        tail = [chunk]
+                        if req.include_usage:
+                            tail.append(fmt.usage_chunk(make_usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)))
+                        tail.append(SSE_DONE)
+                        watch.done()
+                        await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
+                        return STATUS_SUCCESS
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                delta = await gen.__anext__()
+                text = pending_text + delta.text
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - headers are out: report in-band, then end the stream
+            error = to_http_error(exc, request_id=fmt.id)
+            logger.warning("stream failed after start request_id=%s status=%d error=%s", fmt.id, error.status, exc)
+            watch.done()
+            payload = b"data: " + error.body + b"\n\n" + SSE_DONE
+            await send({"type": "http.response.body", "body": payload, "more_body": False})
+            return STATUS_ERROR
+
+    async def _unary(
+        self,
+        send: Any,
+        gen: TextGeneration,
+        first: Delta,
+        fmt: ChatFormatter | CompletionFormatter,
+        collector: LogprobCollector | None,
+        plan: _Plan,
+        watch: DisconnectWatch,
+    ) -> str:
+        parts = [plan.echo_text, first.text]
+        delta = first
+        self._logprobs(collector, first)
+        try:
+            while delta.finish_reason is None:
+                delta = await gen.__anext__()
+                parts.append(delta.text)
+                self._logprobs(collector, delta)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            watch.done()
+            await send_error(send, to_http_error(exc, request_id=fmt.id))
+            return STATUS_ERROR
+        usage = make_usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+        body = fmt.response(
+            "".join(parts), delta.finish_reason, self._total_logprobs(collector), usage, list(gen.engine.generated)
+        )
+        worker = gen.engine.worker_id
+        watch.done()
+        await send_json(send, 200, body, [(WORKER_HEADER, f"{worker:x}".encode())])
+        return STATUS_SUCCESS
+
+
+class ChatCompletionsEndpoint(OpenAIEndpoint):
+    endpoint_name = ENDPOINT_CHAT
+
+    def decode(self, body: bytes) -> ChatCompletionRequest:
+        return decode_chat_request(body)
+
+    async def plan(self, req: ChatCompletionRequest, model: ServedModel, pre: ModelPreprocessor) -> _Plan:
+        stops = req.stop_list()
+        prompt_ids = await pre.chat_prompt(req)
+        max_tokens = plan_max_tokens(len(prompt_ids), req.output_limit(), model.context_length, None)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return _Plan(prompt_ids, max_tokens, logprobs, "", stops)
+
+    def formatter(self, req: ChatCompletionRequest, response_id: str, created: int) -> ChatFormatter:
+        return ChatFormatter(
+            response_id, created, req.model, include_usage=req.include_usage, continuous_usage=req.continuous_usage,
+            return_token_ids=req.return_token_ids,
+        )
+
+    def _logprobs(self, collector: LogprobCollector | None, delta: Delta) -> Any:
+        if collector is None:
+            return None
+        return collector.add_chat(delta.token_ids, delta.log_probs)
+
+    def _total_logprobs(self, collector: LogprobCollector | None) -> Any:
+        return collector.chat_total() if collector is not None else None
+
+
+class CompletionsEndpoint(OpenAIEndpoint):
+    endpoint_name = ENDPOINT_COMPLETIONS
+
+    def decode(self, body: bytes) -> CompletionRequest:
+        return decode_completion_request(body)
+
+    async def plan(self, req: CompletionRequest, model: ServedModel, pre: ModelPreprocessor) -> _Plan:
+        if req.best_of is not None and req.best_of != 1:
+            raise InvalidRequestError("best_of > 1 is not supported", param="best_of")
+        if req.suffix:
+            raise InvalidRequestError("suffix is not supported by this model", param="suffix")
+        stops = req.stop_list()
+        prompts = completion_prompts(req)
+        if len(prompts) != 1:
+            raise InvalidRequestError(
+                f"batched prompts are not supported ({len(prompts)} given); send one request per prompt", param="prompt"
+            )
+        prompt = prompts[0]
+        prompt_ids = await pre.completion_prompt(prompt)
+        try:
+            max_tokens = plan_max_tokens(len(prompt_ids), req.max_tokens, model.context_length, DEFAULT_COMPLETION_MAX_TOKENS)
+        except ContextLengthError as exc:
+            if exc.param == "messages":
+                exc.param = "prompt"
+            raise
+        echo = ""
+        if req.echo:
+            echo = prompt if isinstance(prompt, str) else pre.tokenizer.decode(prompt, skip_special_tokens=False)
+        return _Plan(prompt_ids, max_tokens, req.logprobs, echo, stops)
+
+    def formatter(self, req: CompletionRequest, response_id: str, created: int) -> CompletionFormatter:
+        return CompletionFormatter(
+            response_id, created, req.model, include_usage=req.include_usage, continuous_usage=req.continuous_usage,
+            return_token_ids=req.return_token_ids,
+        )
+
+    def _logprobs(self, collector: LogprobCollector | None, delta: Delta) -> Any:
+        if collector is None:
+            return None
+        return collector.add_completion(delta.token_ids, delta.log_probs)
+
+    def _total_logprobs(self, collector: LogprobCollector | None) -> Any:
+        return collector.completion_total() if collector is not None else None

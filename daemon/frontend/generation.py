@@ -1,0 +1,111 @@
+"""Engine token stream -> text deltas: incremental detokenization and stop strings.
+
+Sits between ``EngineStream`` (token ids, across migrations) and the response formatters. A delta
+is produced only when there is something to send: text (never half a character) or a finish
+reason. Tokens whose text is held back ride along with the next delta, so the token ids (and
+log-probabilities) of all deltas add up to exactly what the engine generated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from dynamod.daemon.frontend.dispatch import EngineStream
+from dynamod.daemon.frontend.preprocess import IncrementalDetokenizer, StopStringMatcher
+from dynamod.shared.errors import EngineError
+from dynamod.shared.protocol.llm import FINISH_ERROR, FINISH_STOP
+
+
+class Delta:
+    __slots__ = ("text", "token_ids", "log_probs", "finish_reason")
+
+    def __init__(self, text: str, token_ids: list[int], log_probs: list[float] | None, finish_reason: str | None) -> None:
+        self.text = text
+        self.token_ids = token_ids
+        self.log_probs = log_probs
+        self.finish_reason = finish_reason
+
+
+class TextGeneration:
+    """Iterate for ``Delta``s; ``aclose`` stops the engine request if it is still running."""
+
+    def __init__(
+        self,
+        engine: EngineStream,
+        detokenizer: IncrementalDetokenizer,
+        stops: list[str],
+        *,
+        want_logprobs: bool,
+    ) -> None:
+        self.engine = engine
+        self._detok = detokenizer
+        self._matcher = StopStringMatcher(stops) if stops else None
+        self._want_logprobs = want_logprobs
+        self.finish_reason: str | None = None
+        self._gen = self._run()
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.engine.generated)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.engine.prompt_len
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.engine.cached_tokens
+
+    def __aiter__(self) -> TextGeneration:
+        return self
+
+    def __anext__(self) -> Any:
+        return self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        await self._gen.aclose()
+        await self.engine.aclose()
+
+    async def _run(self) -> AsyncIterator[Delta]:
+        detok = self._detok
+        matcher = self._matcher
+        want_logprobs = self._want_logprobs
+        # Tokens whose text is still held back (half a character, a possible stop string) travel
+        # with the next delta, so a delta's token ids always add up to what was generated.
+        carry: list[int] = []
+        carry_lp: list[float] = []
+        async for out in self.engine:
+            new_tokens = out.get("token_ids") or []
+            finish = out.get("finish_reason")
+            if finish == FINISH_ERROR:
+                raise EngineError(f"the engine failed the request: {out.get('error') or 'no detail'}")
+            text = detok.add_tokens(new_tokens) if new_tokens else ""
+            log_probs = out.get("log_probs") if want_logprobs else None
+            if carry:
+                tokens = carry + new_tokens
+                if log_probs is not None:
+                    log_probs = carry_lp + log_probs
+                carry, carry_lp = [], []
+            else:
+                tokens = new_tokens
+            if finish is not None:
+                text += detok.flush()
+            if matcher is not None:
+                text, matched = matcher.feed(text)
+                if matched is not None:
+                    self.finish_reason = FINISH_STOP
+                    yield Delta(text, tokens, log_probs, FINISH_STOP)
+                    return
+                if finish is not None:
+                    text += matcher.flush()
+            if finish is not None:
+                self.finish_reason = finish
+            if text or finish is not None:
+                yield Delta(text, tokens, log_probs, finish)
+                if finish is not None:
+                    return
+            else:
+                carry = tokens
+                if log_probs is not None:
+                    carry_lp = log_probs

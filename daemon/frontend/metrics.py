@@ -1,0 +1,157 @@
+"""Frontend metrics with Dynamo's names, so its Grafana dashboards work unchanged.
+
+Label children are resolved once per model (``ModelMetrics``) and kept, because ``labels()`` takes
+a lock and builds a tuple: the per-token path only calls ``observe``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from dynamod.shared.observability.metrics import LATENCY_BUCKETS
+
+_TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+_ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+ENDPOINT_CHAT = "chat_completions"
+ENDPOINT_COMPLETIONS = "completions"
+STATUS_SUCCESS = "success"
+STATUS_ERROR = "error"
+STATUS_CANCELLED = "cancelled"
+MIGRATION_ONGOING = "ongoing_request"
+MIGRATION_NEW = "new_request"
+
+
+class FrontendMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "dynamo_frontend_requests",
+            "HTTP requests by model, endpoint, request type (stream/unary) and status",
+            ("model", "endpoint", "request_type", "status"),
+            registry=registry,
+        )
+        self.inflight = Gauge(
+            "dynamo_frontend_inflight_requests", "Requests being served now", ("model",), registry=registry
+        )
+        self.ttft = Histogram(
+            "dynamo_frontend_time_to_first_token_seconds",
+            "Time from request received to first token sent",
+            ("model",),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "dynamo_frontend_inter_token_latency_seconds",
+            "Time between consecutive tokens sent to the client",
+            ("model",),
+            buckets=_ITL_BUCKETS,
+            registry=registry,
+        )
+        self.isl = Histogram(
+            "dynamo_frontend_input_sequence_tokens",
+            "Prompt length in tokens",
+            ("model",),
+            buckets=_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.osl = Histogram(
+            "dynamo_frontend_output_sequence_tokens",
+            "Generated tokens per request",
+            ("model",),
+            buckets=_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "dynamo_frontend_request_duration_seconds",
+            "Time from request received to response end",
+            ("model",),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.migrations = Counter(
+            "dynamo_frontend_model_migration",
+            "Requests re-sent to another worker after their stream broke or found no worker",
+            ("model", "migration_type"),
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "dynamo_frontend_prompt_tokens", "Prompt tokens of finished requests", ("model",), registry=registry
+        )
+        self.cached_tokens = Counter(
+            "dynamo_frontend_cached_tokens",
+            "Prompt tokens of finished requests that the worker found in its KV cache",
+            ("model",),
+            registry=registry,
+        )
+        self.kv_hit_rate = Gauge(
+            "dynamo_frontend_kv_hit_rate",
+            "Cached prompt tokens / prompt tokens since start",
+            ("model",),
+            registry=registry,
+        )
+        self.disconnects = Counter(
+            "dynamo_frontend_client_disconnects",
+            "Requests whose client went away before the response ended (engine request aborted)",
+            ("model",),
+            registry=registry,
+        )
+        self._models: dict[str, ModelMetrics] = {}
+
+    def for_model(self, model: str) -> ModelMetrics:
+        m = self._models.get(model)
+        if m is None:
+            m = self._models[model] = ModelMetrics(self, model)
+        return m
+
+    def count_request(self, model: str, endpoint: str, stream: bool, status: str) -> None:
+        self.requests.labels(model, endpoint, "stream" if stream else "unary", status).inc()
+
+
+class ModelMetrics:
+    """The label children of one model, resolved once."""
+
+    __slots__ = (
+        "_parent",
+        "model",
+        "inflight",
+        "ttft",
+        "itl",
+        "isl",
+        "osl",
+        "duration",
+        "migrate_ongoing",
+        "migrate_new",
+        "prompt_tokens",
+        "cached_tokens",
+        "kv_hit_rate",
+        "disconnects",
+        "_prompt_total",
+        "_cached_total",
+    )
+
+    def __init__(self, parent: FrontendMetrics, model: str) -> None:
+        self._parent = parent
+        self.model = model
+        self.inflight = parent.inflight.labels(model)
+        self.ttft = parent.ttft.labels(model)
+        self.itl = parent.itl.labels(model)
+        self.isl = parent.isl.labels(model)
+        self.osl = parent.osl.labels(model)
+        self.duration = parent.duration.labels(model)
+        self.migrate_ongoing = parent.migrations.labels(model, MIGRATION_ONGOING)
+        self.migrate_new = parent.migrations.labels(model, MIGRATION_NEW)
+        self.prompt_tokens = parent.prompt_tokens.labels(model)
+        self.cached_tokens = parent.cached_tokens.labels(model)
+        self.kv_hit_rate = parent.kv_hit_rate.labels(model)
+        self.disconnects = parent.disconnects.labels(model)
+        self._prompt_total = 0
+        self._cached_total = 0
+
+    def usage(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        self._prompt_total += prompt_tokens
+        self._cached_total += cached_tokens
+        if self._prompt_total:
+            self.kv_hit_rate.set(self._cached_total / self._prompt_total)

@@ -1,0 +1,322 @@
+"""OpenAI request and response bodies as msgspec structs.
+
+Requests are decoded and validated in one pass (``msgspec.json.decode(body, type=...)``), so a
+wrong type or an out-of-range number becomes a 400 naming the parameter, and no value that the
+request plane cannot carry (an integer beyond 64 bits, a NaN) gets past the door. Every integer has
+an upper bound for that reason. Unknown fields are ignored, as the OpenAI API does for forward
+compatibility.
+
+Responses are plain structs encoded once per chunk with a shared encoder: no per-token model
+validation on the hot path.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+import msgspec
+
+from dynamod.shared.errors import InvalidRequestError
+
+_I32 = 2**31 - 1
+_I64 = 2**63 - 1
+
+MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=_I32)]
+MinTokens = Annotated[int, msgspec.Meta(ge=0, le=_I32)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, msgspec.Meta(ge=-1, le=_I32)]
+Seed = Annotated[int, msgspec.Meta(ge=-_I64 - 1, le=_I64)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+ChoiceCount = Annotated[int, msgspec.Meta(ge=1, le=128)]
+TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=_I32)]
+
+MAX_STOP_SEQUENCES = 16
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class NvExt(msgspec.Struct, kw_only=True):
+    """Dynamo's request extension block; ``ignore_eos`` also works at the top level."""
+
+    ignore_eos: bool | None = None
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    model: str
+    max_tokens: MaxTokens | None = None
+    min_tokens: MinTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
+    n: ChoiceCount = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    user: str | None = None
+    nvext: NvExt | None = None
+    return_token_ids: bool = False  # vLLM's extension: each choice also carries its token ids
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    @property
+    def wants_ignore_eos(self) -> bool:
+        return self.ignore_eos or bool(self.nvext is not None and self.nvext.ignore_eos)
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise InvalidRequestError(f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}", param="stop")
+        return [s for s in stops if s]
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[Any]
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def output_limit(self) -> int | None:
+        """``max_completion_tokens`` wins over the deprecated ``max_tokens`` when both are set."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# msgspec allows one array type per union; the element types are checked in preprocessor.py.
+PromptValue = str | list[Any]
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    prompt: PromptValue
+    logprobs: TopLogprobs | None = None
+    echo: bool = False
+    best_of: ChoiceCount | None = None
+    suffix: str | None = None
+
+    def output_limit(self) -> int | None:
+        return self.max_tokens
+
+
+# ------------------------------------------------------------------------------------------------
+# Responses.
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class UsageInfo(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatMessage
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    object: str = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatChunkChoiceTokens(ChatChunkChoice):
+    token_ids: list[int] = []
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: str = "chat.completion.chunk"
+
+
+class ChatCompletionChunkWithUsage(msgspec.Struct):
+    """A chunk when ``stream_options.include_usage`` is on: ``usage`` is null until the last one."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None
+    object: str = "chat.completion.chunk"
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionChoiceTokens(CompletionChoice):
+    token_ids: list[int] = []
+
+
+class ChatChoiceTokens(ChatChoice):
+    token_ids: list[int] = []
+
+
+class Completion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    object: str = "text_completion"
+    system_fingerprint: str | None = None
+
+
+class CompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+
+
+class CompletionChunkWithUsage(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None
+    object: str = "text_completion"
+
+
+class ModelObject(msgspec.Struct):
+    id: str
+    created: int
+    owned_by: str = "dynamod"
+    object: str = "model"
+    parent: str | None = None
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelObject]
+    object: str = "list"
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorBody(msgspec.Struct):
+    error: ErrorDetail
+
+
+# ------------------------------------------------------------------------------------------------
+# Decoding.
+
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_PATH_RE = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def _param_of(message: str) -> str | None:
+    match = _PATH_RE.search(message)
+    return match.group(1) or None if match else None
+
+
+def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
+    if not body:
+        raise InvalidRequestError("the request body is empty; send a JSON object")
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        param = _param_of(message)
+        if message.startswith("Object missing required field"):
+            field = message.split("`")[1] if "`" in message else None
+            raise InvalidRequestError(f"missing required parameter: {field}", param=field) from None
+        raise InvalidRequestError(f"invalid parameter: {message}", param=param) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+
+
+def decode_chat_request(body: bytes) -> ChatCompletionRequest:
+    return _decode(_chat_decoder, body)
+
+
+def decode_completion_request(body: bytes) -> CompletionRequest:
+    return _decode(_completion_decoder, body)
+
+
+encoder = msgspec.json.Encoder()

@@ -1,0 +1,81 @@
+"""Builds each model's router from ``--router-mode``.
+
+Round-robin and random need nothing but the candidate list. The kv mode wraps the KV router of
+``dynamod.daemon.router`` (one per model: block size and LoRA hashing are per model) and feeds it
+the workers' KV events and load; it is imported only when chosen, so the frontend runs without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+from typing import TYPE_CHECKING
+
+from dynamod.daemon.frontend.routing import Router, make_basic_router
+from dynamod.daemon.frontend.sync import RoutingSync
+from dynamod.shared.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dynamod.daemon.frontend.models import ModelRegistry, ServedModel
+    from dynamod.shared.runtime.distributed import DistributedRuntime
+
+logger = logging.getLogger(__name__)
+
+KV_ROUTER_MODULE = "dynamod.daemon.router.kv_router"
+KV_CONFIG_MODULE = "dynamod.daemon.router.config"
+KV_ADAPTER_MODULE = "dynamod.daemon.frontend.kv_routing"
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def kv_router_available() -> bool:
+    return _has_module(KV_ROUTER_MODULE) and _has_module(KV_CONFIG_MODULE) and _has_module(KV_ADAPTER_MODULE)
+
+
+def add_kv_router_args(parser: argparse.ArgumentParser) -> None:
+    """The KV router's own flags (overlap weight, temperature, ...), when it is part of the build."""
+    if kv_router_available():
+        importlib.import_module(KV_CONFIG_MODULE).add_router_args(parser)
+
+
+class RouterFactoryBuilder:
+    """``build(model)`` is called by the model registry for every new model."""
+
+    def __init__(self, mode: str, args: argparse.Namespace, runtime: DistributedRuntime, sync: RoutingSync) -> None:
+        self.mode = mode
+        self._kv = None
+        if mode == "kv":
+            if not kv_router_available():
+                raise ConfigError(
+                    "--router-mode kv needs the KV router (dynamod.daemon.router), which is not part of this "
+                    "build; use round-robin or random"
+                )
+            adapter = importlib.import_module(KV_ADAPTER_MODULE)
+            self._kv = adapter.KvRouting(args, runtime, sync)
+        else:
+            make_basic_router(mode)  # validates the mode name now, not at the first model
+
+    def attach(self, registry: ModelRegistry) -> None:
+        """Lets the kv mode follow workers joining and leaving models."""
+        if self._kv is not None:
+            self._kv.attach(registry)
+
+    async def start(self) -> None:
+        if self._kv is not None:
+            await self._kv.start()
+
+    async def close(self) -> None:
+        if self._kv is not None:
+            await self._kv.close()
+
+    def build(self, model: ServedModel) -> Router:
+        if self._kv is not None:
+            return self._kv.router_for(model)
+        return make_basic_router(self.mode)

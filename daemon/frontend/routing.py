@@ -1,0 +1,153 @@
+"""The frontend's routing seam: which worker serves a request.
+
+A ``Router`` picks one of the candidates the caller hands it (ready workers of the model, minus
+the ones this request already failed on and the ones recently found dead) and hears when the
+request's first token arrives and when it ends, which is what a KV-aware router needs to track
+active sequences. Round-robin and random keep no per-request state. Direct routing (the
+``x-dynamo-worker-instance-id`` header) bypasses the router altogether.
+
+``Quarantine`` remembers workers whose connection just failed: their discovery record outlives
+them by up to one lease TTL, and without it every new request in that window would walk into the
+dead worker and spend a migration.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from dynamod.shared.errors import ConfigError, NoInstancesError
+from dynamod.shared.protocol.instance import Instance
+
+ROUTER_MODES = ("round-robin", "random", "kv")
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    request_id: str
+    token_ids: list[int]
+    lora_name: str | None = None
+
+
+@dataclass(slots=True)
+class RouteChoice:
+    instance: Instance
+    dp_rank: int | None = None
+    overlap_blocks: int = 0
+
+    @property
+    def worker_id(self) -> int:
+        return self.instance.instance_id
+
+
+class Router(Protocol):
+    """Chooses a worker among ``candidates`` (never empty) and tracks requests it routed."""
+
+    name: str
+
+    def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice: ...
+
+    def on_first_token(self, request_id: str) -> None: ...
+
+    def on_finish(self, request_id: str) -> None: ...
+
+
+class RoundRobinRouter:
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice:
+        return RouteChoice(candidates[next(self._counter) % len(candidates)])
+
+    def on_first_token(self, request_id: str) -> None:
+        return None
+
+    def on_finish(self, request_id: str) -> None:
+        return None
+
+
+class RandomRouter:
+    name = "random"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice:
+        return RouteChoice(candidates[self._rng.randrange(len(candidates))])
+
+    def on_first_token(self, request_id: str) -> None:
+        return None
+
+    def on_finish(self, request_id: str) -> None:
+        return None
+
+
+def parse_instance_id(value: str) -> int:
+    """Reads a ``x-dynamo-worker-instance-id`` header: hex (as printed everywhere) or decimal.
+
+    Ids are printed in hex without ``0x``, so a value with a hex letter or a ``0x`` prefix is hex;
+    an all-digit value is tried as hex first only when no instance has that decimal id, which the
+    caller resolves with ``candidates_for_header``.
+    """
+    text = value.strip().lower()
+    if not text:
+        raise NoInstancesError("empty x-dynamo-worker-instance-id header")
+    try:
+        if text.startswith("0x"):
+            return int(text, 16)
+        return int(text, 16) if any(c in "abcdef" for c in text) else int(text, 10)
+    except ValueError:
+        raise NoInstancesError(f"x-dynamo-worker-instance-id {value!r} is neither hex nor decimal") from None
+
+
+def header_candidates(value: str) -> list[int]:
+    """Every id the header may mean: an all-digit value may be decimal or hex."""
+    primary = parse_instance_id(value)
+    text = value.strip().lower()
+    out = [primary]
+    if text.isdigit():
+        alt = int(text, 16)
+        if alt != primary:
+            out.append(alt)
+    return out
+
+
+class Quarantine:
+    """Workers to avoid for a while after their connection failed."""
+
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s
+        self._until: dict[int, float] = {}
+
+    def add(self, worker_id: int, hold_s: float | None = None) -> None:
+        self._until[worker_id] = time.monotonic() + (self.hold_s if hold_s is None else hold_s)
+
+    def discard(self, worker_id: int) -> None:
+        self._until.pop(worker_id, None)
+
+    def __contains__(self, worker_id: int) -> bool:
+        until = self._until.get(worker_id)
+        if until is None:
+            return False
+        if time.monotonic() >= until:
+            del self._until[worker_id]
+            return False
+        return True
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+
+def make_basic_router(mode: str) -> Router:
+    """Round-robin or random; the kv mode is built by ``kv_routing.KvRouting`` per model."""
+    if mode == "round-robin":
+        return RoundRobinRouter()
+    if mode == "random":
+        return RandomRouter()
+    raise ConfigError(f"unknown router mode {mode!r}; choose one of {', '.join(ROUTER_MODES)}")

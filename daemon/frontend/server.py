@@ -1,0 +1,118 @@
+"""The HTTP server: uvicorn with httptools on the running (uvloop) loop, on a socket we bind.
+
+We bind the listening socket ourselves so that the processes of one ``--num-frontends`` fleet can
+share one port (``SO_REUSEPORT``: the kernel spreads new connections over them) and so that port 0
+resolves before the copies are started. Accepted sockets get ``TCP_NODELAY``: an SSE chunk is a few hundred
+bytes, and Nagle's algorithm would hold each one back until the previous one is acknowledged.
+
+uvicorn's own signal handling is disabled; the role's lifecycle owns signals and calls
+``stop()`` after the frontend has drained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+logger = logging.getLogger(__name__)
+
+LISTEN_BACKLOG = 4096
+
+
+class NoDelayHttpToolsProtocol(HttpToolsProtocol):
+    """httptools protocol that disables Nagle on every accepted connection."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except (OSError, AttributeError):
+                pass
+        super().connection_made(transport)
+
+
+def bind_socket(host: str, port: int, *, reuse_port: bool = True) -> socket.socket:
+    """A listening TCP socket; with ``reuse_port`` other processes may bind the same port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(LISTEN_BACKLOG)
+    sock.setblocking(False)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.started_event = asyncio.Event()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        self.started_event.set()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # The role's lifecycle handles SIGTERM/SIGINT; uvicorn must not replace those handlers.
+        yield
+
+
+class HttpServer:
+    """Serves ``app`` on ``sock`` until ``stop()``."""
+
+    def __init__(self, app: Any, sock: socket.socket, *, keep_alive_s: int = 75, graceful_s: float = 5.0) -> None:
+        config = uvicorn.Config(
+            app,
+            http=NoDelayHttpToolsProtocol,
+            loop="none",
+            lifespan="off",
+            access_log=False,
+            log_config=None,
+            proxy_headers=False,
+            server_header=False,
+            timeout_keep_alive=keep_alive_s,
+            timeout_graceful_shutdown=max(1, int(graceful_s)),
+            backlog=LISTEN_BACKLOG,
+        )
+        self._server = _Server(config)
+        self._sock = sock
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._sock.getsockname()[1])
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]), name="http-server")
+        started = asyncio.ensure_future(self._server.started_event.wait())
+        await asyncio.wait([started, self._task], return_when=asyncio.FIRST_COMPLETED)
+        if not started.done():
+            started.cancel()
+            await self._task  # raises the startup error
+            raise RuntimeError("HTTP server stopped during startup")
+
+    async def stop(self) -> None:
+        """Stops accepting, closes idle keep-alive connections, waits for responses in progress."""
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+
+    def force_stop(self) -> None:
+        self._server.force_exit = True
+        self._server.should_exit = True

@@ -1,0 +1,181 @@
+"""Start a local cluster: a frontend and N workers, no external servers.
+
+    dynamod up [--workers 2] [--http-port 8000] [--engine mocker] [--model tiny] [--speedup-ratio R]
+
+Discovery is the file backend in the default directory (so ``dynamoctl`` and ``dynamo-console``
+find the cluster without flags), events go over ZMQ, and every part is a real ``dynamod`` process
+that is restarted if it crashes or hangs. Ctrl-C or SIGTERM stops the frontend first (it finishes
+the streams it admitted), then the workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shlex
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from dynamod.daemon.frontend.routing import ROUTER_MODES
+from dynamod.daemon.supervisor.children import ChildSpec, Supervisor
+from dynamod.shared.config import DEFAULT_NAMESPACE
+from dynamod.shared.discovery.factory import default_file_kv_dir
+from dynamod.shared.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+FRONTEND = "frontend"
+# Mocker flags `up` passes through to every worker when given.
+_WORKER_PASSTHROUGH = ("speedup_ratio", "block_size", "num_gpu_blocks", "max_num_seqs")
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("cluster")
+    g.add_argument("--workers", type=int, default=2, help="worker processes [default 2]")
+    g.add_argument("--engine", default="mocker", help="engine of the workers [default mocker]")
+    g.add_argument("--model", default="tiny", help="model directory, or 'tiny' [default tiny]")
+    g.add_argument("--http-host", default="127.0.0.1", help="frontend address [default 127.0.0.1]")
+    g.add_argument("--http-port", type=int, default=8000, help="frontend port [default 8000]")
+    g.add_argument("--router-mode", choices=ROUTER_MODES, default="round-robin", help="[default round-robin]")
+    g.add_argument("--num-frontends", type=int, default=1, help="frontend processes on the port [default 1]")
+    g.add_argument("--namespace", default=None, help=f"namespace [env DYN_NAMESPACE, default {DEFAULT_NAMESPACE}]")
+    g.add_argument("--file-kv", default=None, help="file discovery directory [env DYN_FILE_KV, default per user]")
+    g.add_argument("--log-dir", default=None, help="children's log files [default: beside the discovery directory]")
+    g.add_argument("--log-to-console", action="store_true", help="children log to this terminal instead of files")
+    g.add_argument("--worker-args", default="", help='extra flags for every worker, e.g. "--max-num-seqs 64"')
+    g.add_argument("--frontend-args", default="", help="extra flags for the frontend")
+    g.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for the cluster [default 120]")
+    g.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds children get to stop [default 30]")
+    m = parser.add_argument_group("mocker flags passed to every worker")
+    m.add_argument("--speedup-ratio", type=float, default=None, help="mocker step times are divided by this")
+    m.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
+    m.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks per worker")
+    m.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once per worker")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def build_specs(args: argparse.Namespace, file_kv: str, namespace: str) -> list[ChildSpec]:
+    base = [sys.executable, "-m", "dynamod.daemon.cli"]
+    runtime = ["--discovery-backend", "file", "--event-plane", "zmq", "--file-kv", file_kv, "--namespace", namespace]
+    env = {**os.environ, "DYN_FILE_KV": file_kv}
+    env.pop("DYN_DISCOVERY_BACKEND", None)
+    env.pop("DYN_EVENT_PLANE", None)
+    frontend = [
+        *base, "--role", "frontend", *runtime,
+        "--http-host", args.http_host, "--http-port", str(args.http_port),
+        "--router-mode", args.router_mode, "--num-frontends", str(args.num_frontends),
+        *shlex.split(args.frontend_args),
+    ]
+    host = "127.0.0.1" if args.http_host in ("0.0.0.0", "::") else args.http_host
+    specs = [ChildSpec(FRONTEND, frontend, live_url=f"http://{host}:{args.http_port}/live", env=env)]
+    passthrough: list[str] = []
+    for name in _WORKER_PASSTHROUGH:
+        value = getattr(args, name)
+        if value is not None:
+            passthrough += [f"--{name.replace('_', '-')}", str(value)]
+    extra = shlex.split(args.worker_args)
+    for index in range(args.workers):
+        status_port = _free_port("127.0.0.1")
+        worker = [
+            *base, "--role", "agg", *runtime, "--engine", args.engine, "--model", args.model,
+            "--system-port", str(status_port), *passthrough, *extra,
+        ]
+        specs.append(ChildSpec(f"worker-{index}", worker, live_url=f"http://127.0.0.1:{status_port}/live", env=env))
+    return specs
+
+
+def _health(url: str) -> dict | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as resp:
+            return json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+async def _wait_ready(base_url: str, workers: int, timeout_s: float, stop: asyncio.Event) -> list[str] | None:
+    """The served model names once the frontend sees ``workers`` ready workers; None on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not stop.is_set():
+        body = await asyncio.to_thread(_health, f"{base_url}/health")
+        if body is not None:
+            models = [m for m in body.get("models", []) if not m.get("lora")]
+            if models and sum(m.get("ready", 0) for m in models) >= workers:
+                return [m["model"] for m in models]
+        try:
+            await asyncio.wait_for(stop.wait(), 0.25)
+        except TimeoutError:
+            pass
+    return None
+
+
+def _banner(base_url: str, model: str, log_dir: Path | None, file_kv: str, workers: int) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
+    lines = [
+        f"dynamod is up: {workers} worker(s) serving {model!r}",
+        f"  OpenAI API: {base_url}/v1",
+        f"  try:        curl -s {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+        f"  discovery:  {file_kv}",
+    ]
+    if log_dir is not None:
+        lines.append(f"  logs:       {log_dir}")
+    lines.append("  stop:       Ctrl-C")
+    return "\n".join(lines)
+
+
+async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    if args.workers < 0:
+        raise ConfigError("--workers must be 0 or more")
+    file_kv = args.file_kv or default_file_kv_dir()
+    namespace = args.namespace or os.environ.get("DYN_NAMESPACE") or DEFAULT_NAMESPACE
+    await asyncio.to_thread(Path(file_kv).mkdir, parents=True, exist_ok=True)
+    if not _port_free(args.http_host, args.http_port):
+        raise ConfigError(
+            f"port {args.http_port} on {args.http_host} is in use (another `dynamod up`?); pick one with --http-port"
+        )
+    log_dir = None if args.log_to_console else Path(args.log_dir or Path(file_kv).parent / "logs")
+    specs = build_specs(args, file_kv, namespace)
+    supervisor = Supervisor(specs, log_dir)
+    host = "127.0.0.1" if args.http_host in ("0.0.0.0", "::") else args.http_host
+    base_url = f"http://{host}:{args.http_port}"
+    await supervisor.start()
+    try:
+        for child in supervisor.children:
+            logger.info("cluster child name=%s pid=%s", child.spec.name, child.pid)
+        models = await _wait_ready(base_url, args.workers, args.ready_timeout, stop)
+        if models:
+            print(_banner(base_url, models[0], log_dir, file_kv, args.workers), flush=True)
+        elif not stop.is_set():
+            print(
+                f"dynamod up: the cluster is not ready after {args.ready_timeout:.0f}s; still trying. "
+                f"Frontend: {base_url}; logs: {log_dir or 'console'}",
+                file=sys.stderr,
+                flush=True,
+            )
+        await stop.wait()
+        print("dynamod up: stopping (frontend first, then workers)", file=sys.stderr, flush=True)
+    finally:
+        workers = [c.spec.name for c in supervisor.children if c.spec.name != FRONTEND]
+        await supervisor.stop([[FRONTEND], workers], args.shutdown_grace)
+    return 0
