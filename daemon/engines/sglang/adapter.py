@@ -1,0 +1,28 @@
+"""The SGLang engine's entry points for the engine factory (daemon/engines/factory.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from dynamod.daemon.engines.sglang.engine import SglangEngine
+from dynamod.daemon.engines.vllm.flags import engine_tokens
+from dynamod.daemon.engines.vllm.native_kv import DEFAULT_EVENT_BUFFER
+from dynamod.daemon.models.registry import LocalModel
+
+
+def add_args(group: argparse._ActionsContainer) -> None:
+    group.add_argument(
+        "--sglang-args",
+        default=os.environ.get("DYN_SGLANG_ARGS", ""),
+        metavar="ARGS",
+        help="SGLang server flags, shell-quoted, parsed by SGLang itself, e.g. \"--tp-size 2 --enable-lora\". "
+        "dynamod sets --model-path, --skip-tokenizer-init, --stream-output, --enable-cache-report and KV events, "
+        "and defaults --page-size to 64 [env DYN_SGLANG_ARGS]",
+    )
+
+
+def create(args: argparse.Namespace, model: LocalModel, *, worker_id: int, worker_index: int = 0) -> SglangEngine:
+    tokens = engine_tokens(getattr(args, "sglang_args", ""), getattr(args, "engine_args", None))
+    return SglangEngine(tokens, model, worker_id, context_length=getattr(args, "context_length", None),
+                        kv_event_buffer=getattr(args, "vllm_kv_event_buffer", DEFAULT_EVENT_BUFFER))

@@ -1,0 +1,98 @@
+"""Our requests and responses <-> SGLang's ``async_generate`` arguments and output dicts.
+
+The engine runs with ``skip_tokenizer_init`` (token ids in, token ids out: the frontend owns the
+tokenizer) and ``stream_output`` (each streamed dict carries only the new ``output_ids``).
+``meta_info`` has ``finish_reason`` (``None`` or ``{"type": "stop"|"length"|"abort", ...}``),
+``prompt_tokens``, ``completion_tokens`` and, with ``enable_cache_report``, ``cached_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dynamod.shared.protocol.llm import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineOutput,
+    PreprocessedRequest,
+    Usage,
+)
+
+_FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}
+
+
+def sampling_params(request: PreprocessedRequest, *, context_length: int, model_defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """SGLang's ``sampling_params`` dict; unset values fall back to the model's defaults."""
+    s, stop = request.sampling, request.stop
+    defaults = dict(model_defaults or {})
+    out: dict[str, Any] = {}
+    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "sampling_seed")):
+        value = getattr(s, ours)
+        if value is None:
+            value = defaults.get(ours)
+        if value is not None:
+            out[theirs] = value
+    if out.get("top_k") == 0:
+        out["top_k"] = -1  # SGLang's "off" is -1
+    max_tokens = stop.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, context_length - len(request.token_ids)) if context_length else 16
+    out["max_new_tokens"] = max_tokens
+    if stop.min_tokens:
+        out["min_new_tokens"] = stop.min_tokens
+    if stop.stop_token_ids:
+        out["stop_token_ids"] = list(stop.stop_token_ids)
+    if stop.ignore_eos:
+        out["ignore_eos"] = True
+    return out
+
+
+def finish_reason(meta: Mapping[str, Any]) -> str | None:
+    reason = meta.get("finish_reason")
+    if reason is None:
+        return None
+    kind = reason.get("type") if isinstance(reason, Mapping) else str(reason)
+    return _FINISH.get(str(kind), FINISH_STOP)
+
+
+class SglangOutputTracker:
+    """Maps one request's streamed dicts; keeps what the final usage needs."""
+
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "rid")
+
+    def __init__(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.rid: str | None = None
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
+                     completion_tokens=self.completion_tokens)
+
+    def map(self, chunk: Mapping[str, Any]) -> EngineOutput | None:
+        meta = chunk.get("meta_info") or {}
+        self.rid = meta.get("id", self.rid)
+        tokens = [int(t) for t in chunk.get("output_ids") or []]
+        self.completion_tokens += len(tokens)
+        if meta.get("cached_tokens"):
+            self.cached_tokens = int(meta["cached_tokens"])
+        if meta.get("prompt_tokens"):
+            self.prompt_tokens = int(meta["prompt_tokens"])
+        reason = finish_reason(meta)
+        if not tokens and reason is None:
+            return None
+        out = EngineOutput(token_ids=tokens, finish_reason=reason)
+        logprobs = meta.get("output_token_logprobs")
+        if logprobs and tokens:
+            out.log_probs = [float(entry[0]) for entry in logprobs[-len(tokens):]]
+        if reason is not None:
+            if meta.get("completion_tokens") is not None:
+                self.completion_tokens = int(meta["completion_tokens"])
+            out.usage = self.usage()
+        return out
+
+    def aborted(self) -> EngineOutput:
+        return EngineOutput(finish_reason=FINISH_ABORT, usage=self.usage())

@@ -1,0 +1,28 @@
+"""The TensorRT-LLM engine's entry points for the engine factory (daemon/engines/factory.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from dynamod.daemon.engines.trtllm.engine import TrtllmEngine, llm_kwargs
+from dynamod.daemon.engines.vllm.native_kv import DEFAULT_EVENT_BUFFER
+from dynamod.daemon.models.registry import LocalModel
+
+
+def add_args(group: argparse._ActionsContainer) -> None:
+    group.add_argument(
+        "--trtllm-args",
+        default=os.environ.get("DYN_TRTLLM_ARGS", ""),
+        metavar="JSON",
+        help="TensorRT-LLM LLM() keyword arguments as a JSON object, or @FILE (.json/.yaml), e.g. "
+        "'{\"tensor_parallel_size\": 2}'. dynamod sets model, block reuse and the KV event buffer, and defaults "
+        "kv_cache_config.tokens_per_block to 64 [env DYN_TRTLLM_ARGS]",
+    )
+
+
+def create(args: argparse.Namespace, model: LocalModel, *, worker_id: int, worker_index: int = 0) -> TrtllmEngine:
+    options = llm_kwargs(getattr(args, "trtllm_args", ""), model_path=str(model.path),
+                         context_length=getattr(args, "context_length", None))
+    return TrtllmEngine(options, model, worker_id,
+                        kv_event_buffer=getattr(args, "vllm_kv_event_buffer", DEFAULT_EVENT_BUFFER))

@@ -1,0 +1,380 @@
+"""``TrtllmEngine``: the Engine Protocol over TensorRT-LLM's LLM API (``tensorrt_llm.LLM``).
+
+Written against TensorRT-LLM's current Python LLM API; TensorRT-LLM installs only with CUDA (its
+PyPI package is a stub that fetches from NVIDIA's index), so this adapter has been exercised only
+with recorded event payloads here (tests/unit/engines/test_trtllm_adapter.py).
+
+- Flags: ``--trtllm-args`` is a JSON object of ``LLM(...)`` keyword arguments (``@file.json`` or
+  ``@file.yaml`` reads a file, like trtllm-serve's ``--extra_llm_api_options``); TensorRT-LLM
+  validates them. The adapter sets ``model``, turns block reuse on, sizes the KV event buffer
+  (``event_buffer_max_size`` 4096) and defaults ``kv_cache_config.tokens_per_block`` to 64.
+- Requests: ``generate_async(token_ids, SamplingParams(..., detokenize=False), streaming=True)``;
+  new tokens are ``token_ids_diff``; closing the stream calls ``RequestOutput.abort()``.
+- KV events: ``get_kv_cache_events_async`` (buffered per iteration) through ``TrtllmEventMapper``
+  (kv_format.py) into the router converter; a jump in ``event_id`` is a gap.
+- Load: ``get_stats_async`` (``kvCacheStats``, active and queued requests).
+- Not offered by the LLM API, so refused with a clear error: clearing the KV cache, sleep/wake.
+  LoRA adapters are per request in TensorRT-LLM (``LoRARequest``, loaded on first use, evicted
+  LRU): load_lora checks and registers the adapter, unload_lora stops routing to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from dynamod.daemon.engines.trtllm.kv_format import TrtllmEventMapper
+from dynamod.daemon.engines.vllm.engine import local_adapter_dir
+from dynamod.daemon.engines.vllm.native_kv import DEFAULT_EVENT_BUFFER, NativeKvFeed
+from dynamod.daemon.models.registry import LocalModel
+from dynamod.daemon.worker.engine import EngineInfo, LoraInfo
+from dynamod.shared.errors import (
+    ConfigError,
+    DynamoError,
+    EngineError,
+    InvalidRequestError,
+    NotFoundError,
+    UnavailableError,
+)
+from dynamod.shared.protocol.kv_events import RouterEvent
+from dynamod.shared.protocol.llm import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineOutput,
+    PreprocessedRequest,
+    Usage,
+)
+from dynamod.shared.protocol.load import LoadMetrics
+from dynamod.shared.protocol.model_card import RuntimeConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TOKENS_PER_BLOCK = 64
+DEFAULT_EVENT_BUFFER_MAX_SIZE = 4096
+_POLL_MIN_S, _POLL_MAX_S = 0.005, 0.1
+_FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "cancelled": FINISH_ABORT, "abort": FINISH_ABORT}
+
+
+def llm_kwargs(text: str | None, *, model_path: str, context_length: int | None) -> dict[str, Any]:
+    """``LLM(...)`` keyword arguments from ``--trtllm-args`` plus the adapter's settings."""
+    text = (text or "").strip()
+    options: dict[str, Any] = {}
+    if text.startswith("@"):
+        path = Path(text[1:]).expanduser()
+        raw = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml  # present wherever TensorRT-LLM is (it depends on it)
+
+            options = yaml.safe_load(raw) or {}
+        else:
+            options = json.loads(raw)
+    elif text:
+        try:
+            options = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"--trtllm-args must be a JSON object of LLM() arguments: {exc}") from None
+    if not isinstance(options, dict):
+        raise ConfigError("--trtllm-args must be a JSON object of LLM() arguments")
+    if "model" in options:
+        raise ConfigError("do not pass model inside --trtllm-args; the daemon's --model names the model")
+    kv = dict(options.get("kv_cache_config") or {})
+    kv["enable_block_reuse"] = True
+    kv.setdefault("event_buffer_max_size", DEFAULT_EVENT_BUFFER_MAX_SIZE)
+    kv.setdefault("tokens_per_block", DEFAULT_TOKENS_PER_BLOCK)
+    options["kv_cache_config"] = kv
+    if context_length and "max_seq_len" not in options:
+        options["max_seq_len"] = context_length
+    options["model"] = model_path
+    return options
+
+
+def build_llm(options: dict[str, Any]) -> Any:
+    """Builds ``tensorrt_llm.LLM`` (blocking: run in a thread)."""
+    from tensorrt_llm import LLM
+    from tensorrt_llm.llmapi import KvCacheConfig
+
+    opts = dict(options)
+    opts["kv_cache_config"] = KvCacheConfig(**opts["kv_cache_config"])
+    return LLM(**opts)
+
+
+def sampling_params(request: PreprocessedRequest, *, context_length: int) -> dict[str, Any]:
+    s, stop = request.sampling, request.stop
+    out: dict[str, Any] = {"detokenize": False}
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        value = getattr(s, name)
+        if value is not None:
+            out[name] = value
+    max_tokens = stop.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, context_length - len(request.token_ids)) if context_length else 16
+    out["max_tokens"] = max_tokens
+    if stop.min_tokens:
+        out["min_tokens"] = stop.min_tokens
+    if stop.stop_token_ids:
+        out["stop_token_ids"] = list(stop.stop_token_ids)
+    if stop.ignore_eos:
+        out["ignore_eos"] = True
+    if s.logprobs is not None:
+        out["logprobs"] = max(1, s.logprobs)
+    return out
+
+
+def cached_tokens(output: Any, block_size: int) -> int:
+    """Prompt tokens served from the KV cache, from whichever field this release reports."""
+    direct = getattr(output, "cached_tokens", None)
+    if isinstance(direct, int):
+        return direct
+    completion = output.outputs[0] if getattr(output, "outputs", None) else None
+    metrics = getattr(completion, "request_perf_metrics", None)
+    kv = getattr(metrics, "kv_cache_metrics", None)
+    reused = getattr(kv, "num_reused_blocks", None)
+    return int(reused) * block_size if isinstance(reused, int) else 0
+
+
+class TrtllmEngine:
+    """One ``tensorrt_llm.LLM`` as one worker."""
+
+    def __init__(self, options: dict[str, Any], model: LocalModel, worker_id: int, *,
+                 kv_event_buffer: int = DEFAULT_EVENT_BUFFER) -> None:
+        self.worker_id = worker_id
+        self.model = model
+        self._options = options
+        kv = options["kv_cache_config"]
+        self._block = int(kv["tokens_per_block"])
+        self._info = EngineInfo(
+            kv_block_size=self._block,
+            context_length=int(options.get("max_seq_len") or model.context_length),
+            runtime_config=RuntimeConfig(max_num_seqs=int(options.get("max_batch_size") or 0),
+                                         max_num_batched_tokens=int(options.get("max_num_tokens") or 0)),
+            vocab_size=model.vocab_size,
+            eos_token_ids=list(model.eos_token_ids),
+        )
+        self._feed = NativeKvFeed(worker_id, buffer=kv_event_buffer)
+        self._mapper = TrtllmEventMapper(self._block)
+        self._llm: Any = None
+        self._active: dict[str, Any] = {}
+        self._loras: dict[str, LoraInfo] = {}
+        self._next_lora_id = 1
+        self._stats: dict[str, Any] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._status = "created"
+        self._lock = asyncio.Lock()
+        self.start_seconds = 0.0
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._active)
+
+    async def start(self) -> None:
+        async with self._lock:
+            if self._status == "ready":
+                return
+            if self._status in ("stopped", "failed"):
+                raise EngineError(f"TensorRT-LLM engine is {self._status}; create a new one")
+            started = time.monotonic()
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            try:
+                self._llm = await asyncio.to_thread(build_llm, self._options)
+            except asyncio.CancelledError:
+                self._status = "failed"
+                raise
+            except Exception as exc:
+                self._status = "failed"
+                raise EngineError(f"TensorRT-LLM engine failed to start: {type(exc).__name__}: {exc}") from exc
+            self._status = "ready"
+            self.start_seconds = time.monotonic() - started
+            self._tasks = [
+                asyncio.create_task(self._poll(self._llm.get_kv_cache_events_async, self._on_event), name="trtllm-kv"),
+                asyncio.create_task(self._poll(self._llm.get_stats_async, self._on_stats), name="trtllm-stats"),
+            ]
+            logger.info("trtllm engine started worker_id=%x tokens_per_block=%d start_s=%.1f",
+                        self.worker_id, self._block, self.start_seconds)
+
+    async def _poll(self, source: Any, handle: Any) -> None:
+        """Drains one of the LLM's per-iteration queues, backing off while it is empty."""
+        delay = _POLL_MIN_S
+        while True:
+            got = False
+            try:
+                async for item in source(timeout=0):
+                    got = True
+                    handle(item)
+            except (asyncio.QueueEmpty, TimeoutError, IndexError):
+                pass
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("trtllm poll failed worker_id=%x", self.worker_id)
+            delay = _POLL_MIN_S if got else min(_POLL_MAX_S, delay * 1.5)
+            await asyncio.sleep(delay)
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        missing = self._mapper.gap_before(event)
+        rank = int(event.get("attention_dp_rank") or 0)
+        if missing:
+            self._feed.on_gap(rank, missing)
+        batch = self._mapper.map(event)
+        if batch is not None:
+            self._feed.on_batch(rank, batch)
+
+    def _on_stats(self, stat: Any) -> None:
+        if isinstance(stat, str):
+            stat = json.loads(stat)
+        self._stats = stat
+        kv = stat.get("kvCacheStats") or {}
+        if kv.get("maxNumBlocks"):
+            self._info.runtime_config.total_kv_blocks = int(kv["maxNumBlocks"])
+
+    async def stop(self) -> None:
+        if self._status == "stopped":
+            return
+        self._status = "stopped"
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for result in list(self._active.values()):
+            result.abort()
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            await asyncio.to_thread(llm.shutdown)
+        self._feed.close()
+        logger.info("trtllm engine stopped worker_id=%x", self.worker_id)
+
+    def _started(self) -> Any:
+        if self._llm is None or self._status != "ready":
+            raise UnavailableError(f"TensorRT-LLM engine of worker {self.worker_id:x} is {self._status}")
+        return self._llm
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+        return self._generate(request)
+
+    async def _generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+        llm = self._started()
+        from tensorrt_llm import SamplingParams
+        from tensorrt_llm.executor import LoRARequest
+
+        rid = request.request_id
+        if rid in self._active:
+            raise InvalidRequestError(f"request id {rid!r} is already in flight", param="request_id")
+        lora_request = None
+        if request.lora_name:
+            lora = self._loras.get(request.lora_name)
+            if lora is None:
+                raise InvalidRequestError(f"LoRA adapter {request.lora_name!r} is not loaded on this worker", param="model")
+            lora_request = LoRARequest(lora.name, lora.lora_id, lora.source)
+        try:
+            params = SamplingParams(**sampling_params(request, context_length=self._info.context_length))
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"bad sampling parameters: {exc}") from None
+        result = llm.generate_async(list(request.token_ids), sampling_params=params, streaming=True,
+                                    lora_request=lora_request)
+        self._active[rid] = result
+        prompt, done, cached = len(request.token_ids), 0, 0
+        finished = False
+        try:
+            try:
+                async for out in result:
+                    completion = out.outputs[0]
+                    new = list(completion.token_ids_diff)
+                    done += len(new)
+                    cached = cached_tokens(out, self._block) or cached
+                    reason = completion.finish_reason
+                    final = _FINISH.get(str(reason), FINISH_STOP) if reason is not None or out.finished else None
+                    if not new and final is None:
+                        continue
+                    msg = EngineOutput(token_ids=new, finish_reason=final)
+                    if final is not None:
+                        msg.usage = Usage(prompt_tokens=prompt, cached_tokens=cached, completion_tokens=done)
+                        finished = True
+                    yield msg
+                    if finished:
+                        return
+            except (GeneratorExit, asyncio.CancelledError, DynamoError):
+                raise
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc)) from None
+            except Exception as exc:
+                raise EngineError(f"TensorRT-LLM request failed: {type(exc).__name__}: {exc}") from exc
+            if not finished:
+                finished = True
+                yield EngineOutput(finish_reason=FINISH_ABORT,
+                                   usage=Usage(prompt_tokens=prompt, cached_tokens=cached, completion_tokens=done))
+        finally:
+            self._active.pop(rid, None)
+            if not finished:
+                result.abort()
+
+    async def abort(self, request_id: str) -> None:
+        result = self._active.get(request_id)
+        if result is not None:
+            result.abort()
+
+    # ---- KV events, load, controls -------------------------------------------------------------
+
+    def kv_events(self) -> AsyncIterator[RouterEvent]:
+        return self._feed.events()
+
+    async def kv_dump(self) -> list[RouterEvent]:
+        return self._feed.dump()
+
+    async def clear_kv_blocks(self) -> int:
+        raise InvalidRequestError("TensorRT-LLM's LLM API has no way to drop the cached KV blocks of a running engine")
+
+    def load_metrics(self) -> list[LoadMetrics]:
+        kv = self._stats.get("kvCacheStats") or {}
+        total = int(kv.get("maxNumBlocks") or 0)
+        idle = not self._active
+        used = 0 if idle else int(kv.get("usedNumBlocks") or 0)
+        reused, missed = int(kv.get("reusedBlocks") or 0), int(kv.get("missedBlocks") or 0)
+        return [LoadMetrics(
+            worker_id=self.worker_id, dp_rank=0, active_decode_blocks=used, kv_usage=used / total if total else 0.0,
+            total_blocks=total,
+            num_waiting=0 if idle else int(self._stats.get("numQueuedRequests") or 0),
+            num_running=0 if idle else int(self._stats.get("numActiveRequests") or len(self._active)),
+            prefix_hit_rate=reused / (reused + missed) if reused + missed else 0.0,
+            status=self._status, ts=time.time(),
+        )]
+
+    async def sleep(self, level: int) -> None:
+        raise InvalidRequestError("TensorRT-LLM's LLM API has no sleep mode; drain the worker or stop it instead",
+                                  param="level")
+
+    async def wake_up(self) -> None:
+        return None
+
+    async def load_lora(self, name: str, source: str) -> LoraInfo:
+        self._started()
+        if not self._options.get("enable_lora") and not self._options.get("lora_config"):
+            raise InvalidRequestError("LoRA is off: pass \"enable_lora\": true (and lora_config) in --trtllm-args",
+                                      param="lora_name")
+        path = local_adapter_dir(source)
+        existing = self._loras.get(name)
+        if existing is not None:
+            if existing.source == path:
+                return existing
+            raise InvalidRequestError(f"LoRA adapter {name!r} is already loaded from {existing.source!r}", param="lora_name")
+        info = LoraInfo(name=name, source=path, lora_id=self._next_lora_id)
+        self._next_lora_id += 1
+        self._loras[name] = info
+        return info
+
+    async def unload_lora(self, name: str) -> None:
+        if self._loras.pop(name, None) is None:
+            raise NotFoundError(f"LoRA adapter {name!r} is not loaded on worker {self.worker_id:x}")
+
+    def list_loras(self) -> list[LoraInfo]:
+        return list(self._loras.values())

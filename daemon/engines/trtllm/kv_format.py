@@ -1,0 +1,115 @@
+"""TensorRT-LLM's KV cache events -> the shared native event types.
+
+``LLM.get_kv_cache_events_async()`` yields dicts made by ``KVCacheEventSerializer``
+(tensorrt_llm/_utils.py): ``{"event_id", "data", "window_size"[, "attention_dp_rank"]}`` with
+``data`` one of
+
+- ``{"type": "created", "num_blocks_per_cache_level": [...]}`` (once per window size at start),
+- ``{"type": "stored", "parent_hash", "blocks": [{"type": "stored_block", "block_hash",
+  "tokens": [{"type": "unique_token", "token_id", "token_extra_id"}], "cache_level", "priority",
+  ...}]}``,
+- ``{"type": "removed", "block_hashes": [...]}``,
+- ``{"type": "updated", "block_hash", "cache_level": {...}, "priority": {...}}``.
+
+``TrtllmEventMapper`` turns them into ``KvEventBatch``es the router's converter understands, with
+Dynamo's rules: only the largest attention window is indexed (sliding-window layers report their
+own blocks), a stored chain stops at its first partial block (the router hashes full blocks
+only) and a later removal of that partial block is not forwarded; ``event_id`` is consecutive, so
+a jump (the engine's bounded event buffer overflowed) is a gap. Block hashes are unsigned 64-bit
+ints; multimodal token ids (hex strings) cannot be rehashed by the router and end the chain.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from dynamod.shared.protocol.kv_events import BlockRemoved, BlockStored, KvEventBatch, NativeKvEvent
+
+logger = logging.getLogger(__name__)
+
+
+class TrtllmEventMapper:
+    """Stateful: remembers the largest window, partial blocks and the last event id."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.max_window: int | None = None
+        self._initial = True  # still in the leading "created" events
+        self._partial: set[int] = set()
+        self.last_event_id: int | None = None
+
+    def gap_before(self, event: Mapping[str, Any]) -> int:
+        """Events missing right before ``event`` (0 when consecutive or the first seen)."""
+        eid = event.get("event_id")
+        if not isinstance(eid, int):
+            return 0
+        last, self.last_event_id = self.last_event_id, eid
+        if last is None or eid <= last + 1:
+            return 0
+        return eid - last - 1
+
+    def _dropped_window(self, event: Mapping[str, Any]) -> bool:
+        window = event.get("window_size")
+        if window is None or self._initial:
+            return False
+        return self.max_window is not None and window != self.max_window
+
+    def map(self, event: Mapping[str, Any]) -> KvEventBatch | None:
+        """One serialized TensorRT-LLM event as a one-event batch (None: nothing to index)."""
+        data = event.get("data") or {}
+        kind = data.get("type")
+        rank = int(event.get("attention_dp_rank") or 0)
+        if kind == "created":
+            window = event.get("window_size")
+            if self._initial and isinstance(window, int):
+                self.max_window = window if self.max_window is None else max(self.max_window, window)
+            return None
+        self._initial = False
+        if self._dropped_window(event):
+            return None
+        native: NativeKvEvent | None = None
+        if kind == "stored":
+            native = self._stored(data)
+        elif kind == "removed":
+            hashes = []
+            for h in data.get("block_hashes") or []:
+                if h is None:
+                    continue
+                h = int(h)
+                if h in self._partial:
+                    self._partial.discard(h)
+                    continue
+                hashes.append(h)
+            native = BlockRemoved(block_hashes=hashes, medium="GPU") if hashes else None
+        if native is None:
+            return None
+        return KvEventBatch(ts=time.time(), events=[native], data_parallel_rank=rank)
+
+    def _stored(self, data: Mapping[str, Any]) -> BlockStored | None:
+        hashes: list[int] = []
+        tokens: list[int] = []
+        for block in data.get("blocks") or []:
+            block_hash = block.get("block_hash")
+            block_tokens = block.get("tokens") or []
+            if block_hash is None:
+                break
+            if len(block_tokens) != self.block_size:
+                if len(block_tokens) < self.block_size:
+                    self._partial.add(int(block_hash))
+                else:
+                    logger.error("trtllm block larger than the block size tokens=%d block_size=%d",
+                                 len(block_tokens), self.block_size)
+                break
+            ids = [t.get("token_id") for t in block_tokens]
+            if not all(isinstance(t, int) for t in ids):
+                break  # multimodal placeholder hashes: the router cannot rehash these blocks
+            hashes.append(int(block_hash))
+            tokens.extend(ids)  # type: ignore[arg-type]
+        if not hashes:
+            return None
+        parent = data.get("parent_hash")
+        return BlockStored(block_hashes=hashes, parent_block_hash=None if parent is None else int(parent),
+                           token_ids=tokens, block_size=self.block_size, lora_id=data.get("lora_id"), medium="GPU")

@@ -1,0 +1,538 @@
+"""``VllmEngine``: the Engine Protocol (daemon/worker/engine.py) over vLLM's ``AsyncLLM``.
+
+vLLM runs its engine core (scheduler, KV cache, model) in a child process; ``AsyncLLM`` is the
+in-process client the worker daemon drives from its event loop. Building it loads the model and
+sizes the KV cache (20-45 s on a 2-core CPU), so ``start()`` does that in a thread while the loop
+keeps the worker's discovery lease alive.
+
+KV events come from vLLM's own ZMQ publisher: ``start()`` opens our subscriber first (kv_endpoints
+says who binds), then gives vLLM the matching ``--kv-events-config``. Load comes from vLLM's
+scheduler stats through a stat logger. Requests go in as token ids with our sampling and stop
+settings and come back as token-id deltas; cancelling (closing the stream) aborts them in vLLM.
+
+Mapped controls: ``clear_kv_blocks`` -> ``reset_prefix_cache``; ``sleep``/``wake_up`` -> vLLM's
+sleep mode (needs ``--enable-sleep-mode``, CUDA/ROCm/XPU only; elsewhere a clear error instead of
+vLLM's silent no-op); LoRA load/unload/list -> ``add_lora``/``remove_lora`` (needs
+``--enable-lora``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from dynamod.daemon.engines.vllm import flags
+from dynamod.daemon.engines.vllm.kv_endpoints import plan_kv_events
+from dynamod.daemon.engines.vllm.kv_subscriber import NativeKvSubscriber
+from dynamod.daemon.engines.vllm.native_kv import DEFAULT_EVENT_BUFFER, NativeKvFeed
+from dynamod.daemon.engines.vllm.outputs import OutputTracker, sampling_kwargs
+from dynamod.daemon.engines.vllm.stats import LoadTracker, make_stat_logger_factory
+from dynamod.daemon.models.registry import LocalModel
+from dynamod.daemon.worker.engine import EngineInfo, LoraInfo
+from dynamod.shared.errors import (
+    ConfigError,
+    DynamoError,
+    EngineError,
+    InvalidRequestError,
+    NotFoundError,
+    UnavailableError,
+)
+from dynamod.shared.protocol.kv_events import KvCleared, RouterEvent, decode_native_batch
+from dynamod.shared.protocol.llm import EngineOutput, PreprocessedRequest
+from dynamod.shared.protocol.load import LoadMetrics
+from dynamod.shared.protocol.model_card import RuntimeConfig
+
+logger = logging.getLogger(__name__)
+
+STATUS_CREATED = "created"
+STATUS_STARTING = "starting"
+STATUS_READY = "ready"
+STATUS_SLEEPING = "sleeping"
+STATUS_FAILED = "failed"
+STATUS_STOPPED = "stopped"
+
+_HEALTH_POLL_S = 2.0
+_SHUTDOWN_TIMEOUT_S = 30.0
+
+# Set for the engine's child processes unless the operator set them: never reach a model hub; use
+# spawn (forking a process that runs an event loop and threads is unsafe); keep vLLM's IPC sockets
+# in the worker's private directory instead of /tmp.
+_ENV_DEFAULTS = {"HF_HUB_OFFLINE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+
+
+def _shutdown_done(timeout: float | None = None) -> None:
+    return None
+
+
+def build_async_llm(argv: list[str], tracker: LoadTracker) -> Any:
+    """Parses ``argv`` with vLLM's own parser and builds ``AsyncLLM`` (blocking: run in a thread)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    class _Parser(FlexibleArgumentParser):
+        def error(self, message: str) -> Any:  # argparse would exit the whole daemon
+            raise ConfigError(f"vLLM engine arguments: {message}")
+
+    try:
+        namespace = AsyncEngineArgs.add_cli_args(_Parser(prog="--vllm-args")).parse_args(argv)
+    except SystemExit as exc:  # --help or --version inside --vllm-args
+        raise ConfigError(f"vLLM engine arguments ended the parser (exit {exc.code}); remove --help/--version") from None
+    engine_args = AsyncEngineArgs.from_cli_args(namespace)
+    return AsyncLLM.from_engine_args(engine_args, stat_loggers=[make_stat_logger_factory(tracker)])
+
+
+def local_adapter_dir(source: str) -> str:
+    path = source[len("file://"):] if source.startswith("file://") else source
+    if "://" in path:
+        raise InvalidRequestError(
+            f"LoRA source {source!r}: only local adapter directories (or file:// URIs) can be loaded", param="source"
+        )
+    p = Path(path).expanduser()
+    if not (p / "adapter_config.json").is_file():
+        raise InvalidRequestError(f"LoRA source {source!r} is not a PEFT adapter directory (no adapter_config.json)", param="source")
+    return str(p.resolve())
+
+
+def _request_error(exc: BaseException) -> DynamoError:
+    """vLLM's exception for a failed request as ours (bad input is the client's fault)."""
+    from vllm.exceptions import VLLMClientError
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    if isinstance(exc, EngineDeadError):
+        return UnavailableError("vLLM engine is dead; see the worker log for the cause")
+    cause = exc.__cause__ or exc
+    if isinstance(cause, (ValueError, TypeError, VLLMClientError)):
+        return InvalidRequestError(str(cause) or type(cause).__name__)
+    return EngineError(f"vLLM request failed: {type(cause).__name__}: {cause}")
+
+
+class VllmEngine:
+    """One vLLM ``AsyncLLM`` (all its data-parallel ranks) as one worker."""
+
+    def __init__(
+        self,
+        tokens: list[str],
+        model: LocalModel,
+        worker_id: int,
+        *,
+        context_length: int | None = None,
+        kv_event_buffer: int = DEFAULT_EVENT_BUFFER,
+    ) -> None:
+        self.worker_id = worker_id
+        self.model = model
+        self._tokens = list(tokens)
+        self._context_override = context_length
+        est = flags.estimates(self._tokens)
+        self._dp = est.data_parallel_size
+        self._info = EngineInfo(
+            kv_block_size=est.block_size,
+            context_length=est.max_model_len or context_length or model.context_length,
+            runtime_config=RuntimeConfig(
+                total_kv_blocks=est.num_gpu_blocks or 0,
+                max_num_seqs=est.max_num_seqs or 0,
+                max_num_batched_tokens=est.max_num_batched_tokens or 0,
+                data_parallel_size=est.data_parallel_size,
+            ),
+            vocab_size=model.vocab_size,
+            eos_token_ids=list(model.eos_token_ids),
+        )
+        self._feed = NativeKvFeed(worker_id, buffer=kv_event_buffer)
+        self._load = LoadTracker(self._dp)
+        self._subscriber: NativeKvSubscriber | None = None
+        self._llm: Any = None
+        self._model_defaults: dict[str, Any] = {}
+        self._active: dict[str, OutputTracker] = {}
+        self._loras: dict[str, LoraInfo] = {}
+        self._next_lora_id = 1
+        self._status = STATUS_CREATED
+        self.sleep_level = 0
+        self._private_dir: str | None = None
+        self._start_lock = asyncio.Lock()
+        self._health_task: asyncio.Task[None] | None = None
+        self.start_seconds = 0.0
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def status(self) -> str:
+        return self._status
+
+    @property
+    def kv_feed(self) -> NativeKvFeed:
+        return self._feed
+
+    @property
+    def subscriber(self) -> NativeKvSubscriber | None:
+        return self._subscriber
+
+    async def start(self) -> None:
+        async with self._start_lock:
+            if self._status in (STATUS_READY, STATUS_SLEEPING):
+                return
+            if self._status in (STATUS_STOPPED, STATUS_FAILED):
+                raise EngineError(f"vLLM engine is {self._status}; create a new one")
+            self._status = STATUS_STARTING
+            try:
+                await self._start()
+            except BaseException:
+                self._status = STATUS_FAILED
+                await self._release()
+                raise
+            self._status = STATUS_READY
+
+    async def _start(self) -> None:
+        started = time.monotonic()
+        self._private_dir = tempfile.mkdtemp(prefix=f"dynamod-vllm-{self.worker_id:x}-")
+        for key, value in _ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("VLLM_RPC_BASE_PATH", self._private_dir)
+        if flags.prefix_caching_disabled(self._tokens):
+            logger.warning("vllm prefix caching is off worker_id=%x effect=no_kv_events_kv_routing_blind", self.worker_id)
+        try:
+            plan = plan_kv_events(
+                flags.user_kv_events_config(self._tokens),
+                data_parallel_size=self._dp,
+                private_dir=self._private_dir,
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self._subscriber = NativeKvSubscriber(
+            plan.subscribe,
+            decode=decode_native_batch,
+            on_batch=self._feed.on_batch,
+            on_gap=self._feed.on_gap,
+            topic=plan.topic,
+            replay=plan.replay,
+        )
+        self._subscriber.open()  # before the engine: its publisher may connect to us at once
+        plan.resolve(self._subscriber.bound)
+        argv = flags.engine_argv(
+            self._tokens,
+            model_path=str(self.model.path),
+            kv_events_config=plan.config,
+            max_model_len=self._context_override,
+        )
+        logger.info("vllm engine starting worker_id=%x argv=%s", self.worker_id, " ".join(argv))
+        try:
+            self._llm = await asyncio.to_thread(build_async_llm, argv, self._load)
+        except (ConfigError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            raise EngineError(f"vLLM engine failed to start: {type(exc).__name__}: {exc}") from exc
+        self._adopt_config()
+        self.start_seconds = time.monotonic() - started
+        self._health_task = asyncio.create_task(self._watch_health(), name=f"vllm-health-{self.worker_id:x}")
+        rc = self._info.runtime_config
+        logger.info(
+            "vllm engine started worker_id=%x block_size=%d total_kv_blocks=%d context_length=%d max_num_seqs=%d "
+            "dp=%d lora=%s sleep_mode=%s start_s=%.1f",
+            self.worker_id, self._info.kv_block_size, rc.total_kv_blocks, self._info.context_length,
+            rc.max_num_seqs, rc.data_parallel_size, self._lora_enabled(), self._sleep_enabled(), self.start_seconds,
+        )
+
+    def _adopt_config(self) -> None:
+        """The engine's real geometry replaces the flag estimates (in place: the daemon holds it)."""
+        cfg = self._llm.vllm_config
+        dp = max(1, int(cfg.parallel_config.data_parallel_size))
+        block_size = int(cfg.cache_config.block_size)
+        if block_size != self._info.kv_block_size:
+            logger.warning(
+                "vllm block size differs from the flags worker_id=%x flags=%d engine=%d "
+                "effect=a card published before start is stale",
+                self.worker_id, self._info.kv_block_size, block_size,
+            )
+        self._dp = dp
+        self._info.kv_block_size = block_size
+        self._info.context_length = int(cfg.model_config.max_model_len)
+        total = int(cfg.cache_config.num_gpu_blocks or 0)
+        self._info.runtime_config = RuntimeConfig(
+            total_kv_blocks=total // dp,
+            max_num_seqs=int(cfg.scheduler_config.max_num_seqs),
+            max_num_batched_tokens=int(cfg.scheduler_config.max_num_batched_tokens),
+            data_parallel_size=dp,
+        )
+        self._load.total_blocks_per_rank = total // dp
+        try:
+            self._model_defaults = dict(self._llm.model_config.get_diff_sampling_param())
+        except Exception:  # a model without generation_config.json is fine
+            self._model_defaults = {}
+        self._model_defaults.pop("max_new_tokens", None)
+        self._model_defaults.pop("max_tokens", None)
+
+    async def _watch_health(self) -> None:
+        """Notices an engine core that died between requests (checked every 2 s, no RPC)."""
+        while self._status in (STATUS_READY, STATUS_SLEEPING):
+            try:
+                await self.check_health()
+            except UnavailableError:
+                self._status = STATUS_FAILED
+                logger.error("vllm engine died worker_id=%x", self.worker_id)
+                return
+            await asyncio.sleep(_HEALTH_POLL_S)
+
+    async def check_health(self) -> None:
+        """Raises ``UnavailableError`` when the engine cannot serve."""
+        if self._llm is None or self._status in (STATUS_STOPPED, STATUS_FAILED):
+            raise UnavailableError(f"vLLM engine of worker {self.worker_id:x} is {self._status}")
+        try:
+            await self._llm.check_health()
+        except Exception as exc:
+            raise UnavailableError(f"vLLM engine of worker {self.worker_id:x} is dead: {exc}") from None
+
+    async def stop(self) -> None:
+        if self._status == STATUS_STOPPED:
+            return
+        was = self._status
+        self._status = STATUS_STOPPED
+        if self._health_task is not None:
+            self._health_task.cancel()
+        if self._llm is not None and self._active and was != STATUS_FAILED:
+            try:
+                await self._llm.abort(list(self._active))
+            except Exception:
+                logger.exception("vllm abort on stop failed worker_id=%x", self.worker_id)
+        await self._release()
+        logger.info("vllm engine stopped worker_id=%x", self.worker_id)
+
+    async def _release(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            # Its output handler would report the engine core's exit as a failure: end it first.
+            handler = getattr(llm, "output_handler", None)
+            if handler is not None:
+                handler.cancel()
+                await asyncio.gather(handler, return_exceptions=True)
+                llm.output_handler = None
+            try:
+                # Joins the engine core process: seconds, so off the event loop.
+                await asyncio.wait_for(asyncio.to_thread(llm.shutdown, _SHUTDOWN_TIMEOUT_S), _SHUTDOWN_TIMEOUT_S + 5)
+            except Exception:
+                logger.exception("vllm shutdown failed worker_id=%x", self.worker_id)
+            # Its __del__ shuts down again, which fails (noisily) when that happens while the
+            # interpreter tears modules down: the shutdown is done, make the second one a no-op.
+            llm.shutdown = _shutdown_done
+        if self._subscriber is not None:
+            await self._subscriber.close()
+            self._subscriber = None
+        self._feed.close()
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
+            self._private_dir = None
+
+    def _check_serving(self) -> None:
+        if self._status == STATUS_READY:
+            return
+        if self._status == STATUS_SLEEPING:
+            raise UnavailableError(f"worker {self.worker_id:x} is asleep (level {self.sleep_level}); wake it up first")
+        raise UnavailableError(f"vLLM engine of worker {self.worker_id:x} is {self._status}")
+
+    def _check_started(self) -> Any:
+        if self._llm is None or self._status not in (STATUS_READY, STATUS_SLEEPING):
+            raise UnavailableError(f"vLLM engine of worker {self.worker_id:x} is {self._status}")
+        return self._llm
+
+    def _lora_enabled(self) -> bool:
+        return self._llm is not None and self._llm.vllm_config.lora_config is not None
+
+    def _sleep_enabled(self) -> bool:
+        return self._llm is not None and bool(self._llm.model_config.enable_sleep_mode)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+        """Streams token-id deltas; the last output has ``finish_reason`` and ``usage`` (with the
+        prompt tokens vLLM found in its prefix cache). Closing the stream aborts the request."""
+        return self._generate(request)
+
+    async def _generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+        self._check_serving()
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = self._llm
+        rid = request.request_id
+        if rid in self._active:
+            raise InvalidRequestError(f"request id {rid!r} is already in flight", param="request_id")
+        lora_request = None
+        if request.lora_name:
+            lora = self._loras.get(request.lora_name)
+            if lora is None:
+                loaded = ", ".join(sorted(self._loras)) or "none"
+                raise InvalidRequestError(
+                    f"LoRA adapter {request.lora_name!r} is not loaded on this worker (loaded: {loaded})", param="model"
+                )
+            lora_request = LoRARequest(lora.name, lora.lora_id, lora.source)
+        if request.dp_rank is not None and not 0 <= request.dp_rank < self._dp:
+            raise InvalidRequestError(f"dp_rank {request.dp_rank} out of range [0, {self._dp})", param="dp_rank")
+        try:
+            params = SamplingParams(
+                **sampling_kwargs(request, context_length=self._info.context_length, model_defaults=self._model_defaults),
+                output_kind=RequestOutputKind.DELTA,
+            )
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequestError(f"bad sampling parameters: {exc}") from None
+        tracker = OutputTracker(len(request.token_ids))
+        self._active[rid] = tracker
+        stream = llm.generate(
+            TokensPrompt(prompt_token_ids=list(request.token_ids)),
+            params,
+            rid,
+            lora_request=lora_request,
+            data_parallel_rank=request.dp_rank,
+        )
+        finished = False
+        try:
+            try:
+                # vLLM's stream ends by itself after the finished output; running it to its end
+                # (rather than closing it) spares the engine an abort per request.
+                async for ro in stream:
+                    out = tracker.map(ro)
+                    if out is None:
+                        continue
+                    finished = out.finish_reason is not None
+                    yield out
+            except (GeneratorExit, asyncio.CancelledError):
+                raise
+            except DynamoError:
+                raise
+            except Exception as exc:
+                raise _request_error(exc) from exc
+            if not finished:  # the stream ended without a final output: it was aborted
+                finished = True
+                yield tracker.aborted()
+        finally:
+            self._active.pop(rid, None)
+            if not finished:
+                # Closing vLLM's unfinished stream aborts the request in the engine core.
+                await stream.aclose()
+                logger.debug("vllm request aborted worker_id=%x request_id=%s", self.worker_id, rid)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self._active and self._llm is not None:
+            await self._llm.abort(request_id)
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._active)
+
+    # ---- KV events and load --------------------------------------------------------------------
+
+    def kv_events(self) -> AsyncIterator[RouterEvent]:
+        return self._feed.events()
+
+    async def kv_dump(self) -> list[RouterEvent]:
+        return self._feed.dump()
+
+    async def clear_kv_blocks(self) -> int:
+        """``reset_prefix_cache``. vLLM publishes its cleared event only with its next step, so the
+        adapter emits it at once; the late native one is harmless (nothing stored in between)."""
+        llm = self._check_started()
+        before = self._feed.table.num_blocks()
+        if not await llm.reset_prefix_cache():
+            raise UnavailableError(
+                f"vLLM resets its prefix cache only when no request holds KV blocks "
+                f"({len(self._active)} in flight on worker {self.worker_id:x}); drain the worker or retry when idle"
+            )
+        for rank in range(self._dp):
+            self._feed.emit(rank, KvCleared())
+        logger.info("vllm prefix cache reset worker_id=%x blocks=%d", self.worker_id, before)
+        return before
+
+    def load_metrics(self) -> list[LoadMetrics]:
+        return self._load.snapshot(self.worker_id, idle=not self._active, status=self._status, ts=time.time())
+
+    # ---- sleep / wake --------------------------------------------------------------------------
+
+    async def sleep(self, level: int) -> None:
+        if level not in (1, 2):
+            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level}", param="level")
+        llm = self._check_started()
+        if not self._sleep_enabled():
+            from vllm.platforms import current_platform
+
+            where = (
+                "start the worker with --enable-sleep-mode in --vllm-args"
+                if current_platform.is_sleep_mode_available()
+                else f"vLLM has no sleep mode on this platform ({current_platform.device_type or 'unknown'}); "
+                "it exists on CUDA, ROCm and XPU"
+            )
+            raise InvalidRequestError(f"sleep is not available on worker {self.worker_id:x}: {where}", param="level")
+        if self._status == STATUS_SLEEPING:
+            self.sleep_level = max(self.sleep_level, level)
+            return
+        aborted = len(self._active)
+        await llm.sleep(level)  # mode "abort": in-flight requests end as aborted
+        self._status = STATUS_SLEEPING
+        self.sleep_level = level
+        for rank in range(self._dp):
+            self._feed.emit(rank, KvCleared())
+        logger.info("vllm asleep worker_id=%x level=%d aborted=%d", self.worker_id, level, aborted)
+
+    async def wake_up(self) -> None:
+        llm = self._check_started()
+        if self._status != STATUS_SLEEPING:
+            return
+        await llm.wake_up()
+        level, self.sleep_level = self.sleep_level, 0
+        self._status = STATUS_READY
+        logger.info("vllm awake worker_id=%x from_level=%d", self.worker_id, level)
+
+    # ---- LoRA ----------------------------------------------------------------------------------
+
+    async def load_lora(self, name: str, source: str) -> LoraInfo:
+        if not name:
+            raise InvalidRequestError("lora_name must not be empty", param="lora_name")
+        llm = self._check_started()
+        if not self._lora_enabled():
+            raise InvalidRequestError(
+                "LoRA is off on this worker: start it with --enable-lora (and --max-lora-rank at least the "
+                "adapter's rank) in --vllm-args",
+                param="lora_name",
+            )
+        path = local_adapter_dir(source)
+        existing = self._loras.get(name)
+        if existing is not None:
+            if existing.source == path:
+                return existing
+            raise InvalidRequestError(
+                f"LoRA adapter {name!r} is already loaded from {existing.source!r}; unload it first", param="lora_name"
+            )
+        from vllm.lora.request import LoRARequest
+
+        info = LoraInfo(name=name, source=path, lora_id=self._next_lora_id)
+        self._next_lora_id += 1
+        try:
+            added = await llm.add_lora(LoRARequest(name, info.lora_id, path))
+        except Exception as exc:
+            raise InvalidRequestError(f"vLLM could not load LoRA adapter {name!r} from {path}: {exc}") from None
+        if not added:
+            raise EngineError(f"vLLM refused LoRA adapter {name!r} from {path}")
+        self._loras[name] = info
+        logger.info("vllm lora loaded worker_id=%x lora=%s lora_id=%d source=%s", self.worker_id, name, info.lora_id, path)
+        return info
+
+    async def unload_lora(self, name: str) -> None:
+        info = self._loras.get(name)
+        if info is None:
+            raise NotFoundError(f"LoRA adapter {name!r} is not loaded on worker {self.worker_id:x}")
+        llm = self._check_started()
+        await llm.remove_lora(info.lora_id)
+        del self._loras[name]
+        logger.info("vllm lora unloaded worker_id=%x lora=%s lora_id=%d", self.worker_id, name, info.lora_id)
+
+    def list_loras(self) -> list[LoraInfo]:
+        return list(self._loras.values())

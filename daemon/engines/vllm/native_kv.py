@@ -1,0 +1,109 @@
+"""An engine's native KV events as the worker's numbered ``RouterEvent`` stream, plus its dump.
+
+The glue between ``NativeKvSubscriber`` (ordered native batches, gaps reported) and the worker
+daemon (which publishes ``kv_events()`` and answers ``kv_dump``). Batches are converted with the
+router's own converter (shared/kv/native_events.py: token ids rehashed, engine hashes kept to match
+removals), recorded in a ``KvBlockTable`` and queued.
+
+``event_id`` is the worker's, consecutive over all ranks. Whenever events are known to be lost (a
+native gap the replay could not fill, or a full queue) one id is left unused, so the router sees
+the gap and re-reads ``kv_dump``, which the table answers as if nothing had been lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable
+
+from dynamod.daemon.engines.vllm.kv_table import KvBlockTable
+from dynamod.shared.kv.native_events import NativeEventConverter
+from dynamod.shared.protocol.kv_events import KvEvent, KvEventBatch, RouterEvent
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_EVENT_BUFFER = 65536
+
+
+class NativeKvFeed:
+    """Numbered router events from native batches; bounded, drops become id gaps."""
+
+    def __init__(
+        self,
+        worker_id: int,
+        *,
+        buffer: int = DEFAULT_EVENT_BUFFER,
+        mediums: Iterable[str] = ("GPU",),
+    ) -> None:
+        self.worker_id = worker_id
+        self._converter = NativeEventConverter(worker_id, mediums=mediums)
+        self.table = KvBlockTable()
+        self._queue: asyncio.Queue[RouterEvent | None] = asyncio.Queue(maxsize=buffer)
+        self._closed = False
+        self._dropping = False
+        self.dropped = 0
+        self.gaps = 0
+
+    @property
+    def last_event_id(self) -> int:
+        """The id of the last event handed out (or skipped); -1 before the first."""
+        return self._converter.next_event_id - 1
+
+    def on_batch(self, rank: int, batch: KvEventBatch) -> None:
+        """A native batch, in order (``NativeKvSubscriber``'s handler)."""
+        if batch.data_parallel_rank is None:
+            batch.data_parallel_rank = rank
+        events = self._converter.convert(batch)
+        self.table.apply_all(events)
+        for ev in events:
+            self._enqueue(ev)
+
+    def on_gap(self, rank: int, missing: int) -> None:
+        """Native batches were lost for good: skip an id so the router resyncs from the dump."""
+        self.gaps += 1
+        self._converter.next_event_id += 1
+        logger.warning(
+            "kv events gap worker_id=%x dp_rank=%d missing_batches=%d skipped_event_id=%d",
+            self.worker_id, rank, missing, self._converter.next_event_id - 1,
+        )
+
+    def emit(self, rank: int, event: KvEvent) -> RouterEvent:
+        """An event the adapter knows of before the engine publishes it (a cleared cache)."""
+        ev = RouterEvent(worker_id=self.worker_id, dp_rank=rank, event_id=self._converter.next_event_id, event=event)
+        self._converter.next_event_id += 1
+        self.table.apply(rank, event)
+        self._enqueue(ev)
+        return ev
+
+    def _enqueue(self, ev: RouterEvent) -> None:
+        if self._closed:
+            return
+        if self._queue.full():
+            # The daemon fell behind: drop. The id gap makes the router re-read kv_dump.
+            if not self._dropping:
+                self._dropping = True
+                logger.warning("kv event buffer full worker_id=%x event_id=%d", self.worker_id, ev.event_id)
+            self.dropped += 1
+            return
+        self._dropping = False
+        self._queue.put_nowait(ev)
+
+    async def events(self) -> AsyncIterator[RouterEvent]:
+        """The router events in order (one consumer); ends after ``close()``."""
+        while True:
+            ev = await self._queue.get()
+            if ev is None:
+                return
+            yield ev
+
+    def dump(self) -> list[RouterEvent]:
+        return self.table.dump(self.worker_id, max(self.last_event_id, 0))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._queue.full():
+            self._queue.get_nowait()
+            self.dropped += 1
+        self._queue.put_nowait(None)

@@ -1,0 +1,131 @@
+"""Our request and response types <-> vLLM's ``SamplingParams`` and ``RequestOutput``.
+
+Plain functions over plain values (no vLLM import), so the mapping is tested without an engine:
+``sampling_kwargs`` builds the keyword arguments for ``vllm.SamplingParams``; ``OutputTracker``
+turns the delta ``RequestOutput``s of one request into ``EngineOutput`` frames and its usage.
+
+The frontend tokenizes, detokenizes and applies stop strings, so the engine is asked for token ids
+only (``detokenize=False``) and in deltas; only stop *token ids* reach it. Sampling values the
+request leaves unset take the model's own defaults (vLLM reads them from generation_config.json,
+as its OpenAI server does), then vLLM's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dynamod.shared.protocol.llm import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineOutput,
+    PreprocessedRequest,
+    Usage,
+)
+
+_FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT, "error": FINISH_ERROR}
+
+
+def sampling_kwargs(
+    request: PreprocessedRequest,
+    *,
+    context_length: int,
+    model_defaults: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments for ``SamplingParams`` (without ``output_kind``, which the caller adds)."""
+    s = request.sampling
+    stop = request.stop
+    out: dict[str, Any] = {}
+    defaults = dict(model_defaults or {})
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        value = getattr(s, name)
+        if value is not None:
+            out[name] = value
+        elif name in defaults:
+            out[name] = defaults[name]
+    # Model defaults other than the four above (repetition_penalty, min_p, ...) also apply.
+    for name, value in defaults.items():
+        if name not in out and name not in ("max_tokens",):
+            out[name] = value
+    if out.get("top_k") == -1:
+        out["top_k"] = 0  # older generation configs use -1 for "off"; vLLM now uses 0
+    max_tokens = stop.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, context_length - len(request.token_ids)) if context_length else 16
+    out["max_tokens"] = max_tokens
+    if stop.min_tokens:
+        out["min_tokens"] = stop.min_tokens
+    if stop.stop_token_ids:
+        out["stop_token_ids"] = list(stop.stop_token_ids)
+    if stop.ignore_eos:
+        out["ignore_eos"] = True
+    if s.logprobs is not None:
+        out["logprobs"] = s.logprobs
+    out["detokenize"] = False
+    out["n"] = 1
+    return out
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """vLLM's finish reason as ours ("stop" for anything unknown but final)."""
+    if reason is None:
+        return None
+    return _FINISH.get(reason, FINISH_STOP)
+
+
+def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float] | None:
+    """The log probability of each sampled token from vLLM's per-position dicts
+    (``{token_id: Logprob}``), or None when the request asked for none."""
+    if not logprobs:
+        return None
+    out: list[float] = []
+    for token, position in zip(token_ids, logprobs, strict=False):
+        entry = position.get(token) if isinstance(position, Mapping) else None
+        value = getattr(entry, "logprob", entry)
+        out.append(float(value) if value is not None else float("-inf"))
+    return out
+
+
+class OutputTracker:
+    """Maps one request's delta outputs; keeps the counts its final usage needs."""
+
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
+
+    def __init__(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            completion_tokens=self.completion_tokens,
+        )
+
+    def map(self, output: Any) -> EngineOutput | None:
+        """One vLLM ``RequestOutput`` (delta kind) as an ``EngineOutput``; None if it carries
+        nothing to send (no new token and not final)."""
+        if output.num_cached_tokens:
+            self.cached_tokens = int(output.num_cached_tokens)
+        completion = output.outputs[0] if output.outputs else None
+        token_ids = list(completion.token_ids) if completion is not None else []
+        self.completion_tokens += len(token_ids)
+        reason = finish_reason(completion.finish_reason if completion is not None else None)
+        if reason is None and output.finished:
+            reason = FINISH_STOP
+        if not token_ids and reason is None:
+            return None
+        out = EngineOutput(token_ids=token_ids, finish_reason=reason)
+        if completion is not None:
+            lp = sampled_logprobs(token_ids, completion.logprobs)
+            if lp is not None:
+                out.log_probs = lp
+        if reason is not None:
+            out.usage = self.usage()
+        return out
+
+    def aborted(self) -> EngineOutput:
+        return EngineOutput(finish_reason=FINISH_ABORT, usage=self.usage())
