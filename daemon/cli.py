@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=prog, description=(module.__doc__ or "").strip().split("\n\n")[0])
     module.add_args(parser)
-    args = parser.parse_args(rest)
+    # A role may parse in two passes (the worker adds its chosen engine's flags first).
+    args = module.parse_args(parser, rest) if hasattr(module, "parse_args") else parser.parse_args(rest)
     args.role = name
     configure_logging(getattr(args, "log_level", None))
     try:

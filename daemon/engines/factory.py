@@ -21,14 +21,17 @@ ENGINES: dict[str, str] = {
 }
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Every engine's own flags, so ``--help`` shows them whatever engine is picked."""
-    for name, module_name in ENGINES.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        module.add_args(parser.add_argument_group(f"{name} engine"))
+def add_engine_args(parser: argparse.ArgumentParser, engine: str) -> None:
+    """The chosen engine's own flags (``--help`` shows them for the ``--engine`` given). Only one
+    engine's group is added: engines share flag names (``--block-size``) with different meanings."""
+    module_name = ENGINES.get(engine)
+    if module_name is None:
+        return
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return
+    module.add_args(parser.add_argument_group(f"{engine} engine"))
 
 
 def create_engine(name: str, args: argparse.Namespace, model: LocalModel, worker_id: int, worker_index: int) -> Engine:

@@ -14,7 +14,8 @@ import logging
 import os
 
 from dynamod.daemon.engines.factory import ENGINES, add_engine_args, create_engine
-from dynamod.daemon.models.registry import resolve_model
+from dynamod.daemon.models.registry import LocalModel, resolve_model
+from dynamod.daemon.worker.engine import EngineInfo
 from dynamod.daemon.worker.metrics import WorkerMetrics
 from dynamod.daemon.worker.service import WorkerService
 from dynamod.shared.config import add_runtime_args, settings_from_args
@@ -46,10 +47,26 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds to let in-flight requests finish on SIGTERM [default 30]")
     add_runtime_args(parser)
-    add_engine_args(parser)
 
 
-def build_card(args: argparse.Namespace, model, engine_info) -> ModelCard:  # noqa: ANN001
+def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Adds the chosen engine's flags, then parses. A real engine gets the flags dynamod does not
+    know passed through to it (``args.engine_args``), so ``--enforce-eager`` reaches vLLM as is;
+    the mocker has no such pass-through and unknown flags are an error."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--engine", default=os.environ.get("DYN_ENGINE", "mocker"))
+    engine = pre.parse_known_args(argv)[0].engine
+    add_engine_args(parser, engine if engine in ENGINES else "mocker")
+    if engine == "mocker":
+        args = parser.parse_args(argv)
+        args.engine_args = []
+        return args
+    args, extra = parser.parse_known_args(argv)
+    args.engine_args = extra
+    return args
+
+
+def build_card(args: argparse.Namespace, model: LocalModel, engine_info: EngineInfo) -> ModelCard:
     types = [MODEL_TYPE_PREFILL] if args.role == "prefill" else [MODEL_TYPE_CHAT, MODEL_TYPE_COMPLETIONS]
     return ModelCard(
         served_model_name=args.served_model_name or model.name,
@@ -80,7 +97,14 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
             lease = runtime.lease if index == 0 else await runtime.create_lease()
             assert lease is not None
             engine = create_engine(args.engine, args, model, worker_id=lease.id, worker_index=index)
-            service = WorkerService(component, engine, build_card(args, model, engine.info), lease, role=args.role, metrics=metrics)
+            service = WorkerService(
+                component,
+                engine,
+                lambda info: build_card(args, model, info),
+                lease,
+                role=args.role,
+                metrics=metrics,
+            )
             await service.start()
             services.append(service)
         logger.info(

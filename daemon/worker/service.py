@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -24,7 +24,7 @@ from dynamod.daemon.worker.control_types import (
     UnloadLoraRequest,
     parse_body,
 )
-from dynamod.daemon.worker.engine import Engine
+from dynamod.daemon.worker.engine import Engine, EngineInfo
 from dynamod.daemon.worker.metrics import WorkerMetrics
 from dynamod.shared.discovery.store import Lease
 from dynamod.shared.errors import InvalidRequestError, UnavailableError
@@ -52,7 +52,7 @@ class WorkerService:
         self,
         component: Component,
         engine: Engine,
-        card: ModelCard,
+        card_builder: Callable[[EngineInfo], ModelCard],
         lease: Lease,
         *,
         role: str,
@@ -60,7 +60,8 @@ class WorkerService:
     ) -> None:
         self.component = component
         self.engine = engine
-        self.card = card
+        self._card_builder = card_builder
+        self.card: ModelCard | None = None
         self.lease = lease
         self.role = role
         self.status = STATUS_READY
@@ -84,6 +85,8 @@ class WorkerService:
 
     async def start(self) -> None:
         await self.engine.start()
+        # Real engines learn their KV geometry (blocks, block size, context) only once started.
+        self.card = self._card_builder(self.engine.info)
         self._kv_pub = await self.component.publisher(TOPIC_KV_EVENTS)
         self._load_pub = await self.component.publisher(TOPIC_KV_METRICS)
         self._tasks.append(asyncio.create_task(self._publish_kv_events(), name=f"kv-events-{self.worker_id:x}"))
@@ -186,8 +189,9 @@ class WorkerService:
             if self.status == STATUS_SLEEPING:
                 yield control.ok("already sleeping", state=self.status)
                 return
-            await self._set_status(STATUS_SLEEPING)
+            # The engine may refuse (no sleep mode on this platform): only then is the worker asleep.
             await self.engine.sleep(req.level)
+            await self._set_status(STATUS_SLEEPING)
         logger.info("worker sleeping worker_id=%x level=%d", self.worker_id, req.level)
         yield control.ok(f"sleeping at level {req.level}", state=self.status)
 
@@ -223,6 +227,7 @@ class WorkerService:
         if not req.lora_name or "/" in req.lora_name:
             raise InvalidRequestError("lora_name must be a non-empty name without '/'")
         info = await self.engine.load_lora(req.lora_name, uri)
+        assert self.card is not None, "load_lora before start"
         card = msgspec.structs.replace(
             self.card,
             served_model_name=req.lora_name,
