@@ -200,6 +200,9 @@ class OpenAIEndpoint(ABC):
             if status == STATUS_SUCCESS:
                 mm.osl.observe(gen.completion_tokens)
                 mm.usage(gen.prompt_tokens, gen.cached_tokens)
+                self.state.metrics.worker_latency(
+                    gen.engine.worker_id, now - start, time.perf_counter() - now, gen.completion_tokens
+                )
             return status
         finally:
             if gen is not None:

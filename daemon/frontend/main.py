@@ -126,6 +126,11 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
             fleet.on_change = lambda pids: state.frontend_pids.__setitem__(slice(None), [os.getpid(), *pids])
         elif args.frontend_group_pid:
             state.frontend_pids = [args.frontend_group_pid, os.getpid()]
+        base_url = f"http://{config.http_host}:{port}"
+        advertised = await runtime.namespace().component("frontend").endpoint("http").advertise(
+            transport="http", address=f"{config.http_host}:{port}", role="frontend",
+            labels={"metrics_url": f"{base_url}/metrics", "router_mode": config.router_mode},
+        )
         logger.info(
             "frontend listening url=http://%s:%d router_mode=%s models=%d frontends=%d",
             config.http_host, port, config.router_mode, len(registry.models), config.num_frontends,
@@ -133,6 +138,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         await stop.wait()
         # Graceful: refuse new work, let admitted streams finish, then close.
         state.draining = True
+        await advertised.deregister()
         logger.info("frontend draining inflight=%d grace_s=%.1f", state.inflight, config.shutdown_grace_s)
         if fleet is not None:
             await fleet.stop(config.shutdown_grace_s)

@@ -96,13 +96,38 @@ class FrontendMetrics:
             ("model",),
             registry=registry,
         )
+        # Per-worker latency of the last finished request: the console names a slow worker with it.
+        self.worker_ttft = Gauge(
+            "dynamo_frontend_worker_last_time_to_first_token_seconds",
+            "TTFT of the last request a worker finished",
+            ("worker_id",),
+            registry=registry,
+        )
+        self.worker_itl = Gauge(
+            "dynamo_frontend_worker_last_inter_token_latency_seconds",
+            "Mean inter-token latency of the last request a worker finished",
+            ("worker_id",),
+            registry=registry,
+        )
         self._models: dict[str, ModelMetrics] = {}
+        self._workers: dict[int, tuple[Gauge, Gauge]] = {}
 
     def for_model(self, model: str) -> ModelMetrics:
         m = self._models.get(model)
         if m is None:
             m = self._models[model] = ModelMetrics(self, model)
         return m
+
+    def worker_latency(self, worker_id: int, ttft_s: float, decode_s: float, completion_tokens: int) -> None:
+        gauges = self._workers.get(worker_id)
+        if gauges is None:
+            if len(self._workers) > 4096:  # workers come and go; keep the label set bounded
+                self._workers.clear()
+            label = f"{worker_id:x}"
+            gauges = self._workers[worker_id] = (self.worker_ttft.labels(label), self.worker_itl.labels(label))
+        gauges[0].set(ttft_s)
+        if completion_tokens > 1:
+            gauges[1].set(decode_s / (completion_tokens - 1))
 
     def count_request(self, model: str, endpoint: str, stream: bool, status: str) -> None:
         self.requests.labels(model, endpoint, "stream" if stream else "unary", status).inc()

@@ -262,6 +262,33 @@ class Endpoint:
         )
         return served
 
+    async def advertise(
+        self, *, transport: str, address: str, role: str = "", labels: dict[str, str] | None = None
+    ) -> ServedInstance:
+        """Registers an instance served outside the request plane (the frontend's HTTP server), so
+        operators and tools find it in discovery like any other; it lives and dies with the lease."""
+        rt = self.runtime
+        assert rt.lease is not None
+        record = Instance(
+            namespace=self.namespace_name,
+            component=self.component.name,
+            endpoint=self.name,
+            instance_id=rt.instance_id,
+            transport=transport,
+            address=address,
+            node=rt.settings.node_name,
+            pid=os.getpid(),
+            role=role,
+            labels=dict(labels or {}),
+            started_at=time.time(),
+            system_url=rt.status_url,
+        )
+        served = ServedInstance(self, record, rt.lease, None)
+        await served.publish()
+        rt._served.append(served)
+        logger.info("instance advertised path=%s transport=%s address=%s", served.path, transport, address)
+        return served
+
     async def client(self) -> EndpointClient:
         return await EndpointClient(self.runtime, self.namespace_name, self.component.name, self.name).start()
 
@@ -269,7 +296,7 @@ class Endpoint:
 class ServedInstance:
     """One registered instance: its discovery record, its handler on the server, its metrics."""
 
-    def __init__(self, endpoint: Endpoint, record: Instance, lease: Lease, server: RequestPlaneServer) -> None:
+    def __init__(self, endpoint: Endpoint, record: Instance, lease: Lease, server: RequestPlaneServer | None) -> None:
         self.endpoint = endpoint
         self.record = record
         self.lease = lease
@@ -316,7 +343,8 @@ class ServedInstance:
             logger.info("endpoint deregistered path=%s", self.path)
 
     def stop_serving(self) -> None:
-        self._server.unregister(self.path)
+        if self._server is not None:
+            self._server.unregister(self.path)
 
     def wrap(self, handler: Handler) -> Handler:
         """Adds metrics and error accounting around a handler without changing its stream."""
