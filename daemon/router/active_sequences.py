@@ -1,0 +1,204 @@
+"""The router's own view of each worker's load: the requests it routed there and has not freed.
+
+Per worker key it counts *active blocks* (the KV blocks those requests occupy, the decode load)
+and *active prefill tokens* (prompt tokens routed but not yet prefilled, the prefill load).
+Requests sharing a prefix share its blocks on the engine, so blocks are reference-counted by their
+chained sequence hash and counted once. A request's trailing partial block is its own.
+
+Lifecycle, driven by the frontend: ``add`` when routed, ``mark_prefill_done`` at the first token
+(its prompt stops counting as prefill load), ``free`` at the end, on error or cancel. A request
+never freed (a lost frontend task) is forgotten after ``ttl_s`` so its load does not stick forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+
+from dynamod.shared.kv.indexer import WorkerKey
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerLoad:
+    """What the router believes one worker key is doing."""
+
+    __slots__ = ("block_refs", "partial_blocks", "prefill_tokens", "requests")
+
+    def __init__(self) -> None:
+        # sequence hash -> active requests using the block (a Counter: its update() counts a
+        # 512-block prompt in C, on the routing path)
+        self.block_refs: Counter[int] = Counter()
+        self.partial_blocks = 0
+        self.prefill_tokens = 0
+        self.requests = 0
+
+    @property
+    def active_blocks(self) -> int:
+        return len(self.block_refs) + self.partial_blocks
+
+    def shared_prefix(self, seq_hashes: Sequence[int]) -> int:
+        """How many leading blocks of a prompt are already active here.
+
+        The active set is a union of whole prompt chains, so it is prefix-closed along any
+        prompt: a binary search finds the boundary in O(log n) lookups.
+        """
+        refs = self.block_refs
+        if not refs or not seq_hashes or seq_hashes[0] not in refs:
+            return 0
+        lo, hi = 1, len(seq_hashes)  # seq_hashes[:lo] is active; find the largest such lo
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if seq_hashes[mid - 1] in refs:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+class _Sequence:
+    __slots__ = ("worker", "seq_hashes", "partial", "prefill_tokens", "prefill_done", "added_at")
+
+    def __init__(
+        self, worker: WorkerKey, seq_hashes: Sequence[int], partial: int, prefill_tokens: int, added_at: float
+    ) -> None:
+        self.worker = worker
+        self.seq_hashes = seq_hashes
+        self.partial = partial
+        self.prefill_tokens = prefill_tokens
+        self.prefill_done = False
+        self.added_at = added_at
+
+
+class ActiveSequences:
+    """Active requests by id (any hashable: replicas key remote requests by (router, id))."""
+
+    def __init__(self, block_size: int, *, ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._seqs: OrderedDict[Hashable, _Sequence] = OrderedDict()  # in add order = age order
+        self._loads: dict[WorkerKey, WorkerLoad] = {}
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __contains__(self, request_id: Hashable) -> bool:
+        return request_id in self._seqs
+
+    def worker_of(self, request_id: Hashable) -> WorkerKey | None:
+        seq = self._seqs.get(request_id)
+        return seq.worker if seq is not None else None
+
+    def load(self, worker: WorkerKey) -> WorkerLoad | None:
+        return self._loads.get(worker)
+
+    def loads(self) -> dict[WorkerKey, WorkerLoad]:
+        """The per-worker loads, live (read-only by contract; the scheduler's fast path)."""
+        return self._loads
+
+    def active_blocks(self, worker: WorkerKey) -> int:
+        load = self._loads.get(worker)
+        return load.active_blocks if load is not None else 0
+
+    def active_prefill_tokens(self, worker: WorkerKey) -> int:
+        load = self._loads.get(worker)
+        return load.prefill_tokens if load is not None else 0
+
+    def request_blocks(self, isl: int) -> int:
+        """Blocks a prompt of ``isl`` tokens occupies (its partial tail counts as one)."""
+        return -(-isl // self.block_size)
+
+    def new_blocks(self, worker: WorkerKey, seq_hashes: Sequence[int], isl: int) -> int:
+        """Blocks the prompt would add to ``worker``'s active blocks (not shared with its
+        active requests)."""
+        total = self.request_blocks(isl)
+        load = self._loads.get(worker)
+        if load is None:
+            return total
+        return total - load.shared_prefix(seq_hashes)
+
+    def add(self, request_id: Hashable, worker: WorkerKey, seq_hashes: Sequence[int], isl: int, prefill_tokens: int) -> None:
+        """Starts counting a routed request. ``prefill_tokens``: prompt tokens not cached there."""
+        if request_id in self._seqs:
+            logger.info("active sequence re-added request_id=%s; replacing", request_id)
+            self.free(request_id)
+        now = self._clock()
+        self.expire(now)
+        partial = 1 if isl % self.block_size else 0
+        seq = _Sequence(worker, seq_hashes, partial, max(prefill_tokens, 0), now)
+        load = self._loads.get(worker)
+        if load is None:
+            load = self._loads[worker] = WorkerLoad()
+        load.block_refs.update(seq_hashes)
+        load.partial_blocks += partial
+        load.prefill_tokens += seq.prefill_tokens
+        load.requests += 1
+        self._seqs[request_id] = seq
+
+    def mark_prefill_done(self, request_id: Hashable) -> bool:
+        """The first token arrived: the prompt no longer counts as prefill load."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.prefill_done:
+            return False
+        seq.prefill_done = True
+        load = self._loads[seq.worker]
+        load.prefill_tokens -= seq.prefill_tokens
+        return True
+
+    def free(self, request_id: Hashable) -> bool:
+        """The request ended (finished, failed or cancelled)."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self._release(seq)
+        return True
+
+    def expire(self, now: float | None = None) -> list[Hashable]:
+        """Forgets requests older than the TTL (never freed). Returns their ids."""
+        if now is None:
+            now = self._clock()
+        cutoff = now - self.ttl_s
+        expired: list[Hashable] = []
+        seqs = self._seqs
+        while seqs:
+            request_id, seq = next(iter(seqs.items()))
+            if seq.added_at > cutoff:
+                break
+            seqs.popitem(last=False)
+            self._release(seq)
+            expired.append(request_id)
+        if expired:
+            logger.warning("active sequences expired count=%d ttl_s=%s", len(expired), self.ttl_s)
+        return expired
+
+    def remove_worker(self, worker_id: int) -> list[Hashable]:
+        """Drops the requests of a worker that left; returns their ids."""
+        gone = [rid for rid, seq in self._seqs.items() if seq.worker[0] == worker_id]
+        for rid in gone:
+            self.free(rid)
+        for key in [k for k in self._loads if k[0] == worker_id]:
+            del self._loads[key]
+        return gone
+
+    def _release(self, seq: _Sequence) -> None:
+        load = self._loads.get(seq.worker)
+        if load is None:
+            return
+        refs = load.block_refs
+        for h in seq.seq_hashes:
+            n = refs[h] - 1
+            if n:
+                refs[h] = n
+            else:
+                del refs[h]
+        load.partial_blocks -= seq.partial
+        if not seq.prefill_done:
+            load.prefill_tokens -= seq.prefill_tokens
+        load.requests -= 1
+        if load.requests == 0:
+            del self._loads[seq.worker]

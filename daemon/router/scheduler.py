@@ -1,0 +1,182 @@
+"""Worker selection: ``cost(w) = overlap_weight * prefill_blocks(w) + decode_blocks(w)``.
+
+- ``prefill_blocks(w) = (w's active prefill tokens + prompt tokens not cached on w) / block_size``:
+  the prefill work w would face, in blocks, kept fractional (a 40-token remainder of block 16 is
+  2.5 blocks, not 3).
+- ``decode_blocks(w) = w's active blocks + prompt blocks new to w``: the KV blocks w would hold.
+
+Exact arithmetic: the weight is turned into a fraction ``a/b`` (its shortest decimal, so 0.1 is
+1/10, not the binary double) and every cost is compared as the integer
+``a * prefill_tokens + b * block_size * decode_blocks`` = ``cost * b * block_size``. Ties are
+therefore real ties, never floating-point accidents; floats appear only in what is reported and
+in the sampling weights.
+
+Temperature 0 picks the lowest cost; ties go to the smallest cached tree (spread the cache), then
+to a random pick. Temperature T > 0 samples with ``p ∝ exp(-(c - c_min) / ((c_max - c_min) T))``,
+uniform when all costs are equal.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from fractions import Fraction
+from functools import lru_cache
+
+from dynamod.daemon.router.active_sequences import ActiveSequences
+from dynamod.daemon.router.decision import (
+    REASON_LOWEST_COST,
+    REASON_ONLY_CANDIDATE,
+    REASON_SAMPLED,
+    REASON_TIE_RANDOM,
+    REASON_TIE_SMALLEST_TREE,
+    CandidateScore,
+)
+from dynamod.shared.kv.indexer import OverlapScores, WorkerKey
+
+
+@lru_cache(maxsize=256)
+def weight_ratio(weight: float) -> tuple[int, int]:
+    """``weight`` as an exact fraction (numerator, denominator) of its shortest decimal form."""
+    if weight < 0 or not math.isfinite(weight):
+        raise ValueError(f"overlap weight must be finite and >= 0, got {weight}")
+    frac = Fraction(repr(float(weight))).limit_denominator(1_000_000)
+    return frac.numerator, frac.denominator
+
+
+class Selection:
+    """The scheduler's answer: the winning candidate's index, the scores, and why."""
+
+    __slots__ = ("index", "scores", "reason", "detail")
+
+    def __init__(self, index: int, scores: list[CandidateScore], reason: str, detail: str) -> None:
+        self.index = index
+        self.scores = scores
+        self.reason = reason
+        self.detail = detail
+
+
+class KvScheduler:
+    def __init__(self, block_size: int, rng: random.Random) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.rng = rng
+
+    def score(
+        self,
+        candidates: Sequence[WorkerKey],
+        overlaps: OverlapScores,
+        active: ActiveSequences,
+        *,
+        isl: int,
+        seq_hashes: Sequence[int],
+        overlap_weight: float,
+    ) -> tuple[list[CandidateScore], list[int]]:
+        """Each candidate's cost terms, plus the exact integer cost keys used for comparison."""
+        bs = self.block_size
+        a, b = weight_ratio(overlap_weight)
+        decode_scale = b * bs
+        request_blocks = -(-isl // bs)
+        overlap_of = overlaps.scores.get
+        tree_size_of = overlaps.tree_sizes.get
+        load_of = active.loads().get
+        first = seq_hashes[0] if seq_hashes else None
+        scores: list[CandidateScore] = []
+        keys: list[int] = []
+        for worker in candidates:
+            overlap = overlap_of(worker, 0)
+            uncached = isl - overlap * bs
+            if uncached < 0:
+                uncached = 0
+            load = load_of(worker)
+            if load is None:
+                prefill_tokens = uncached
+                decode_blocks = request_blocks
+            else:
+                refs = load.block_refs
+                shared = load.shared_prefix(seq_hashes) if first in refs else 0
+                prefill_tokens = load.prefill_tokens + uncached
+                decode_blocks = len(refs) + load.partial_blocks + request_blocks - shared
+            key = a * prefill_tokens + decode_scale * decode_blocks
+            keys.append(key)
+            scores.append(
+                CandidateScore(
+                    worker[0],
+                    worker[1],
+                    overlap,
+                    prefill_tokens,
+                    prefill_tokens / bs,
+                    decode_blocks,
+                    key / decode_scale,
+                    tree_size_of(worker, 0),
+                )
+            )
+        return scores, keys
+
+    def select(self, scores: list[CandidateScore], keys: list[int], temperature: float) -> Selection:
+        """Picks a winner among scored candidates (at least one)."""
+        if not scores:
+            raise ValueError("no candidates to select from")
+        if len(scores) == 1:
+            return Selection(0, scores, REASON_ONLY_CANDIDATE, f"only candidate, cost {scores[0].cost:.3f}")
+        if temperature > 0:
+            return self._sample(scores, keys, temperature)
+        order = sorted(range(len(keys)), key=keys.__getitem__)  # C-level; stable on ties
+        best = keys[order[0]]
+        tied = [i for i in order if keys[i] == best]
+        if len(tied) == 1:
+            i = tied[0]
+            second = order[1]
+            return Selection(
+                i,
+                scores,
+                REASON_LOWEST_COST,
+                f"lowest cost {scores[i].cost:.3f}; next {scores[second].cost:.3f} "
+                f"(worker {scores[second].worker_id} dp {scores[second].dp_rank})",
+            )
+        smallest = min(scores[i].tree_size for i in tied)
+        smallest_tied = [i for i in tied if scores[i].tree_size == smallest]
+        if len(smallest_tied) == 1:
+            i = smallest_tied[0]
+            return Selection(
+                i,
+                scores,
+                REASON_TIE_SMALLEST_TREE,
+                f"{len(tied)} tied at cost {scores[i].cost:.3f}; smallest cached tree ({smallest} blocks)",
+            )
+        i = self.rng.choice(smallest_tied)
+        return Selection(
+            i,
+            scores,
+            REASON_TIE_RANDOM,
+            f"{len(smallest_tied)} tied at cost {scores[i].cost:.3f} and tree size {smallest}; random pick",
+        )
+
+    def _sample(self, scores: list[CandidateScore], keys: list[int], temperature: float) -> Selection:
+        lo = min(keys)
+        span = max(keys) - lo
+        if span == 0:
+            weights = [1.0] * len(keys)
+        else:
+            scale = span * temperature
+            weights = [math.exp(-(k - lo) / scale) for k in keys]
+        total = math.fsum(weights)
+        for s, w in zip(scores, weights, strict=True):
+            s.probability = w / total
+        x = self.rng.random() * total
+        acc = 0.0
+        i = len(weights) - 1
+        for j, w in enumerate(weights):
+            acc += w
+            if x < acc:
+                i = j
+                break
+        return Selection(
+            i,
+            scores,
+            REASON_SAMPLED,
+            f"sampled at temperature {temperature:g} with p={scores[i].probability:.3f}; "
+            f"cost {scores[i].cost:.3f}, lowest {min(s.cost for s in scores):.3f}",
+        )

@@ -1,0 +1,110 @@
+"""vLLM/SGLang native KV event batches -> the router's internal events.
+
+Engines publish ``KvEventBatch``es (shared/protocol/kv_events.py) whose block hashes are the
+engine's own: vLLM's are Python ints or sha256 bytes seeded per process, SGLang's are ints. The
+router cannot compute them, so a stored block is rehashed from its ``token_ids`` with the router's
+local hash (shared/kv/hashing.py; the event's ``block_size``, the LoRA name salting the seed); the
+engine hash is kept, as a stable u64, only to match later removals and parent references.
+
+Only one cache tier is indexed (``GPU`` by default): with CPU offloading vLLM reports the same
+block hash on several media, and a CPU-tier removal must not erase the GPU copy from the index.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import xxhash
+
+from dynamod.shared.kv.hashing import compute_block_hashes
+from dynamod.shared.protocol.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvCleared,
+    KvEvent,
+    KvEventBatch,
+    KvRemoved,
+    KvStored,
+    NativeKvEvent,
+    RouterEvent,
+    StoredBlock,
+)
+
+logger = logging.getLogger(__name__)
+
+_U64 = (1 << 64) - 1
+_BYTES_HASH_SEED = 0  # fixed forever: routers and dumps must agree on the conversion
+
+
+def engine_hash_to_int(block_hash: int | bytes) -> int:
+    """A stable u64 for an engine block hash.
+
+    Ints are taken modulo 2**64 (vLLM's builtin-hash mode yields negative values). Bytes (vLLM's
+    sha256 modes, possibly with a group id appended) are reduced with ``xxh3_64`` over all of
+    their bytes, so two hashes differing only in the tail stay distinct.
+    """
+    if isinstance(block_hash, int):
+        return block_hash & _U64
+    return xxhash.xxh3_64_intdigest(bytes(block_hash), _BYTES_HASH_SEED)
+
+
+def _medium_ok(medium: str | None, mediums: frozenset[str]) -> bool:
+    return (medium or "GPU").upper() in mediums
+
+
+def convert_native_event(event: NativeKvEvent, *, mediums: Iterable[str] = ("GPU",)) -> KvEvent | None:
+    """One native event as an internal one; None when it is for another cache tier or unusable."""
+    accepted = frozenset(m.upper() for m in mediums)
+    if isinstance(event, BlockStored):
+        if not _medium_ok(event.medium, accepted):
+            return None
+        if event.block_size <= 0:
+            logger.warning("kv native stored event with bad block_size=%d dropped", event.block_size)
+            return None
+        local = compute_block_hashes(event.token_ids, event.block_size, event.lora_name)
+        n = len(event.block_hashes)
+        if len(local) < n:
+            # Fewer tokens than blocks: only the blocks whose tokens we have can be matched.
+            logger.warning(
+                "kv native stored event short of tokens blocks=%d hashable=%d block_size=%d",
+                n,
+                len(local),
+                event.block_size,
+            )
+            n = len(local)
+        blocks = [StoredBlock(engine_hash_to_int(h), local[i]) for i, h in enumerate(event.block_hashes[:n])]
+        parent = None if event.parent_block_hash is None else engine_hash_to_int(event.parent_block_hash)
+        return KvStored(parent_hash=parent, blocks=blocks, lora_name=event.lora_name)
+    if isinstance(event, BlockRemoved):
+        if not _medium_ok(event.medium, accepted):
+            return None
+        return KvRemoved(block_hashes=[engine_hash_to_int(h) for h in event.block_hashes])
+    if isinstance(event, AllBlocksCleared):
+        return KvCleared()
+    raise TypeError(f"not a native KV event: {type(event).__name__}")
+
+
+class NativeEventConverter:
+    """Turns one engine's native batches into numbered router events.
+
+    One converter per worker process: it owns the worker's ``event_id`` sequence (monotonic, no
+    gaps, so a router that sees a gap knows it lost events and re-reads ``kv_dump``).
+    """
+
+    def __init__(self, worker_id: int, *, first_event_id: int = 0, mediums: Iterable[str] = ("GPU",)) -> None:
+        self.worker_id = worker_id
+        self.next_event_id = first_event_id
+        self._mediums = tuple(mediums)
+
+    def convert(self, batch: KvEventBatch) -> list[RouterEvent]:
+        dp_rank = batch.data_parallel_rank or 0
+        out: list[RouterEvent] = []
+        for native in batch.events:
+            event = convert_native_event(native, mediums=self._mediums)
+            if event is None or (isinstance(event, KvStored) and not event.blocks):
+                continue
+            out.append(RouterEvent(worker_id=self.worker_id, dp_rank=dp_rank, event_id=self.next_event_id, event=event))
+            self.next_event_id += 1
+        return out
