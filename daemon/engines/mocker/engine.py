@@ -83,7 +83,7 @@ class MockerEngine:
         self._next_lora_id = 1
         self._status = STATUS_CREATED
         self.sleep_level = 0  # 2 means the "weights" were released too
-        self._event_id = 0  # last event id handed out; the first event is 1
+        self._event_id = -1  # last event id handed out; the first event is 0, as routers expect
         self._events: asyncio.Queue[RouterEvent | None] = asyncio.Queue(maxsize=kv_event_buffer)
         self.events_dropped = 0
         self._dropping = False  # in a burst of drops (log once per burst)
