@@ -56,13 +56,13 @@ def test_routes_to_the_worker_caching_the_prompt_and_explains_why(clock):
     assert decision.worker == (2, 1)
     assert decision.overlap_blocks == 6 and decision.request_blocks == 8
     by_worker = {(c.worker_id, c.dp_rank): c for c in decision.candidates}
-    assert by_worker[(2, 1)].cost == 2 + 8  # 2 blocks to prefill, 8 to hold
+    assert by_worker[(2, 1)].cost == 2 + 2  # 2 blocks to prefill, 2 new blocks to hold (6 cached)
     assert by_worker[(1, 0)].cost == 8 + 8
     assert by_worker[(2, 1)].tree_size == 6
     header = json.loads(decision.to_header())
     assert HEADER_NAME == "x-dynamo-route-explain"
     assert (header["w"], header["dp"], header["ov"], header["why"]) == (2, 1, 6, "lowest_cost")
-    assert header["c"][0] == [2, 1, 6, 2.0, 8, 10.0]
+    assert header["c"][0] == [2, 1, 6, 2.0, 2, 4.0]
     full = decision.to_dict()
     assert full["request_id"] == "req-1" and len(full["candidates"]) == 3
     json.dumps(full)  # publishable as is

@@ -38,10 +38,10 @@ def test_worked_example_picks_the_cheapest_worker():
     seq = list(range(100, 104))
     # W1: nothing cached: 4 blocks to prefill + 4 queued = 8; decode 6 active + 4 new = 10.
     _background(active, "a", W1, blocks=6, prefill_tokens=4 * BS)
-    # W2: all 4 cached: prefill 0 + 5 queued = 5; decode 1 active + 4 new = 5.
-    _background(active, "b", W2, blocks=1, prefill_tokens=5 * BS)
-    # W3: 2 cached: 2 to prefill, nothing queued = 2; decode 5 active + 4 new = 9.
-    _background(active, "c", W3, blocks=5, prefill_tokens=0)
+    # W2: all 4 cached: prefill 0 + 5 queued = 5; decode 5 active + 0 new (all cached) = 5.
+    _background(active, "b", W2, blocks=5, prefill_tokens=5 * BS)
+    # W3: 2 cached: 2 to prefill, nothing queued = 2; decode 7 active + 2 new = 9.
+    _background(active, "c", W3, blocks=7, prefill_tokens=0)
     overlaps = OverlapScores({W2: 4, W3: 2}, {W1: 0, W2: 4, W3: 2})
     sched = KvScheduler(BS, random.Random(0))
     scores, keys = sched.score([W1, W2, W3], overlaps, active, isl=isl, seq_hashes=seq, overlap_weight=1.0)
@@ -58,10 +58,18 @@ def test_weight_scales_only_the_prefill_term():
     overlaps = OverlapScores({W1: 2}, {W1: 2, W2: 0})
     sched = KvScheduler(BS, random.Random(0))
     scores, _ = sched.score([W1, W2], overlaps, active, isl=2 * BS + 8, seq_hashes=[7, 8], overlap_weight=2.0)
-    # W1: 8 uncached tokens = 0.5 block of prefill; decode 3 + 3 (two full blocks and the tail).
-    assert (scores[0].prefill_blocks, scores[0].decode_blocks, scores[0].cost) == (0.5, 6, 7.0)
+    # W1: 8 uncached tokens = 0.5 block of prefill; decode 3 active + 1 new (the tail; two cached).
+    assert (scores[0].prefill_blocks, scores[0].decode_blocks, scores[0].cost) == (0.5, 4, 5.0)
     # W2: all 40 tokens = 2.5 blocks; decode 3.
     assert (scores[1].prefill_blocks, scores[1].decode_blocks, scores[1].cost) == (2.5, 3, 8.0)
+
+
+def test_blocks_cached_on_the_worker_are_not_new():
+    active = ActiveSequences(BS)
+    sched = KvScheduler(BS, random.Random(0))
+    overlaps = OverlapScores({W1: 3}, {W1: 3, W2: 0})
+    scores, _ = sched.score([W1, W2], overlaps, active, isl=4 * BS, seq_hashes=[1, 2, 3, 4], overlap_weight=1.0)
+    assert [s.decode_blocks for s in scores] == [1, 4]
 
 
 def test_blocks_shared_with_active_requests_are_not_new():
@@ -77,7 +85,7 @@ def test_ties_are_exact_with_decimal_weights():
     """0.1 * 1 + 5 and 0.1 * 41 + 1 are both 5.1; in binary floats the second is larger, which
     would hand the win to the wrong rule. The tie must go to the smaller tree."""
     active = ActiveSequences(BS)
-    _background(active, "a", W1, blocks=4, prefill_tokens=BS)  # W1: 1 block queued, 4 active
+    _background(active, "a", W1, blocks=5, prefill_tokens=BS)  # W1: 1 block queued, 5 active
     _background(active, "b", W2, blocks=0, prefill_tokens=40 * BS)  # W2: 40 blocks queued
     overlaps = OverlapScores({W1: 1}, {W1: 1, W2: 0})
     sched = KvScheduler(BS, random.Random(0))
