@@ -236,3 +236,27 @@ async def test_sigterm_deregisters_and_exits_zero(cluster) -> None:
     assert code == 0, worker.log()
     await generate.instance_set.wait_for(lambda xs: not xs, timeout=1)
     assert await rt.store.get(mdc_key("dynamo", "backend", "generate", inst.instance_id)) is None
+
+
+async def test_num_workers_runs_separate_instances_in_one_process(tmp_path) -> None:
+    kv_dir = tmp_path / "kv2"
+    env = file_cluster_env(kv_dir, DYN_LEASE_TTL=str(TTL))
+    daemon = DaemonProcess(
+        ["--role", "agg", "--engine", "mocker", "--model", "tiny", "--speedup-ratio", "20",
+         "--block-size", str(BLOCK), "--num-gpu-blocks", "128", "--num-workers", "3"],
+        env=env, log_dir=str(tmp_path),
+    )
+    settings = RuntimeSettings(discovery_backend="file", file_kv=str(kv_dir), event_plane="zmq", lease_ttl_s=TTL)
+    rt = await DistributedRuntime.create(settings)
+    try:
+        generate = await rt.namespace().component("backend").endpoint("generate").client()
+        insts = await wait_registered(generate, daemon, count=3)
+        assert len({i.instance_id for i in insts}) == 3 and len({i.pid for i in insts}) == 1
+        for n, inst in enumerate(insts):  # each engine serves on its own, with its own cache
+            prompt = list(range(200, 200 + 2 * BLOCK))
+            first = await run_generate(generate, inst, request(f"n{n}a", prompt))
+            again = await run_generate(generate, inst, request(f"n{n}b", prompt))
+            assert first[-1].usage.cached_tokens == 0 and again[-1].usage.cached_tokens == BLOCK
+    finally:
+        daemon.kill()
+        await rt.shutdown(1)
