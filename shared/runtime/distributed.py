@@ -10,6 +10,7 @@ sending, then let in-flight streams finish, then close the planes and revoke the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -355,8 +356,11 @@ class ServedInstance:
             self._m_inflight.inc()
             self.inflight += 1
             try:
-                async for item in handler(body, ctx):
-                    yield item
+                # aclosing: a cancelled caller closes the handler now, so its cleanup (aborting the
+                # engine request) runs at once rather than whenever the generator is collected.
+                async with contextlib.aclosing(handler(body, ctx)) as stream:
+                    async for item in stream:
+                        yield item
             except (asyncio.CancelledError, GeneratorExit):
                 raise
             except BaseException as exc:
