@@ -43,6 +43,7 @@ from dynamod.daemon.frontend.protocol import (
     decode_chat_request,
     decode_completion_request,
 )
+from dynamod.daemon.frontend.router_factory import EXPLAIN_HEADER, RouteExplain, route_explain
 from dynamod.daemon.frontend.routing import header_candidates
 from dynamod.daemon.frontend.state import FrontendState
 from dynamod.shared.errors import (
@@ -64,6 +65,7 @@ _SSE_HEADERS = [
 ]
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 FALLBACK_MAX_TOKENS = 4096  # a card without a context length: some bound is needed
+_EXPLAIN_ON = ("1", "true", "yes", "on")
 
 
 def plan_max_tokens(prompt_len: int, requested: int | None, context_length: int, default: int | None) -> int:
@@ -85,6 +87,13 @@ def plan_max_tokens(prompt_len: int, requested: int | None, context_length: int,
             param="max_tokens",
         )
     return requested
+
+
+def _explain_headers(explain: RouteExplain | None) -> list[tuple[bytes, bytes]]:
+    """The ``x-dynamo-route-explain`` response header, when asked for and the kv router answered."""
+    if explain is None or explain.header is None:
+        return []
+    return [(EXPLAIN_HEADER, explain.header.encode("latin-1"))]
 
 
 class _Plan:
@@ -178,6 +187,9 @@ class OpenAIEndpoint(ABC):
         """Runs one admitted request; returns its metrics status. The engine request is closed on
         every way out (end, error, client gone)."""
         gen: TextGeneration | None = None
+        # x-dynamo-route-explain: the kv router fills the slot when it routes this request.
+        explain = RouteExplain() if (header(scope, EXPLAIN_HEADER) or "").strip().lower() in _EXPLAIN_ON else None
+        explain_token = route_explain.set(explain)
         try:
             try:
                 gen, pre, plan = await self._start(scope, req, model, request_id)
@@ -190,13 +202,13 @@ class OpenAIEndpoint(ABC):
             now = time.perf_counter()
             mm.ttft.observe(now - start)
             mm.isl.observe(gen.prompt_tokens)
-            worker_hex = f"{gen.engine.worker_id:x}".encode()
             fmt = self.formatter(req, request_id, int(time.time()))
             collector = LogprobCollector(pre) if plan.logprobs is not None else None
             if req.stream:
-                status = await self._stream(send, req, gen, first, fmt, collector, plan, worker_hex, now, watch)
+                route_headers = [(WORKER_HEADER, f"{gen.engine.worker_id:x}".encode()), *_explain_headers(explain)]
+                status = await self._stream(send, req, gen, first, fmt, collector, plan, route_headers, now, watch)
             else:
-                status = await self._unary(send, gen, first, fmt, collector, plan, watch)
+                status = await self._unary(send, gen, first, fmt, collector, plan, watch, explain)
             if status == STATUS_SUCCESS:
                 mm.osl.observe(gen.completion_tokens)
                 mm.usage(gen.prompt_tokens, gen.cached_tokens)
@@ -205,6 +217,7 @@ class OpenAIEndpoint(ABC):
                 )
             return status
         finally:
+            route_explain.reset(explain_token)
             if gen is not None:
                 await gen.aclose()
 
@@ -246,13 +259,11 @@ class OpenAIEndpoint(ABC):
         fmt: ChatFormatter | CompletionFormatter,
         collector: LogprobCollector | None,
         plan: _Plan,
-        worker_hex: bytes,
+        route_headers: list[tuple[bytes, bytes]],
         first_at: float,
         watch: DisconnectWatch,
     ) -> str:
-        await send(
-            {"type": "http.response.start", "status": 200, "headers": [*_SSE_HEADERS, (WORKER_HEADER, worker_hex)]}
-        )
+        await send({"type": "http.response.start", "status": 200, "headers": [*_SSE_HEADERS, *route_headers]})
         continuous = req.continuous_usage
         itl = gen.engine.model.metrics.itl
         # Coalescing would have to merge log-probabilities across chunks; with them, send each delta.
@@ -311,6 +322,7 @@ class OpenAIEndpoint(ABC):
         collector: LogprobCollector | None,
         plan: _Plan,
         watch: DisconnectWatch,
+        explain: RouteExplain | None,
     ) -> str:
         parts = [plan.echo_text, first.text]
         delta = first
@@ -332,7 +344,8 @@ class OpenAIEndpoint(ABC):
         )
         worker = gen.engine.worker_id
         watch.done()
-        await send_json(send, 200, body, [(WORKER_HEADER, f"{worker:x}".encode())])
+        # After a migration both headers name the last routing, the one that produced the answer.
+        await send_json(send, 200, body, [(WORKER_HEADER, f"{worker:x}".encode()), *_explain_headers(explain)])
         return STATUS_SUCCESS
 
 

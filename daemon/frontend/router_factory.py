@@ -3,6 +3,12 @@
 Round-robin and random need nothing but the candidate list. The kv mode wraps the KV router of
 ``dynamod.daemon.router`` (one per model: block size and LoRA hashing are per model) and feeds it
 the workers' KV events and load; it is imported only when chosen, so the frontend runs without it.
+
+``route_explain`` carries a request's ``x-dynamo-route-explain`` answer from the router back to the
+HTTP endpoint. The routing call sits deep inside the engine stream (dispatch -> router.select),
+which runs in the endpoint's own task, so a context variable set by the endpoint reaches it
+without threading an argument through every layer that has no use for it. Only the kv mode fills
+it; it lives here, not in ``kv_routing``, so the endpoint does not import the KV router.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import argparse
 import importlib
 import importlib.util
 import logging
+from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 from dynamod.daemon.frontend.routing import Router, make_basic_router
@@ -26,6 +33,21 @@ logger = logging.getLogger(__name__)
 KV_ROUTER_MODULE = "dynamod.daemon.router.kv_router"
 KV_CONFIG_MODULE = "dynamod.daemon.router.config"
 KV_ADAPTER_MODULE = "dynamod.daemon.frontend.kv_routing"
+KV_DECISIONS_MODULE = "dynamod.daemon.router.decision_publisher"
+
+EXPLAIN_HEADER = b"x-dynamo-route-explain"
+
+
+class RouteExplain:
+    """Where the kv router leaves ``RoutingDecision.to_header()`` for the request that asked."""
+
+    __slots__ = ("header",)
+
+    def __init__(self) -> None:
+        self.header: str | None = None
+
+
+route_explain: ContextVar[RouteExplain | None] = ContextVar("route_explain", default=None)
 
 
 def _has_module(name: str) -> bool:
@@ -36,13 +58,14 @@ def _has_module(name: str) -> bool:
 
 
 def kv_router_available() -> bool:
-    return _has_module(KV_ROUTER_MODULE) and _has_module(KV_CONFIG_MODULE) and _has_module(KV_ADAPTER_MODULE)
+    return all(_has_module(m) for m in (KV_ROUTER_MODULE, KV_CONFIG_MODULE, KV_ADAPTER_MODULE, KV_DECISIONS_MODULE))
 
 
 def add_kv_router_args(parser: argparse.ArgumentParser) -> None:
     """The KV router's own flags (overlap weight, temperature, ...), when it is part of the build."""
     if kv_router_available():
         importlib.import_module(KV_CONFIG_MODULE).add_router_args(parser)
+        importlib.import_module(KV_DECISIONS_MODULE).add_decision_args(parser)
 
 
 class RouterFactoryBuilder:

@@ -1,0 +1,179 @@
+"""Publishes routing decisions on ``router_decisions`` for the console, off the request path.
+
+Every KV routing decision (frontend ``--router-mode kv`` and the standalone router) is offered
+here; ``offer`` is a constant-time append to a bounded drop-oldest queue, and one background task
+encodes (``RoutingDecision.to_dict()`` plus a timestamp and where it came from, msgpack) and
+publishes. When the event plane is slower than the request rate the oldest decisions are dropped
+and counted: an operator view must never slow a request down. ``--router-decision-sample-rate``
+publishes only a share of them on very busy routers.
+
+Scope: ``{namespace}/{component}/router_decisions`` with the publisher's own component
+(``frontend`` or the router's); the console subscribes to the topic on every component of the
+namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+from prometheus_client import REGISTRY, CollectorRegistry, Counter
+
+from dynamod.daemon.router.decision import RoutingDecision
+from dynamod.shared.errors import ConfigError, DynamoError
+from dynamod.shared.events.dropqueue import DropOldestQueue, QueueClosed
+from dynamod.shared.events.plane import TOPIC_ROUTER_DECISIONS, EventPublisher
+
+if TYPE_CHECKING:
+    from dynamod.shared.runtime.distributed import DistributedRuntime
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_QUEUE_SIZE = 1024
+ENV_SAMPLE_RATE = "DYN_ROUTER_DECISION_SAMPLE_RATE"
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def add_decision_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--router-decision-sample-rate",
+        type=float,
+        default=None,
+        help="share (0..1) of KV routing decisions published on router_decisions for the console; "
+        f"0 turns publishing off [env {ENV_SAMPLE_RATE}, default 1.0]",
+    )
+
+
+def sample_rate_from_args(args: argparse.Namespace) -> float:
+    """Flag, else ``DYN_ROUTER_DECISION_SAMPLE_RATE``, else 1.0; within [0, 1]."""
+    value = getattr(args, "router_decision_sample_rate", None)
+    if value is None:
+        text = os.environ.get(ENV_SAMPLE_RATE)
+        try:
+            value = float(text) if text else 1.0
+        except ValueError:
+            raise ConfigError(f"{ENV_SAMPLE_RATE}={text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(f"--router-decision-sample-rate must be within [0, 1], got {value}")
+    return float(value)
+
+
+class DecisionMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.published = Counter(
+            "dynamo_router_decisions_published", "Routing decisions published on router_decisions", registry=registry
+        )
+        self.dropped = Counter(
+            "dynamo_router_decisions_dropped",
+            "Routing decisions not published because the event plane was slower than routing",
+            registry=registry,
+        )
+
+
+_metrics_by_registry: dict[int, tuple[CollectorRegistry, DecisionMetrics]] = {}
+_metrics_lock = threading.Lock()
+
+
+def decision_metrics(registry: CollectorRegistry | None = None) -> DecisionMetrics:
+    reg = REGISTRY if registry is None else registry
+    with _metrics_lock:
+        entry = _metrics_by_registry.get(id(reg))
+        if entry is None or entry[0] is not reg:
+            entry = (reg, DecisionMetrics(reg))
+            _metrics_by_registry[id(reg)] = entry
+        return entry[1]
+
+
+class DecisionPublisher:
+    """``offer(decision)`` from the routing path; ``start()``/``close()`` around the process."""
+
+    def __init__(
+        self,
+        runtime: DistributedRuntime,
+        component: str,
+        *,
+        sample_rate: float = 1.0,
+        queue_size: int = DEFAULT_QUEUE_SIZE,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._rt = runtime
+        self.component = component
+        self.sample_rate = sample_rate
+        self._rng = rng or random.Random()
+        self._queue: DropOldestQueue[tuple[RoutingDecision, float, str]] = DropOldestQueue(queue_size)
+        self._pub: EventPublisher | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._source = ""
+        self.metrics = decision_metrics(runtime.registry)
+
+    @property
+    def enabled(self) -> bool:
+        return self._task is not None
+
+    async def start(self) -> None:
+        if self.sample_rate <= 0.0 or self._rt.events is None:
+            logger.info("router decisions not published sample_rate=%s event_plane=%s", self.sample_rate, self._rt.events is not None)
+            return
+        try:
+            self._pub = await self._rt.namespace().component(self.component).publisher(TOPIC_ROUTER_DECISIONS)
+        except DynamoError as exc:
+            logger.warning("router decisions not published error=%s", exc)
+            return
+        self._source = f"{self._rt.instance_id:x}"
+        self._task = asyncio.create_task(self._run(), name="router-decisions-out")
+        logger.info(
+            "router decisions published scope=%s/%s topic=%s sample_rate=%s",
+            self._rt.settings.namespace, self.component, TOPIC_ROUTER_DECISIONS, self.sample_rate,
+        )
+
+    async def close(self) -> None:
+        self._queue.close()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._pub is not None:
+            try:
+                await self._pub.close()
+            except DynamoError as exc:
+                logger.debug("router decisions publisher close error=%s", exc)
+            self._pub = None
+
+    def offer(self, decision: RoutingDecision, model: str = "") -> None:
+        """Queues ``decision`` for publishing (sampled); never waits."""
+        if self._task is None:
+            return
+        if self.sample_rate < 1.0 and self._rng.random() >= self.sample_rate:
+            return
+        if not self._queue.put_nowait((decision, time.time(), model)):
+            self.metrics.dropped.inc()
+
+    async def _run(self) -> None:
+        pub = self._pub
+        assert pub is not None
+        while True:
+            try:
+                decision, ts, model = await self._queue.get()
+            except QueueClosed:
+                return
+            body = decision.to_dict()
+            body["ts"] = ts
+            body["source"] = self.component
+            body["router_instance_id"] = self._source
+            if model:
+                body["model"] = model
+            try:
+                await pub.publish(TOPIC_ROUTER_DECISIONS, _encoder.encode(body))
+            except DynamoError as exc:
+                self.metrics.dropped.inc()
+                logger.debug("router decision not published error=%s", exc)
+                continue
+            self.metrics.published.inc()

@@ -1,0 +1,353 @@
+"""The standalone KV router's service: the workers it routes to and its two endpoints.
+
+``generate`` takes a ``PreprocessedRequest``, picks a worker of the worker component with the
+``KvRouter``, forwards the request to that worker's ``generate`` and streams the worker's outputs
+back. The router counts the request on the worker from the pick until the stream ends (prefill
+done at the first output; freed at the end, on an error, or when the caller cancels, which also
+cancels the worker's stream). The first output frame carries ``worker_id`` and ``dp_rank`` so the
+caller learns where the request went (extra keys; ``EngineOutput`` decoders ignore them).
+
+``best_worker_id`` takes ``{token_ids, lora_name?, overlap_weight?, temperature?}`` and answers
+``{worker_id, dp_rank, overlap_blocks, explain}`` (``explain``: ``RoutingDecision.to_dict()``)
+without counting anything: for callers that send the request themselves.
+
+Workers: the ready instances of ``{namespace}/{worker_component}/generate``. A worker's model card
+(same key layout under ``v1/mdc``, watched) gives the block size, data-parallel size and KV
+capacity, and its LoRA cards the adapters it serves: a request naming an adapter is routed only
+among the workers holding it. The router's block size is ``--kv-block-size`` or the first card's;
+a worker with another block size cannot share this index and is not routed to (logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from dynamod.daemon.router.config import KvRouterConfig
+from dynamod.daemon.router.decision import RoutingDecision
+from dynamod.daemon.router.decision_publisher import DecisionPublisher
+from dynamod.daemon.router.feed import KvFeed
+from dynamod.daemon.router.kv_router import KvRouter
+from dynamod.shared.discovery.store import WatchEventKind
+from dynamod.shared.errors import DynamoError, InvalidRequestError, NoInstancesError, NotFoundError
+from dynamod.shared.protocol.instance import Instance
+from dynamod.shared.protocol.keys import mdc_prefix, parse_key
+from dynamod.shared.protocol.llm import PreprocessedRequest
+from dynamod.shared.protocol.model_card import ModelCard, decode_card
+from dynamod.shared.transport.plane import RequestContext
+
+if TYPE_CHECKING:
+    from dynamod.shared.runtime.client import EndpointClient
+    from dynamod.shared.runtime.distributed import DistributedRuntime, ServedInstance
+
+logger = logging.getLogger(__name__)
+
+GENERATE = "generate"
+BEST_WORKER_ID = "best_worker_id"
+ROLE = "router"
+
+
+class BestWorkerRequest(msgspec.Struct, kw_only=True):
+    token_ids: list[int]
+    lora_name: str | None = None
+    overlap_weight: float | None = None
+    temperature: float | None = None
+    request_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RouterServiceConfig:
+    router_component: str = "router"
+    worker_component: str = "backend"
+    block_size: int | None = None  # None: from the first worker's model card
+    worker_wait_s: float = 5.0  # a request waits this long for a first routable worker
+    decision_sample_rate: float = 1.0
+
+
+class RouterService:
+    """``start()`` serves the endpoints; ``stop(grace_s)`` deregisters and lets streams finish."""
+
+    def __init__(self, runtime: DistributedRuntime, kv_config: KvRouterConfig, config: RouterServiceConfig) -> None:
+        self._rt = runtime
+        self.kv_config = kv_config
+        self.config = config
+        self.feed = KvFeed(runtime, kv_config, sync_component=config.router_component)
+        self.decisions = DecisionPublisher(runtime, config.router_component, sample_rate=config.decision_sample_rate)
+        self.kv: KvRouter | None = None
+        self._client: EndpointClient | None = None
+        self._cards: dict[int, ModelCard] = {}  # worker id -> its base model card
+        self._loras: dict[int, set[str]] = {}  # worker id -> LoRA adapters it serves
+        self._dp_size: dict[int, int] = {}  # workers in the router (routed to while ready) -> dp ranks
+        self._rejected: set[int] = set()  # workers whose block size differs from the router's
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._changed = asyncio.Event()
+        self._served: list[ServedInstance] = []
+        self._ids = itertools.count()
+        self.inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        if config.block_size is not None:
+            self._make_router(config.block_size)
+
+    @property
+    def namespace(self) -> str:
+        return self._rt.settings.namespace
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.feed.start()
+        await self.decisions.start()
+        component = self._rt.namespace().component(self.config.worker_component)
+        client = await component.endpoint(GENERATE).client()
+        self._client = client
+        client.instance_set.add_listener(self._on_instance)
+        self._spawn(self._watch_cards(), "router-card-watch")
+        router = self._rt.namespace().component(self.config.router_component)
+        self._served.append(await router.endpoint(GENERATE).serve(self._generate, role=ROLE))
+        self._served.append(await router.endpoint(BEST_WORKER_ID).serve(self._best_worker_id, role=ROLE))
+        logger.info(
+            "router serving namespace=%s router_component=%s worker_component=%s block_size=%s workers=%d",
+            self.namespace, self.config.router_component, self.config.worker_component,
+            self.kv.block_size if self.kv else "from-card", len(client.instances),
+        )
+
+    async def stop(self, grace_s: float) -> None:
+        """Deregisters (callers stop sending), waits up to ``grace_s`` for streams, then closes."""
+        for served in self._served:
+            try:
+                await served.deregister()
+            except DynamoError as exc:
+                logger.warning("deregister failed endpoint=%s error=%s", served.path, exc)
+        if self.inflight:
+            logger.info("router draining inflight=%d grace_s=%.1f", self.inflight, grace_s)
+            try:
+                await asyncio.wait_for(self._idle.wait(), grace_s)
+            except TimeoutError:
+                logger.warning("router stopping with requests in flight count=%d", self.inflight)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._client is not None:
+            await self._client.close()
+        await self.decisions.close()
+        await self.feed.close()
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("router task failed task=%s error=%r", task.get_name(), task.exception())
+
+    # -- workers ----------------------------------------------------------------------------------
+    #
+    # A worker is routable when its generate instance is ready and its base model card is known
+    # (with this router's block size); its LoRA cards say which adapters it can serve.
+
+    def _make_router(self, block_size: int) -> KvRouter:
+        kv = KvRouter(self.kv_config, block_size, registry=self._rt.registry, on_resync=self.feed.request_resync)
+        self.kv = kv
+        self.feed.add_router(self.config.worker_component, kv)
+        return kv
+
+    def _on_instance(self, key: str, inst: Instance | None) -> None:
+        parsed = parse_key(key)
+        if parsed is not None:
+            self._reconcile(parsed.instance_id)
+
+    async def _watch_cards(self) -> None:
+        prefix = f"{mdc_prefix(self.namespace)}{self.config.worker_component}/{GENERATE}/"
+        while True:
+            try:
+                async for ev in self._rt.store.watch_prefix(prefix):
+                    parsed = parse_key(ev.key)
+                    if parsed is None:
+                        continue
+                    if ev.kind is WatchEventKind.PUT and ev.value is not None:
+                        self._card_put(parsed.instance_id, parsed.lora, ev.value)
+                    else:
+                        self._card_deleted(parsed.instance_id, parsed.lora)
+                return
+            except DynamoError as exc:
+                logger.warning("router card watch failed error=%s action=retry_in_1s", exc)
+                await asyncio.sleep(1.0)
+
+    def _card_put(self, wid: int, lora: str | None, value: bytes) -> None:
+        if lora is not None:
+            self._loras.setdefault(wid, set()).add(lora)
+            return
+        try:
+            card = decode_card(value)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.warning("router ignores malformed model card worker_id=%x error=%s", wid, exc)
+            return
+        kv = self.kv if self.kv is not None else self._make_router(card.kv_block_size)
+        if card.kv_block_size != kv.block_size:
+            if wid not in self._rejected:
+                self._rejected.add(wid)
+                logger.warning(
+                    "router ignores worker with another block size worker_id=%x block_size=%d router_block_size=%d",
+                    wid, card.kv_block_size, kv.block_size,
+                )
+            return
+        self._cards[wid] = card
+        self._reconcile(wid)
+
+    def _card_deleted(self, wid: int, lora: str | None) -> None:
+        if lora is not None:
+            self._loras.get(wid, set()).discard(lora)
+            return
+        self._cards.pop(wid, None)
+        self._rejected.discard(wid)
+        self._loras.pop(wid, None)
+        self._reconcile(wid)
+
+    def _reconcile(self, wid: int) -> None:
+        """Adds or removes ``wid`` in the router as its instance and card come and go."""
+        card = self._cards.get(wid)
+        present = card is not None and self._client is not None and self._client.instance_set.get(wid) is not None
+        kv = self.kv
+        if present and wid not in self._dp_size:
+            assert kv is not None and card is not None
+            dp = max(1, card.runtime_config.data_parallel_size)
+            self._dp_size[wid] = dp
+            total = card.runtime_config.total_kv_blocks
+            if total:
+                for rank in range(dp):
+                    kv.set_worker_capacity((wid, rank), total)
+            self.feed.add_worker(kv, wid, self.config.worker_component)
+            logger.info("router worker added worker_id=%x model=%s dp_size=%d", wid, card.served_model_name, dp)
+        elif not present and wid in self._dp_size:
+            del self._dp_size[wid]
+            if kv is not None:
+                self.feed.remove_worker(kv, wid)
+            logger.info("router worker left worker_id=%x", wid)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """The router's candidates follow the ready workers (draining and sleeping ones get none)."""
+        keys: list[tuple[int, int]] = []
+        if self._client is not None:
+            for inst in self._client.routable:
+                dp = self._dp_size.get(inst.instance_id)
+                if dp is not None:
+                    keys.extend((inst.instance_id, rank) for rank in range(dp))
+        if self.kv is not None:
+            self.kv.update_workers(keys)
+        self._rt.ready_probe_extra["workers"] = len({w for w, _ in keys})
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    async def _wait_for_workers(self) -> KvRouter:
+        deadline = time.monotonic() + self.config.worker_wait_s
+        while self.kv is None or not self.kv.workers:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NoInstancesError(
+                    f"no ready worker of {self.namespace}/{self.config.worker_component} "
+                    f"(waited {self.config.worker_wait_s:.1f}s)"
+                )
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                continue
+        return self.kv
+
+    def _allowed(self, kv: KvRouter, lora_name: str | None) -> list[tuple[int, int]] | None:
+        """Candidates for a LoRA request: the workers holding that adapter (None: any worker)."""
+        if not lora_name:
+            return None
+        allowed = [w for w in kv.workers if lora_name in self._loras.get(w[0], ())]
+        if not allowed:
+            # NotFound (404), like an unknown model at the frontend; it also survives the request
+            # plane as its own class, so callers can tell it from "no worker at all".
+            raise NotFoundError(
+                f"no ready worker of {self.namespace}/{self.config.worker_component} has LoRA adapter {lora_name!r}"
+            )
+        return allowed
+
+    # -- endpoints --------------------------------------------------------------------------------
+
+    async def _generate(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
+        try:
+            request = msgspec.convert(body, PreprocessedRequest)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequestError(f"bad generate request: {exc}") from None
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            # aclosing: a cancelled caller must free the request and cancel the worker's stream
+            # now, not whenever the abandoned inner generator is collected.
+            async with contextlib.aclosing(self._route_and_stream(request, ctx)) as outputs:
+                async for out in outputs:
+                    yield out
+        finally:
+            self.inflight -= 1
+            if not self.inflight:
+                self._idle.set()
+
+    async def _route_and_stream(self, request: PreprocessedRequest, ctx: RequestContext) -> AsyncIterator[Any]:
+        kv = await self._wait_for_workers()
+        key = request.request_id
+        if key in kv.active:
+            key = f"{request.request_id}#{next(self._ids)}"  # two callers chose the same id
+        decision = await kv.select_worker_waiting(
+            key, request.token_ids, lora_name=request.lora_name, allowed=self._allowed(kv, request.lora_name)
+        )
+        self.decisions.offer(decision, request.model)
+        wid, rank = decision.worker_id, decision.dp_rank
+        try:
+            assert self._client is not None
+            inst = self._client.instance_set.get(wid)
+            if inst is None:
+                raise NoInstancesError(f"worker {wid:x} left before the request reached it")
+            forward = msgspec.structs.replace(
+                request, dp_rank=rank, estimated_prefix_hit_blocks=decision.overlap_blocks or None
+            )
+            stream = self._client.stream_to(inst, forward, request_id=request.request_id, timeout_s=ctx.time_left())
+            try:
+                first = True
+                async for out in stream:
+                    if first:
+                        first = False
+                        kv.mark_prefill_done(key)
+                        if isinstance(out, dict):
+                            out = {**out, "worker_id": wid, "dp_rank": rank}
+                    yield out
+            finally:
+                await stream.aclose()  # a cancelled caller cancels the worker's stream
+        finally:
+            kv.free(key)
+
+    async def _best_worker_id(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
+        try:
+            req = msgspec.convert(body, BestWorkerRequest)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequestError(f"bad best_worker_id request: {exc}") from None
+        kv = await self._wait_for_workers()
+        decision: RoutingDecision = kv.best_worker(
+            req.request_id or f"best-{next(self._ids)}",
+            req.token_ids,
+            lora_name=req.lora_name,
+            overlap_weight=req.overlap_weight,
+            temperature=req.temperature,
+            allowed=self._allowed(kv, req.lora_name),
+        )
+        yield {
+            "worker_id": decision.worker_id,
+            "dp_rank": decision.dp_rank,
+            "overlap_blocks": decision.overlap_blocks,
+            "explain": decision.to_dict(),
+        }
