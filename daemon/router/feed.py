@@ -55,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 RESYNC_TIMEOUT_S = 30.0  # a kv_dump of a large cache is a few MB; more than this means trouble
 RESYNC_WAIT_INSTANCE_S = 5.0  # the worker's kv_dump endpoint may register just after generate
+SUBSCRIPTION_SETTLE_S = 1.0  # after it, a new worker's events surely reach our subscription
 RESYNC_RETRY_MIN_S = 0.5
 RESYNC_RETRY_MAX_S = 10.0
 SUBSCRIBE_RETRY_MIN_S = 0.2
@@ -212,6 +213,10 @@ class KvFeed:
             self._spawn(self._follow(component, TOPIC_KV_METRICS, self._on_load), f"kv-load-in:{component}")
         if first and self.config.use_kv_events:
             kv.request_resync(worker_id)
+            # A ZMQ subscription connects asynchronously after the publisher is discovered, and
+            # events sent in that window are lost without a later event to reveal the gap. Read
+            # the dump once more when the subscription has surely settled.
+            self._spawn(self._resync_later(kv, worker_id), f"kv-resync-settle:{worker_id:x}")
 
     def remove_worker(self, kv: KvRouter, worker_id: int) -> None:
         """The worker left discovery for good: ``kv`` forgets it (index, load, active requests)."""
@@ -271,6 +276,11 @@ class KvFeed:
             kv.apply_load(m)
 
     # -- resync from kv_dump ----------------------------------------------------------------------
+
+    async def _resync_later(self, kv: KvRouter, worker_id: int) -> None:
+        await asyncio.sleep(SUBSCRIPTION_SETTLE_S)
+        if kv in self._by_worker.get(worker_id, ()):
+            kv.request_resync(worker_id)
 
     def request_resync(self, worker_id: int) -> None:
         """``KvRouter``'s ``on_resync``: fetch the worker's ``kv_dump`` for every router tracking it.

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from tests.fixtures.servers import wait_until
 from tests.integration.test_frontend_support import LocalCluster, get_text
 
 pytestmark = pytest.mark.timeout(180)
@@ -26,9 +27,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         c.start_worker("--block-size", "16")
         c.start_frontend("--router-mode", "kv")
         c.wait_ready(2)
+        # Both workers' caches re-read once the frontend's event subscriptions have settled
+        # (two kv_dump reads per worker): from then on no KV event can be lost to a slow join.
+        wait_until(lambda: _resyncs_ok(c) >= 4, 15, what="the frontend's settled kv_dump reads")
         yield c
     finally:
         c.stop()
+
+
+def _resyncs_ok(c: LocalCluster) -> float:
+    text = get_text(c.url + "/metrics")
+    return sum(float(v) for v in re.findall(r'dynamo_router_kv_resyncs_total\{outcome="ok"\} ([0-9.]+)', text))
 
 
 def test_repeated_prompt_follows_its_cache(cluster: LocalCluster) -> None:
