@@ -20,6 +20,7 @@ from collections import deque
 from typing import Any
 
 from dynamod.shared.errors import DeadlineExceededError
+from dynamod.shared.transport.plane import ServerAddress
 
 logger = logging.getLogger(__name__)
 
@@ -29,21 +30,44 @@ class ClientStream(ABC):
 
     __slots__ = (
         "__weakref__",
+        "_body",
         "_deadline_handle",
         "_done",
+        "_endpoint",
         "_error",
         "_finished",
         "_grant_at",
+        "_headers",
         "_items",
         "_loop",
         "_opened",
+        "_request_id",
+        "_sid",
         "_unacked",
         "_waiter",
+        "address",
         "timeout_s",
         "window",
     )
 
-    def __init__(self, *, window: int, timeout_s: float | None) -> None:
+    def __init__(
+        self,
+        address: ServerAddress,
+        endpoint_path: str,
+        body: Any,
+        headers: dict[str, str] | None,
+        request_id: str | None,
+        *,
+        window: int,
+        timeout_s: float | None,
+    ) -> None:
+        # The request, kept until the transport sends it (which drops the body).
+        self.address = address
+        self._endpoint = endpoint_path
+        self._body = body
+        self._headers = headers
+        self._request_id = request_id
+        self._sid = 0  # the transport's stream id, once opened
         self.window = window
         self.timeout_s = timeout_s
         self._items: deque[Any] = deque()

@@ -31,20 +31,7 @@ _NO_RESPONDERS = "503"
 class NatsClientStream(ClientStream):
     """One request over NATS."""
 
-    __slots__ = (
-        "_body",
-        "_client",
-        "_endpoint",
-        "_expected_seq",
-        "_granted",
-        "_headers",
-        "_last_rx",
-        "_request_id",
-        "_sid",
-        "_watchdog",
-        "address",
-        "inbox",
-    )
+    __slots__ = ("_client", "_expected_seq", "_granted", "_last_rx", "_watchdog", "inbox")
 
     def __init__(
         self,
@@ -57,14 +44,8 @@ class NatsClientStream(ClientStream):
         request_id: str | None,
         window: int,
     ) -> None:
-        super().__init__(window=window, timeout_s=timeout_s)
+        super().__init__(address, endpoint_path, body, headers, request_id, window=window, timeout_s=timeout_s)
         self._client = client
-        self.address = address
-        self._endpoint = endpoint_path
-        self._body = body
-        self._headers = headers
-        self._request_id = request_id
-        self._sid = 0
         self.inbox = ""
         self._expected_seq = 1
         self._granted = window

@@ -180,7 +180,7 @@ class _ClientConnection(FrameConnection):
 class TcpClientStream(ClientStream):
     """One request on a shared TCP connection."""
 
-    __slots__ = ("_body", "_client", "_conn", "_endpoint", "_headers", "_request_id", "_sid", "address")
+    __slots__ = ("_client", "_conn")
 
     def __init__(
         self,
@@ -193,15 +193,9 @@ class TcpClientStream(ClientStream):
         request_id: str | None,
         window: int,
     ) -> None:
-        super().__init__(window=window, timeout_s=timeout_s)
+        super().__init__(address, endpoint_path, body, headers, request_id, window=window, timeout_s=timeout_s)
         self._client = client
-        self.address = address
-        self._endpoint = endpoint_path
-        self._body = body
-        self._headers = headers
-        self._request_id = request_id
         self._conn: _ClientConnection | None = None
-        self._sid = 0
 
     async def _open(self) -> None:
         conn = await self._client.connection(self.address)

@@ -1,6 +1,8 @@
-"""The NATS request plane between processes, against a real nats-server: ordered complete streams,
-concurrency, cancellation, deadlines, a dying server, a NATS restart, and the factory's
-two-transport client."""
+"""The NATS request plane between processes, against a real nats-server: concurrency, a vanished
+client, credit pacing, a dying server, a NATS restart, and the factory's two-transport client.
+
+The scenarios TCP and NATS share (ordered complete streams, handler errors, cancellation,
+deadlines, the client's frame limit, graceful stop) run over both in test_request_plane_tcp.py."""
 
 from __future__ import annotations
 
@@ -14,11 +16,7 @@ import pytest
 from dynamod.shared.errors import (
     ConfigError,
     DeadlineExceededError,
-    FrameTooLargeError,
-    InvalidRequestError,
-    NotFoundError,
     TransportError,
-    UnavailableError,
 )
 from dynamod.shared.transport.factory import make_client, make_server
 from dynamod.shared.transport.nats_client import NatsRequestClient
@@ -72,50 +70,12 @@ def test_endpoint_subjects_keep_names_as_single_tokens():
     assert endpoint_subject("B", "ns.x/comp*/gen>/") == "B.rq.ns_x.comp_.gen_._"
 
 
-async def test_ten_thousand_responses_arrive_complete_and_in_order(client, address):
-    items = await collect(client.stream(address, "test/count", {"n": 10_000}))
-    assert items == list(range(10_000))
-
-
 async def test_many_concurrent_streams(client, address):
     results = await asyncio.gather(
         *(collect(client.stream(address, "test/count", {"n": 20 + k})) for k in range(100))
     )
     for k, items in enumerate(results):
         assert items == list(range(20 + k))
-
-
-async def test_errors_come_back_as_their_class(client, address):
-    with pytest.raises(InvalidRequestError, match="rejected"):
-        await collect(client.stream(address, "test/fail", "bad"))
-    with pytest.raises(NotFoundError):
-        await collect(client.stream(address, "test/nope", None))
-
-
-async def test_client_cancel_reaches_the_handler(client, address):
-    rid = f"nats-close-{os.getpid()}-{time.monotonic_ns()}"
-    stream = client.stream(address, "test/hang", None, request_id=rid)
-    assert await stream.__anext__() == "started"
-    await stream.aclose()
-
-    async def handler_finished():
-        s = await stats(client, address)
-        return rid in s["finished"] and s["inflight"] == 0
-
-    await wait_for(handler_finished, 10, what="the handler's finally after cancel")
-
-
-async def test_breaking_out_of_the_loop_reaches_the_handler(client, address):
-    rid = f"nats-break-{os.getpid()}-{time.monotonic_ns()}"
-    async for item in client.stream(address, "test/hang", None, request_id=rid):
-        assert item == "started"
-        break  # no aclose(): the dropped stream cancels itself
-
-    async def handler_finished():
-        s = await stats(client, address)
-        return rid in s["finished"] and s["inflight"] == 0
-
-    await wait_for(handler_finished, 10, what="the handler's finally after break")
 
 
 async def test_a_vanished_client_frees_its_handlers(client, address, nats):
@@ -144,20 +104,6 @@ async def test_a_vanished_client_frees_its_handlers(client, address, nats):
     await wait_for(handler_finished, 10, what="the handler's finally after the client vanished")
 
 
-async def test_deadline_exceeded_raises_and_cancels_the_handler(client, address):
-    rid = f"nats-deadline-{os.getpid()}-{time.monotonic_ns()}"
-    t0 = time.monotonic()
-    with pytest.raises(DeadlineExceededError):
-        await collect(client.stream(address, "test/hang", None, timeout_s=0.3, request_id=rid))
-    assert 0.3 <= time.monotonic() - t0 < 5
-
-    async def handler_finished():
-        s = await stats(client, address)
-        return rid in s["finished"] and s["inflight"] == 0
-
-    await wait_for(handler_finished, 10, what="the handler's finally after the deadline")
-
-
 async def test_slow_reader_is_paced_by_credit(client, address):
     rid = f"nats-slow-{os.getpid()}-{time.monotonic_ns()}"
     slow = client.stream(address, "test/produce", None, request_id=rid)
@@ -169,16 +115,6 @@ async def test_slow_reader_is_paced_by_credit(client, address):
     more = [await slow.__anext__() for _ in range(2 * client.window_frames)]
     assert more == list(range(1, 1 + 2 * client.window_frames))
     await slow.aclose()
-
-
-async def test_client_refuses_an_oversize_body(nats, address):
-    small = NatsRequestClient(nats.url, max_frame_bytes=1024)
-    try:
-        with pytest.raises(FrameTooLargeError):
-            await collect(small.stream(address, "test/echo", "x" * 2048))
-        assert await collect(small.stream(address, "test/echo", "ok")) == ["ok"]
-    finally:
-        await small.close()
 
 
 async def test_server_killed_mid_stream_raises_transport_error(client, nats):
@@ -199,24 +135,6 @@ async def test_server_killed_mid_stream_raises_transport_error(client, nats):
         with pytest.raises(TransportError):
             await collect(client.stream(address, "test/echo", 1))
         assert time.monotonic() - t0 < 2
-    finally:
-        proc.cleanup()
-
-
-async def test_graceful_stop_lets_the_inflight_stream_finish(client, nats):
-    proc = ServerProcess("nats", nats_url=nats.url, grace_s=20).start()
-    try:
-        assert proc.address is not None
-        address = proc.address
-        stream = client.stream(address, "test/paced", {"n": 20, "interval_s": 0.04})
-        assert await stream.__anext__() == 0
-        proc.terminate()
-        assert proc.read_line(10) == {"event": "stopping"}
-        with pytest.raises(UnavailableError):
-            await collect(client.stream(address, "test/echo", "late"))
-        assert await collect(stream) == list(range(1, 20))
-        assert proc.read_line(20) == {"event": "stopped"}
-        assert proc.wait(10) == 0
     finally:
         proc.cleanup()
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from dynamod.daemon.engines.common.flags import engine_tokens
+from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER
 from dynamod.daemon.engines.sglang.engine import SglangEngine
-from dynamod.daemon.engines.vllm.flags import engine_tokens
-from dynamod.daemon.engines.vllm.native_kv import DEFAULT_EVENT_BUFFER
 from dynamod.daemon.models.registry import LocalModel
 
 

@@ -36,13 +36,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from dynamod.daemon.engines.common import flags
+from dynamod.daemon.engines.common.kv_endpoints import plan_kv_events
+from dynamod.daemon.engines.common.kv_subscriber import NativeKvSubscriber
+from dynamod.daemon.engines.common.lora import local_adapter_dir
+from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER, NativeKvFeed
 from dynamod.daemon.engines.sglang.kv_format import decode_sglang_batch
 from dynamod.daemon.engines.sglang.outputs import SglangOutputTracker, sampling_params
-from dynamod.daemon.engines.vllm import flags
-from dynamod.daemon.engines.vllm.engine import local_adapter_dir
-from dynamod.daemon.engines.vllm.kv_endpoints import plan_kv_events
-from dynamod.daemon.engines.vllm.kv_subscriber import NativeKvSubscriber
-from dynamod.daemon.engines.vllm.native_kv import DEFAULT_EVENT_BUFFER, NativeKvFeed
 from dynamod.daemon.models.registry import LocalModel
 from dynamod.daemon.worker.engine import EngineInfo, LoraInfo
 from dynamod.shared.errors import (

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from dynamod.daemon.engines.common.sampling import stop_kwargs
 from dynamod.shared.protocol.llm import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -25,7 +26,7 @@ _FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}
 
 def sampling_params(request: PreprocessedRequest, *, context_length: int, model_defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """SGLang's ``sampling_params`` dict; unset values fall back to the model's defaults."""
-    s, stop = request.sampling, request.stop
+    s = request.sampling
     defaults = dict(model_defaults or {})
     out: dict[str, Any] = {}
     for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "sampling_seed")):
@@ -36,16 +37,7 @@ def sampling_params(request: PreprocessedRequest, *, context_length: int, model_
             out[theirs] = value
     if out.get("top_k") == 0:
         out["top_k"] = -1  # SGLang's "off" is -1
-    max_tokens = stop.max_tokens
-    if max_tokens is None:
-        max_tokens = max(1, context_length - len(request.token_ids)) if context_length else 16
-    out["max_new_tokens"] = max_tokens
-    if stop.min_tokens:
-        out["min_new_tokens"] = stop.min_tokens
-    if stop.stop_token_ids:
-        out["stop_token_ids"] = list(stop.stop_token_ids)
-    if stop.ignore_eos:
-        out["ignore_eos"] = True
+    out.update(stop_kwargs(request, context_length=context_length, max_key="max_new_tokens", min_key="min_new_tokens"))
     return out
 
 

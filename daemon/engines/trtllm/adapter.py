@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER
 from dynamod.daemon.engines.trtllm.engine import TrtllmEngine, llm_kwargs
-from dynamod.daemon.engines.vllm.native_kv import DEFAULT_EVENT_BUFFER
 from dynamod.daemon.models.registry import LocalModel
 
 

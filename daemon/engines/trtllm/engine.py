@@ -29,9 +29,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from dynamod.daemon.engines.common.lora import local_adapter_dir
+from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER, NativeKvFeed
+from dynamod.daemon.engines.common.sampling import stop_kwargs
 from dynamod.daemon.engines.trtllm.kv_format import TrtllmEventMapper
-from dynamod.daemon.engines.vllm.engine import local_adapter_dir
-from dynamod.daemon.engines.vllm.native_kv import DEFAULT_EVENT_BUFFER, NativeKvFeed
 from dynamod.daemon.models.registry import LocalModel
 from dynamod.daemon.worker.engine import EngineInfo, LoraInfo
 from dynamod.shared.errors import (
@@ -106,22 +107,13 @@ def build_llm(options: dict[str, Any]) -> Any:
 
 
 def sampling_params(request: PreprocessedRequest, *, context_length: int) -> dict[str, Any]:
-    s, stop = request.sampling, request.stop
+    s = request.sampling
     out: dict[str, Any] = {"detokenize": False}
     for name in ("temperature", "top_p", "top_k", "seed"):
         value = getattr(s, name)
         if value is not None:
             out[name] = value
-    max_tokens = stop.max_tokens
-    if max_tokens is None:
-        max_tokens = max(1, context_length - len(request.token_ids)) if context_length else 16
-    out["max_tokens"] = max_tokens
-    if stop.min_tokens:
-        out["min_tokens"] = stop.min_tokens
-    if stop.stop_token_ids:
-        out["stop_token_ids"] = list(stop.stop_token_ids)
-    if stop.ignore_eos:
-        out["ignore_eos"] = True
+    out.update(stop_kwargs(request, context_length=context_length))
     if s.logprobs is not None:
         out["logprobs"] = max(1, s.logprobs)
     return out

@@ -25,13 +25,14 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
+from dynamod.daemon.engines.common.flags import user_kv_events_config
+from dynamod.daemon.engines.common.kv_endpoints import plan_kv_events
+from dynamod.daemon.engines.common.kv_subscriber import NativeKvSubscriber
+from dynamod.daemon.engines.common.lora import local_adapter_dir
+from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER, NativeKvFeed
 from dynamod.daemon.engines.vllm import flags
-from dynamod.daemon.engines.vllm.kv_endpoints import plan_kv_events
-from dynamod.daemon.engines.vllm.kv_subscriber import NativeKvSubscriber
-from dynamod.daemon.engines.vllm.native_kv import DEFAULT_EVENT_BUFFER, NativeKvFeed
 from dynamod.daemon.engines.vllm.outputs import OutputTracker, sampling_kwargs
 from dynamod.daemon.engines.vllm.stats import LoadTracker, make_stat_logger_factory
 from dynamod.daemon.models.registry import LocalModel
@@ -87,18 +88,6 @@ def build_async_llm(argv: list[str], tracker: LoadTracker) -> Any:
         raise ConfigError(f"vLLM engine arguments ended the parser (exit {exc.code}); remove --help/--version") from None
     engine_args = AsyncEngineArgs.from_cli_args(namespace)
     return AsyncLLM.from_engine_args(engine_args, stat_loggers=[make_stat_logger_factory(tracker)])
-
-
-def local_adapter_dir(source: str) -> str:
-    path = source[len("file://"):] if source.startswith("file://") else source
-    if "://" in path:
-        raise InvalidRequestError(
-            f"LoRA source {source!r}: only local adapter directories (or file:// URIs) can be loaded", param="source"
-        )
-    p = Path(path).expanduser()
-    if not (p / "adapter_config.json").is_file():
-        raise InvalidRequestError(f"LoRA source {source!r} is not a PEFT adapter directory (no adapter_config.json)", param="source")
-    return str(p.resolve())
 
 
 def _request_error(exc: BaseException) -> DynamoError:
@@ -202,7 +191,7 @@ class VllmEngine:
             logger.warning("vllm prefix caching is off worker_id=%x effect=no_kv_events_kv_routing_blind", self.worker_id)
         try:
             plan = plan_kv_events(
-                flags.user_kv_events_config(self._tokens),
+                user_kv_events_config(self._tokens),
                 data_parallel_size=self._dp,
                 private_dir=self._private_dir,
             )

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from dynamod.daemon.engines.common.sampling import stop_kwargs
 from dynamod.shared.protocol.llm import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -36,7 +37,6 @@ def sampling_kwargs(
 ) -> dict[str, Any]:
     """Keyword arguments for ``SamplingParams`` (without ``output_kind``, which the caller adds)."""
     s = request.sampling
-    stop = request.stop
     out: dict[str, Any] = {}
     defaults = dict(model_defaults or {})
     for name in ("temperature", "top_p", "top_k", "seed"):
@@ -51,16 +51,7 @@ def sampling_kwargs(
             out[name] = value
     if out.get("top_k") == -1:
         out["top_k"] = 0  # older generation configs use -1 for "off"; vLLM now uses 0
-    max_tokens = stop.max_tokens
-    if max_tokens is None:
-        max_tokens = max(1, context_length - len(request.token_ids)) if context_length else 16
-    out["max_tokens"] = max_tokens
-    if stop.min_tokens:
-        out["min_tokens"] = stop.min_tokens
-    if stop.stop_token_ids:
-        out["stop_token_ids"] = list(stop.stop_token_ids)
-    if stop.ignore_eos:
-        out["ignore_eos"] = True
+    out.update(stop_kwargs(request, context_length=context_length))
     if s.logprobs is not None:
         out["logprobs"] = s.logprobs
     out["detokenize"] = False

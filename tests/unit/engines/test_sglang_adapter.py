@@ -12,13 +12,13 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from dynamod.daemon.engines.common.flags import flag_value
+from dynamod.daemon.engines.common.kv_endpoints import SubscriberEndpoint
+from dynamod.daemon.engines.common.kv_subscriber import NativeKvSubscriber
+from dynamod.daemon.engines.common.native_kv import NativeKvFeed
 from dynamod.daemon.engines.sglang.engine import SglangEngine, sglang_argv
 from dynamod.daemon.engines.sglang.kv_format import SglangFormatError, decode_sglang_batch
 from dynamod.daemon.engines.sglang.outputs import SglangOutputTracker, sampling_params
-from dynamod.daemon.engines.vllm.flags import flag_value
-from dynamod.daemon.engines.vllm.kv_endpoints import SubscriberEndpoint
-from dynamod.daemon.engines.vllm.kv_subscriber import NativeKvSubscriber
-from dynamod.daemon.engines.vllm.native_kv import NativeKvFeed
 from dynamod.daemon.models.registry import load_model_dir
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.kv.hashing import compute_block_hashes

@@ -48,7 +48,7 @@ def test_events_map_with_dynamos_rules() -> None:
 
 
 def test_mapped_events_feed_the_router_index() -> None:
-    from dynamod.daemon.engines.vllm.native_kv import NativeKvFeed
+    from dynamod.daemon.engines.common.native_kv import NativeKvFeed
 
     mapper, feed, index = TrtllmEventMapper(B), NativeKvFeed(0x77), KvIndexer()
     for ev in REC["events"][:4]:

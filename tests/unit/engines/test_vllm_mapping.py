@@ -8,9 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from dynamod.daemon.engines.common.flags import engine_tokens, flag_value, user_kv_events_config
+from dynamod.daemon.engines.common.kv_endpoints import offset_endpoint, plan_kv_events, publisher_binds
+from dynamod.daemon.engines.common.kv_table import KvBlockTable
 from dynamod.daemon.engines.vllm import flags
-from dynamod.daemon.engines.vllm.kv_endpoints import offset_endpoint, plan_kv_events, publisher_binds
-from dynamod.daemon.engines.vllm.kv_table import KvBlockTable
 from dynamod.daemon.engines.vllm.outputs import OutputTracker, sampling_kwargs
 from dynamod.daemon.engines.vllm.stats import LoadTracker
 from dynamod.shared.errors import ConfigError
@@ -22,27 +23,27 @@ from dynamod.shared.protocol.llm import PreprocessedRequest, SamplingOptions, St
 
 
 def test_engine_argv_sets_model_kv_events_and_defaults() -> None:
-    tokens = flags.engine_tokens("--enforce-eager --max-num-seqs 8")
+    tokens = engine_tokens("--enforce-eager --max-num-seqs 8")
     argv = flags.engine_argv(tokens, model_path="/m", kv_events_config={"endpoint": "tcp://127.0.0.1:5"})
     assert argv[:2] == ["--model", "/m"]
-    assert flags.flag_value(argv, "--block-size") == "64"
+    assert flag_value(argv, "--block-size") == "64"
     assert "--enable-prefix-caching" in argv and "--disable-log-stats" in argv
-    assert json.loads(flags.flag_value(argv, "--kv-events-config")) == {"endpoint": "tcp://127.0.0.1:5"}
-    assert flags.flag_value(argv, "--max-num-seqs") == "8"
+    assert json.loads(flag_value(argv, "--kv-events-config")) == {"endpoint": "tcp://127.0.0.1:5"}
+    assert flag_value(argv, "--max-num-seqs") == "8"
 
 
 def test_operator_choices_win() -> None:
-    tokens = flags.engine_tokens(
+    tokens = engine_tokens(
         "--block-size=128 --no-enable-prefix-caching --no-disable-log-stats --max-model-len 512 "
         "--kv-events-config '{\"endpoint\": \"tcp://*:7000\"}'"
     )
     argv = flags.engine_argv(tokens, model_path="/m", kv_events_config={"x": 1}, max_model_len=999)
-    assert flags.flag_value(argv, "--block-size") == "128" and "--block-size" not in argv
+    assert flag_value(argv, "--block-size") == "128" and "--block-size" not in argv
     assert "--enable-prefix-caching" not in argv and "--disable-log-stats" not in argv
-    assert flags.flag_value(argv, "--max-model-len") == "512"
+    assert flag_value(argv, "--max-model-len") == "512"
     assert argv.count("--kv-events-config") == 1  # ours replaces theirs (it was built on theirs)
     assert flags.prefix_caching_disabled(tokens)
-    assert flags.user_kv_events_config(tokens) == {"endpoint": "tcp://*:7000"}
+    assert user_kv_events_config(tokens) == {"endpoint": "tcp://*:7000"}
     est = flags.estimates(tokens)
     assert (est.block_size, est.max_model_len, est.data_parallel_size) == (128, 512, 1)
 
@@ -51,11 +52,11 @@ def test_model_inside_engine_args_is_refused() -> None:
     with pytest.raises(ConfigError, match="--model"):
         flags.engine_argv(["--model", "x"], model_path="/m", kv_events_config={})
     with pytest.raises(ConfigError):
-        flags.engine_tokens('--unbalanced "quote')
+        engine_tokens('--unbalanced "quote')
 
 
 def test_passthrough_tokens_are_appended() -> None:
-    assert flags.engine_tokens("--a 1", ["--b", "2"]) == ["--a", "1", "--b", "2"]
+    assert engine_tokens("--a 1", ["--b", "2"]) == ["--a", "1", "--b", "2"]
 
 
 # -- KV event endpoints ---------------------------------------------------------------------------

@@ -9,9 +9,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from dynamod.daemon.engines.vllm.kv_endpoints import SubscriberEndpoint
-from dynamod.daemon.engines.vllm.kv_subscriber import NativeKvSubscriber
-from dynamod.daemon.engines.vllm.native_kv import NativeKvFeed
+from dynamod.daemon.engines.common.kv_endpoints import SubscriberEndpoint
+from dynamod.daemon.engines.common.kv_subscriber import NativeKvSubscriber
+from dynamod.daemon.engines.common.native_kv import NativeKvFeed
 from dynamod.shared.kv.hashing import compute_block_hashes
 from dynamod.shared.kv.indexer import KvIndexer
 from dynamod.shared.kv.native_events import engine_hash_to_int

@@ -1,12 +1,19 @@
-"""The TCP request plane between processes: complete ordered streams, multiplexing, cancellation,
-deadlines, bad frames, a dying server, slow readers and graceful stop."""
+"""The request plane between processes.
+
+The scenarios both transports share (complete ordered streams, handler errors, cancellation,
+deadlines, the client's frame limit, graceful stop) run over TCP and NATS alike (the ``plane``
+fixture); the rest of this file is TCP-only: multiplexing on one connection, bad frames, a dying
+server, slow readers and in-process stop semantics. NATS-only scenarios are in
+test_request_plane_nats.py."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -27,13 +34,73 @@ from dynamod.shared.transport.framing import (
     ServerFrame,
     encode_frame,
 )
+from dynamod.shared.transport.nats_client import NatsRequestClient
 from dynamod.shared.transport.plane import RequestContext, ServerAddress
 from dynamod.shared.transport.tcp_client import TcpRequestClient, parse_host_port
 from dynamod.shared.transport.tcp_server import TcpRequestServer
-from tests.fixtures.servers import free_port
+from tests.fixtures.servers import NatsServer, free_port
 from tests.integration.helpers_transport import ServerProcess, stats, wait_for
 
 SERVER_MAX_FRAME = 1024 * 1024
+NATS_HEARTBEAT_S = 0.2
+
+
+@dataclass
+class Plane:
+    """One transport under test: how to start a server process and make a client for it."""
+
+    transport: str
+    server: ServerProcess
+    nats_url: str | None
+    # What a request to a stopping server raises: TCP may also see the connection close first.
+    late_request_errors: tuple[type[Exception], ...]
+
+    @property
+    def address(self) -> ServerAddress:
+        assert self.server.address is not None
+        return self.server.address
+
+    def make_client(self, **kwargs: Any) -> Any:
+        if self.transport == "tcp":
+            return TcpRequestClient(**kwargs)
+        return NatsRequestClient(self.nats_url, **kwargs)
+
+    def server_process(self, **kwargs: Any) -> ServerProcess:
+        if self.nats_url is not None:
+            kwargs["nats_url"] = self.nats_url
+        return ServerProcess(self.transport, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def nats() -> Iterator[NatsServer]:
+    server = NatsServer(jetstream=False).start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="module", params=["tcp", "nats"])
+def plane(request: pytest.FixtureRequest) -> Iterator[Plane]:
+    if request.param == "tcp":
+        yield Plane("tcp", request.getfixturevalue("server_proc"), None, (UnavailableError, TransportError))
+        return
+    nats_url = request.getfixturevalue("nats").url
+    proc = ServerProcess("nats", nats_url=nats_url).start()
+    try:
+        yield Plane("nats", proc, nats_url, (UnavailableError,))
+    finally:
+        proc.cleanup()
+
+
+@pytest.fixture
+async def plane_client(plane: Plane) -> AsyncIterator[Any]:
+    kwargs = {"heartbeat_s": NATS_HEARTBEAT_S} if plane.transport == "nats" else {}
+    c = plane.make_client(**kwargs)
+    try:
+        yield c
+    finally:
+        await c.close()
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +131,105 @@ async def collect(stream: AsyncIterator[object]) -> list[object]:
     return [item async for item in stream]
 
 
-# -- streams ----------------------------------------------------------------------------------
+def _rid(plane: Plane, what: str) -> str:
+    return f"{plane.transport}-{what}-{os.getpid()}-{time.monotonic_ns()}"
 
 
-async def test_ten_thousand_responses_arrive_complete_and_in_order(client, address):
-    items = await collect(client.stream(address, "test/count", {"n": 10_000}))
+def _handler_finished(client: Any, address: ServerAddress, rid: str) -> Callable[[], Any]:
+    """A ``wait_for`` condition: the server ran the handler's finally for ``rid`` and holds no
+    request; its value is the server's stats."""
+
+    async def check() -> dict[str, Any] | None:
+        s = await stats(client, address)
+        return s if rid in s["finished"] and s["inflight"] == 0 else None
+
+    return check
+
+
+# -- both transports --------------------------------------------------------------------------
+
+
+async def test_ten_thousand_responses_arrive_complete_and_in_order(plane, plane_client):
+    items = await collect(plane_client.stream(plane.address, "test/count", {"n": 10_000}))
     assert items == list(range(10_000))
+
+
+async def test_handler_errors_come_back_as_their_class(plane, plane_client):
+    address = plane.address
+    with pytest.raises(InvalidRequestError, match="rejected"):
+        await collect(plane_client.stream(address, "test/fail", "bad"))
+    with pytest.raises(NotFoundError, match="no handler"):
+        await collect(plane_client.stream(address, "test/nope", None))
+    # The client survives handler errors.
+    assert await collect(plane_client.stream(address, "test/echo", {"ok": True})) == [{"ok": True}]
+
+
+async def test_client_aclose_reaches_the_handler(plane, plane_client):
+    rid = _rid(plane, "close")
+    stream = plane_client.stream(plane.address, "test/hang", None, request_id=rid)
+    assert await stream.__anext__() == "started"
+    await stream.aclose()
+
+    s = await wait_for(_handler_finished(plane_client, plane.address, rid), 10,
+                       what="the handler's finally after cancel")
+    assert s["finished"][rid] in ("cancelled", "closed")
+
+
+async def test_breaking_out_of_the_loop_reaches_the_handler(plane, plane_client):
+    rid = _rid(plane, "break")
+    async for item in plane_client.stream(plane.address, "test/hang", None, request_id=rid):
+        assert item == "started"
+        break  # no aclose(): the dropped stream cancels itself
+
+    await wait_for(_handler_finished(plane_client, plane.address, rid), 10, what="the handler's finally after break")
+
+
+async def test_deadline_exceeded_raises_and_cancels_the_handler(plane, plane_client):
+    rid = _rid(plane, "deadline")
+    t0 = time.monotonic()
+    items = []
+    with pytest.raises(DeadlineExceededError):
+        async for item in plane_client.stream(plane.address, "test/hang", None, timeout_s=0.3, request_id=rid):
+            items.append(item)
+    elapsed = time.monotonic() - t0
+    assert items == ["started"]
+    assert 0.3 <= elapsed < 5
+
+    await wait_for(_handler_finished(plane_client, plane.address, rid), 10,
+                   what="the handler's finally after the deadline")
+
+
+async def test_client_refuses_an_oversize_body(plane):
+    small = plane.make_client(max_frame_bytes=1024)
+    try:
+        with pytest.raises(FrameTooLargeError):
+            await collect(small.stream(plane.address, "test/echo", "x" * 2048))
+        # Nothing half-written: the client still works for a body that fits.
+        assert await collect(small.stream(plane.address, "test/echo", "x" * 100)) == ["x" * 100]
+    finally:
+        await small.close()
+
+
+async def test_graceful_stop_lets_the_inflight_stream_finish(plane, plane_client):
+    proc = plane.server_process(grace_s=20).start()
+    try:
+        assert proc.address is not None
+        address = proc.address
+        stream = plane_client.stream(address, "test/paced", {"n": 20, "interval_s": 0.04})
+        assert await stream.__anext__() == 0
+        proc.terminate()
+        assert proc.read_line(10) == {"event": "stopping"}
+        with pytest.raises(plane.late_request_errors):
+            await collect(plane_client.stream(address, "test/echo", "late"))
+        rest = await collect(stream)
+        assert rest == list(range(1, 20))
+        assert proc.read_line(20) == {"event": "stopped"}
+        assert proc.wait(10) == 0
+    finally:
+        proc.cleanup()
+
+
+# -- TCP: streams -----------------------------------------------------------------------------
 
 
 async def test_many_concurrent_streams_share_one_connection(client, address):
@@ -82,36 +242,13 @@ async def test_many_concurrent_streams_share_one_connection(client, address):
     assert client.connection_count() == 1
 
 
-async def test_handler_errors_come_back_as_their_class(client, address):
-    with pytest.raises(InvalidRequestError, match="rejected"):
-        await collect(client.stream(address, "test/fail", "bad"))
-    with pytest.raises(NotFoundError, match="no handler"):
-        await collect(client.stream(address, "test/nope", None))
-    # The connection survives handler errors.
-    assert await collect(client.stream(address, "test/echo", {"ok": True})) == [{"ok": True}]
-
-
 async def test_none_and_nested_bodies_round_trip(client, address):
     body = {"tokens": list(range(300)), "nested": {"a": [None, 1.5, "x"]}, "none": None}
     assert await collect(client.stream(address, "test/echo", body)) == [body]
     assert await collect(client.stream(address, "test/echo", None)) == [None]
 
 
-# -- cancellation and deadlines ---------------------------------------------------------------
-
-
-async def test_client_aclose_reaches_the_handler(client, address):
-    rid = f"close-{os.getpid()}-{time.monotonic_ns()}"
-    stream = client.stream(address, "test/hang", None, request_id=rid)
-    assert await stream.__anext__() == "started"
-    await stream.aclose()
-
-    async def handler_finished():
-        s = await stats(client, address)
-        return s if rid in s["finished"] and s["inflight"] == 0 else None
-
-    s = await wait_for(handler_finished, 10, what="the handler's finally after cancel")
-    assert s["finished"][rid] in ("cancelled", "closed")
+# -- TCP: cancellation -----------------------------------------------------------------------
 
 
 async def test_cancelling_the_reading_task_reaches_the_handler(client, address):
@@ -128,24 +265,7 @@ async def test_cancelling_the_reading_task_reaches_the_handler(client, address):
     with pytest.raises(asyncio.CancelledError):
         await task
 
-    async def handler_finished():
-        s = await stats(client, address)
-        return rid in s["finished"] and s["inflight"] == 0
-
-    await wait_for(handler_finished, 10, what="the handler's finally after task cancel")
-
-
-async def test_breaking_out_of_the_loop_reaches_the_handler(client, address):
-    rid = f"break-{os.getpid()}-{time.monotonic_ns()}"
-    async for item in client.stream(address, "test/hang", None, request_id=rid):
-        assert item == "started"
-        break  # no aclose(): the dropped stream cancels itself
-
-    async def handler_finished():
-        s = await stats(client, address)
-        return rid in s["finished"] and s["inflight"] == 0
-
-    await wait_for(handler_finished, 10, what="the handler's finally after break")
+    await wait_for(_handler_finished(client, address, rid), 10, what="the handler's finally after task cancel")
 
 
 async def test_a_vanished_client_frees_its_handlers(client, address):
@@ -159,29 +279,7 @@ async def test_a_vanished_client_frees_its_handlers(client, address):
     assert frames[0].data == "started"
     writer.transport.abort()  # the client process "dies": no cancel frame, just a reset
 
-    async def handler_finished():
-        s = await stats(client, address)
-        return rid in s["finished"] and s["inflight"] == 0
-
-    await wait_for(handler_finished, 10, what="the handler's finally after the connection dropped")
-
-
-async def test_deadline_exceeded_raises_and_cancels_the_handler(client, address):
-    rid = f"deadline-{os.getpid()}-{time.monotonic_ns()}"
-    t0 = time.monotonic()
-    items = []
-    with pytest.raises(DeadlineExceededError):
-        async for item in client.stream(address, "test/hang", None, timeout_s=0.3, request_id=rid):
-            items.append(item)
-    elapsed = time.monotonic() - t0
-    assert items == ["started"]
-    assert 0.3 <= elapsed < 5
-
-    async def handler_finished():
-        s = await stats(client, address)
-        return rid in s["finished"] and s["inflight"] == 0
-
-    await wait_for(handler_finished, 10, what="the handler's finally after the deadline")
+    await wait_for(_handler_finished(client, address, rid), 10, what="the handler's finally after the connection dropped")
 
 
 # -- bad frames -------------------------------------------------------------------------------
@@ -260,17 +358,6 @@ async def test_garbage_bytes_connection_does_not_hurt_the_server(client, address
     assert await collect(client.stream(address, "test/count", {"n": 5})) == list(range(5))
 
 
-async def test_client_refuses_an_oversize_body(address):
-    small = TcpRequestClient(max_frame_bytes=1024)
-    try:
-        with pytest.raises(FrameTooLargeError):
-            await collect(small.stream(address, "test/echo", "x" * 2048))
-        # Nothing half-written: the connection still works for a body that fits.
-        assert await collect(small.stream(address, "test/echo", "x" * 100)) == ["x" * 100]
-    finally:
-        await small.close()
-
-
 async def test_server_reports_an_oversize_response(client, address):
     with pytest.raises(FrameTooLargeError):
         await collect(client.stream(address, "test/count", {"n": 1, "pad": SERVER_MAX_FRAME + 10}))
@@ -301,11 +388,7 @@ async def test_slow_reader_stays_bounded_while_another_stream_completes(client, 
     assert more == list(range(1, 1 + 3 * DEFAULT_WINDOW_FRAMES))
     await slow.aclose()
 
-    async def producer_closed():
-        st = await stats(client, address)
-        return rid in st["finished"] and st["inflight"] == 0
-
-    await wait_for(producer_closed, 10, what="the producer's finally")
+    await wait_for(_handler_finished(client, address, rid), 10, what="the producer's finally")
 
 
 # -- server failure and restart ---------------------------------------------------------------
@@ -343,25 +426,6 @@ async def test_connection_refused_is_quick(client):
     with pytest.raises(TransportError, match="cannot connect"):
         await collect(client.stream(address, "test/echo", 1))
     assert time.monotonic() - t0 < 2.0
-
-
-async def test_graceful_stop_lets_the_inflight_stream_finish(client):
-    proc = ServerProcess("tcp", grace_s=20).start()
-    try:
-        assert proc.address is not None
-        address = proc.address
-        stream = client.stream(address, "test/paced", {"n": 20, "interval_s": 0.04})
-        assert await stream.__anext__() == 0
-        proc.terminate()
-        assert proc.read_line(10) == {"event": "stopping"}
-        with pytest.raises((UnavailableError, TransportError)):
-            await collect(client.stream(address, "test/echo", "late"))
-        rest = await collect(stream)
-        assert rest == list(range(1, 20))
-        assert proc.read_line(20) == {"event": "stopped"}
-        assert proc.wait(10) == 0
-    finally:
-        proc.cleanup()
 
 
 # -- in-process: stop semantics that need a gate the test controls ----------------------------

@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterable
 
-from dynamod.daemon.engines.vllm.kv_table import KvBlockTable
+from dynamod.daemon.engines.common.kv_table import KvBlockTable
 from dynamod.shared.kv.native_events import NativeEventConverter
 from dynamod.shared.protocol.kv_events import KvEvent, KvEventBatch, RouterEvent
 

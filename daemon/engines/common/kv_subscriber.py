@@ -22,7 +22,7 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from dynamod.daemon.engines.vllm.kv_endpoints import SubscriberEndpoint
+from dynamod.daemon.engines.common.kv_endpoints import SubscriberEndpoint
 from dynamod.shared.protocol.kv_events import KvEventBatch
 
 logger = logging.getLogger(__name__)
