@@ -2,7 +2,7 @@
 client, credit pacing, a dying server, a NATS restart, and the factory's two-transport client.
 
 The scenarios TCP and NATS share (ordered complete streams, handler errors, cancellation,
-deadlines, the client's frame limit, graceful stop) run over both in test_request_plane_tcp.py."""
+deadlines, the client's frame limit, graceful stop) run over both in test_request_plane.py."""
 
 from __future__ import annotations
 
