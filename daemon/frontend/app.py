@@ -20,33 +20,45 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from dynamod.daemon.frontend.asgi import Scope, send_bytes, send_json
+from dynamod.daemon.frontend.asgi import Scope, send_bytes, send_error, send_json
 from dynamod.daemon.frontend.endpoints import ChatCompletionsEndpoint, CompletionsEndpoint
-from dynamod.daemon.frontend.errors import error_body
+from dynamod.daemon.frontend.errors import error_body, to_http_error
 from dynamod.daemon.frontend.protocol import ModelList, ModelObject, encoder
 from dynamod.daemon.frontend.state import FrontendState
+from dynamod.shared.errors import NotFoundError
 
 logger = logging.getLogger(__name__)
 
 
+def _model_object(model: Any) -> ModelObject:
+    card = model.card
+    return ModelObject(
+        id=model.name,
+        created=model.created,
+        parent=card.base_model if card.lora else None,
+        root=card.base_model if card.lora else model.name,
+        max_model_len=card.context_length or None,
+    )
+
+
 class ModelsEndpoint:
+    """``GET /v1/models`` lists every served model; ``GET /v1/models/{id}`` retrieves one."""
+
     def __init__(self, state: FrontendState) -> None:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        data = []
-        for model in sorted(self.state.registry.models.values(), key=lambda m: m.name):
-            card = model.card
-            data.append(
-                ModelObject(
-                    id=model.name,
-                    created=model.created,
-                    parent=card.base_model if card.lora else None,
-                    root=card.base_model if card.lora else model.name,
-                    max_model_len=card.context_length or None,
-                )
-            )
-        await send_json(send, 200, encoder.encode(ModelList(data=data)))
+        models = self.state.registry.models
+        model_id = scope.get("path_params", {}).get("model_id")
+        if model_id is None:
+            data = [_model_object(m) for m in sorted(models.values(), key=lambda m: m.name)]
+            await send_json(send, 200, encoder.encode(ModelList(data=data)))
+            return
+        model = models.get(model_id)
+        if model is None:
+            await send_error(send, to_http_error(NotFoundError(f"the model {model_id!r} does not exist")))
+            return
+        await send_json(send, 200, encoder.encode(_model_object(model)))
 
 
 class HealthEndpoint:
@@ -170,6 +182,7 @@ def _build_starlette(state: FrontendState, chat: ChatCompletionsEndpoint, comple
         _route("/v1/chat/completions", chat, ["POST"]),
         _route("/v1/completions", completions, ["POST"]),
         _route("/v1/models", ModelsEndpoint(state), ["GET"]),
+        _route("/v1/models/{model_id:path}", ModelsEndpoint(state), ["GET"]),
         _route("/health", HealthEndpoint(state), ["GET"]),
         _route("/live", _AsgiFunction(live), ["GET"]),
         _route("/metrics", MetricsEndpoint(state), ["GET"]),

@@ -146,7 +146,7 @@ class EngineStream:
                 self.model = model = current
         router = model.router
         assert router is not None
-        choice = router.select(RouteRequest(self.request.request_id, self.request.token_ids, model.lora_name), candidates)
+        choice = await router.select(RouteRequest(self.request.request_id, self.request.token_ids, model.lora_name), candidates)
         pool = model.workers[choice.worker_id]
         return choice, pool
 

@@ -71,11 +71,15 @@ class KvModelRouter:
         self._model = model
         self._decisions = decisions
 
-    def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice:
+    async def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice:
         group = self._group
         keys = group.keys_for(candidates)
         group.ensure(keys)
-        decision = group.kv.select_worker(request.request_id, request.token_ids, lora_name=self._lora, allowed=keys)
+        # While every worker is busy the request waits in the router's bounded queue
+        # (--router-queue-size, --router-queue-timeout-secs), then gets a 503.
+        decision = await group.kv.select_worker_waiting(
+            request.request_id, request.token_ids, lora_name=self._lora, allowed=keys
+        )
         self._decisions.offer(decision, self._model)
         slot = route_explain.get()
         if slot is not None:

@@ -55,17 +55,28 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     top_p: TopP | None = None
     top_k: TopK | None = None
     seed: Seed | None = None
-    n: ChoiceCount = 1
-    stream: bool = False
+    # OpenAI accepts an explicit null for these; __post_init__ turns it into the default.
+    n: ChoiceCount | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     user: str | None = None
     nvext: NvExt | None = None
-    return_token_ids: bool = False  # vLLM's extension: each choice also carries its token ids
+    return_token_ids: bool | None = False  # vLLM's extension: each choice also carries its token ids
+
+    def __post_init__(self) -> None:
+        if self.n is None:
+            self.n = 1
+        if self.stream is None:
+            self.stream = False
+        if self.ignore_eos is None:
+            self.ignore_eos = False
+        if self.return_token_ids is None:
+            self.return_token_ids = False
 
     @property
     def include_usage(self) -> bool:
@@ -91,12 +102,19 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[Any]
     max_completion_tokens: MaxTokens | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: TopLogprobs | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.logprobs is None:
+            self.logprobs = False
+        if self.add_generation_prompt is None:
+            self.add_generation_prompt = True
 
     def output_limit(self) -> int | None:
         """``max_completion_tokens`` wins over the deprecated ``max_tokens`` when both are set."""
@@ -110,9 +128,14 @@ PromptValue = str | list[Any]
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: PromptValue
     logprobs: TopLogprobs | None = None
-    echo: bool = False
+    echo: bool | None = False
     best_of: ChoiceCount | None = None
     suffix: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.echo is None:
+            self.echo = False
 
     def output_limit(self) -> int | None:
         return self.max_tokens
@@ -309,6 +332,8 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
         raise InvalidRequestError(f"invalid parameter: {message}", param=param) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequestError("the request body nests JSON too deeply") from None
 
 
 def decode_chat_request(body: bytes) -> ChatCompletionRequest:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from dynamod.shared.errors import ConfigError, NoInstancesError
+from dynamod.shared.errors import ConfigError, InvalidRequestError
 from dynamod.shared.protocol.instance import Instance
 
 ROUTER_MODES = ("round-robin", "random", "kv")
@@ -45,11 +45,12 @@ class RouteChoice:
 
 
 class Router(Protocol):
-    """Chooses a worker among ``candidates`` (never empty) and tracks requests it routed."""
+    """Chooses a worker among ``candidates`` (never empty) and tracks requests it routed.
+    ``select`` may wait (the KV router queues a request while every worker is busy)."""
 
     name: str
 
-    def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice: ...
+    async def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice: ...
 
     def on_first_token(self, request_id: str) -> None: ...
 
@@ -62,7 +63,7 @@ class RoundRobinRouter:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice:
+    async def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice:
         return RouteChoice(candidates[next(self._counter) % len(candidates)])
 
     def on_first_token(self, request_id: str) -> None:
@@ -78,7 +79,7 @@ class RandomRouter:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice:
+    async def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice:
         return RouteChoice(candidates[self._rng.randrange(len(candidates))])
 
     def on_first_token(self, request_id: str) -> None:
@@ -97,13 +98,13 @@ def parse_instance_id(value: str) -> int:
     """
     text = value.strip().lower()
     if not text:
-        raise NoInstancesError("empty x-dynamo-worker-instance-id header")
+        raise InvalidRequestError("empty x-dynamo-worker-instance-id header")
     try:
         if text.startswith("0x"):
             return int(text, 16)
         return int(text, 16) if any(c in "abcdef" for c in text) else int(text, 10)
     except ValueError:
-        raise NoInstancesError(f"x-dynamo-worker-instance-id {value!r} is neither hex nor decimal") from None
+        raise InvalidRequestError(f"x-dynamo-worker-instance-id {value!r} is neither hex nor decimal") from None
 
 
 def header_candidates(value: str) -> list[int]:

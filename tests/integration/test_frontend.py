@@ -131,6 +131,28 @@ def _generate_durations(cluster: LocalCluster) -> tuple[float, float]:
     return count, total
 
 
+def test_openai_edge_cases_from_review(cluster: LocalCluster, api: openai.OpenAI) -> None:
+    """Explicit nulls OpenAI allows, model retrieval, deep nesting and a malformed direct-routing
+    header: each gets the OpenAI answer, never a 500 or a retryable 503."""
+    url = cluster.url + "/v1"
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    with httpx.Client(timeout=30) as http:
+        nulls = {**chat, "n": None, "stream": None, "logprobs": None, "ignore_eos": None, "add_generation_prompt": None}
+        resp = http.post(url + "/chat/completions", json=nulls)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["finish_reason"] in ("length", "stop")
+        comp = http.post(url + "/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, "echo": None, "n": None})
+        assert comp.status_code == 200, comp.text
+        deep = b'{"model":"tiny","messages":[],"foo":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        resp = http.post(url + "/chat/completions", content=deep, headers={"content-type": "application/json"})
+        assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
+        resp = http.post(url + "/chat/completions", json=chat, headers={"x-dynamo-worker-instance-id": "zzz"})
+        assert resp.status_code == 400 and "neither hex nor decimal" in resp.json()["error"]["message"]
+        missing = http.get(url + "/models/no-such-model")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert api.models.retrieve("tiny").id == "tiny"
+
+
 def test_client_disconnect_aborts_engine_request(cluster: LocalCluster) -> None:
     # 4000 tokens take the mocker seconds; a hang-up after the first chunk must end the engine
     # request right away, which shows as a short generate duration on the worker.

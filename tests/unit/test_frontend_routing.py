@@ -16,7 +16,7 @@ from dynamod.daemon.frontend.routing import (
     make_basic_router,
     parse_instance_id,
 )
-from dynamod.shared.errors import ConfigError, NoInstancesError
+from dynamod.shared.errors import ConfigError, InvalidRequestError
 from dynamod.shared.protocol.instance import Instance
 
 
@@ -24,17 +24,17 @@ def _inst(iid: int) -> Instance:
     return Instance(namespace="dynamo", component="backend", endpoint="generate", instance_id=iid, transport="tcp", address="x:1")
 
 
-def test_round_robin_cycles_over_candidates() -> None:
+async def test_round_robin_cycles_over_candidates() -> None:
     router = RoundRobinRouter()
     cands = [_inst(1), _inst(2), _inst(3)]
-    picks = [router.select(RouteRequest(str(i), []), cands).worker_id for i in range(6)]
+    picks = [(await router.select(RouteRequest(str(i), []), cands)).worker_id for i in range(6)]
     assert picks == [1, 2, 3, 1, 2, 3]
 
 
-def test_random_router_uses_every_candidate() -> None:
+async def test_random_router_uses_every_candidate() -> None:
     router = RandomRouter(random.Random(1))
     cands = [_inst(1), _inst(2)]
-    picks = {router.select(RouteRequest(str(i), []), cands).worker_id for i in range(50)}
+    picks = {(await router.select(RouteRequest(str(i), []), cands)).worker_id for i in range(50)}
     assert picks == {1, 2}
 
 
@@ -49,9 +49,9 @@ def test_worker_header_hex_and_decimal() -> None:
     assert parse_instance_id(" 42 ") == 42
     assert header_candidates("42") == [42, 0x42]
     assert header_candidates("ff") == [255]
-    with pytest.raises(NoInstancesError):
+    with pytest.raises(InvalidRequestError):
         parse_instance_id("zz")
-    with pytest.raises(NoInstancesError):
+    with pytest.raises(InvalidRequestError):
         parse_instance_id("")
 
 
