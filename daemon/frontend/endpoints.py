@@ -340,7 +340,7 @@ class OpenAIEndpoint(ABC):
             return STATUS_ERROR
         usage = make_usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
         body = fmt.response(
-            "".join(parts), delta.finish_reason, self._total_logprobs(collector), usage, list(gen.engine.generated)
+            "".join(parts), delta.finish_reason, self._total_logprobs(collector), usage, gen.engine.generated[: gen.completion_tokens]
         )
         worker = gen.engine.worker_id
         watch.done()

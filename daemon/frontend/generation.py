@@ -43,10 +43,15 @@ class TextGeneration:
         self._matcher = StopStringMatcher(stops) if stops else None
         self._want_logprobs = want_logprobs
         self.finish_reason: str | None = None
+        self._stopped_after: int | None = None
         self._gen = self._run()
 
     @property
     def completion_tokens(self) -> int:
+        """Tokens generated, up to the one that completed a stop string (an engine frame may
+        carry tokens past it, which the client never sees and is not billed for)."""
+        if self._stopped_after is not None:
+            return self._stopped_after
         return len(self.engine.generated)
 
     @property
@@ -75,13 +80,36 @@ class TextGeneration:
         # with the next delta, so a delta's token ids always add up to what was generated.
         carry: list[int] = []
         carry_lp: list[float] = []
+        seen = 0  # tokens received before this frame
         async for out in self.engine:
             new_tokens = out.get("token_ids") or []
             finish = out.get("finish_reason")
             if finish == FINISH_ERROR:
                 raise EngineError(f"the engine failed the request: {out.get('error') or 'no detail'}")
-            text = detok.add_tokens(new_tokens) if new_tokens else ""
             log_probs = out.get("log_probs") if want_logprobs else None
+            matched: str | None = None
+            if matcher is None:
+                text = detok.add_tokens(new_tokens) if new_tokens else ""
+                if finish is not None:
+                    text += detok.flush()
+            else:
+                # Token by token: a stop string ends the output at the token that completed it,
+                # even when the engine sent more tokens in the same frame.
+                text = ""
+                kept = len(new_tokens)
+                for i, token in enumerate(new_tokens):
+                    piece, matched = matcher.feed(detok.add_token(token))
+                    text += piece
+                    if matched is not None:
+                        kept = i + 1
+                        break
+                if matched is None and finish is not None:
+                    piece, matched = matcher.feed(detok.flush())
+                    text += piece
+                if kept < len(new_tokens):
+                    new_tokens = new_tokens[:kept]
+                    if log_probs is not None:
+                        log_probs = log_probs[:kept]
             if carry:
                 tokens = carry + new_tokens
                 if log_probs is not None:
@@ -89,11 +117,10 @@ class TextGeneration:
                 carry, carry_lp = [], []
             else:
                 tokens = new_tokens
-            if finish is not None:
-                text += detok.flush()
+            seen += len(new_tokens)
             if matcher is not None:
-                text, matched = matcher.feed(text)
                 if matched is not None:
+                    self._stopped_after = seen
                     self.finish_reason = FINISH_STOP
                     yield Delta(text, tokens, log_probs, FINISH_STOP)
                     return

@@ -98,3 +98,15 @@ async def test_engine_error_finish_raises(tokenizer: Tokenizer) -> None:
     gen = TextGeneration(FakeEngine(frames), IncrementalDetokenizer(tokenizer), [], want_logprobs=False)  # type: ignore[arg-type]
     with pytest.raises(EngineError, match="out of memory"):
         await _collect(gen)
+
+
+async def test_stop_string_inside_a_multi_token_frame_ends_output_and_count_there(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(" alpha beta gamma delta epsilon")
+    stop_at = next(i for i in range(1, len(ids) + 1) if "beta" in tokenizer.decode(ids[:i]))
+    engine = FakeEngine([{"token_ids": ids, "finish_reason": "length"}])  # everything in one frame
+    gen = TextGeneration(engine, IncrementalDetokenizer(tokenizer), ["beta"], want_logprobs=False)
+    token_ids: list[int] = []
+    out = await _collect(gen, token_ids)
+    assert "".join(t for t, _ in out) == " alpha "
+    assert out[-1][1] == "stop"
+    assert token_ids == ids[:stop_at] and gen.completion_tokens == stop_at < len(ids)
