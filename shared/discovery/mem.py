@@ -66,7 +66,6 @@ class MemStore:
             self._drop_lease(lease)
         if self._reaper:
             self._reaper.cancel()
-            await asyncio.gather(self._reaper, return_exceptions=True)
         for _, q in self._watchers:
             q.put_nowait(None)
         self._watchers.clear()

@@ -17,7 +17,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 from prometheus_client import CollectorRegistry
 
 from dynamod.shared.config import RuntimeSettings
@@ -39,7 +38,6 @@ from dynamod.shared.transport.plane import (
     RequestPlaneServer,
     ServerAddress,
 )
-from dynamod.shared.transport.tcp_server import advertised_host
 
 logger = logging.getLogger(__name__)
 
@@ -81,27 +79,16 @@ class DistributedRuntime:
             store = make_store(settings.discovery_backend, etcd_endpoints=settings.etcd_endpoints, file_root=file_root)
         rt = cls(settings, store, registry)
         await store.start()
-        try:
-            rt.lease = await store.create_lease(settings.lease_ttl_s)
-            # Fixed at creation: keys already registered keep this id even if a backend had to
-            # re-grant the lease under another id after an outage.
-            rt._instance_id = rt.lease.id
-            if events:
-                rt.events = make_event_plane(
-                    settings.event_plane,
-                    nats_url=settings.nats_server,
-                    store=store,
-                    lease=rt.lease,
-                    host=advertised_host(settings.host),
-                )
-                await rt.events.start()
-            if settings.system_port is not None:
-                rt._status = StatusServer(rt.registry, rt._health, host=settings.system_host, port=settings.system_port)
-                await rt._status.start()
-        except BaseException:
-            # Half-built: release the lease, planes and store so nothing keeps running.
-            await rt.shutdown(grace_s=0)
-            raise
+        rt.lease = await store.create_lease(settings.lease_ttl_s)
+        # Fixed at creation: keys already registered keep this id even if a backend had to re-grant
+        # the lease under another id after an outage.
+        rt._instance_id = rt.lease.id
+        if events:
+            rt.events = make_event_plane(settings.event_plane, nats_url=settings.nats_server, store=store, lease=rt.lease)
+            await rt.events.start()
+        if settings.system_port is not None:
+            rt._status = StatusServer(rt.registry, rt._health, host=settings.system_host, port=settings.system_port)
+            await rt._status.start()
         logger.info(
             "runtime started instance_id=%x discovery=%s request_plane=%s event_plane=%s namespace=%s",
             rt.lease.id,
@@ -319,42 +306,41 @@ class ServedInstance:
         self.key = instance_key(record.namespace, record.component, record.endpoint, record.instance_id)
         self.registered = False
         self.inflight = 0
+        labels = (record.namespace, record.component, record.endpoint)
+        metrics = endpoint.runtime.metrics
+        self._m_requests = metrics.requests.labels(*labels)
+        self._m_duration = metrics.duration.labels(*labels)
+        self._m_inflight = metrics.inflight.labels(*labels)
+        self._m_errors = metrics.errors
+        self._labels = labels
 
     @property
     def instance_id(self) -> int:
         return self.record.instance_id
 
-    async def publish(self, record: Instance | None = None) -> None:
-        """Writes ``record`` (default: the current one) and adopts it only once the write
-        succeeded, so a failed write leaves a retry something to do."""
-        record = record or self.record
-        await self.endpoint.runtime.store.put(self.key, encode_instance(record), self.lease)
-        self.record = record
+    async def publish(self) -> None:
+        await self.endpoint.runtime.store.put(self.key, encode_instance(self.record), self.lease)
         self.registered = True
 
     async def set_status(self, status: str) -> None:
         if status not in STATUSES:
             raise ValueError(f"unknown instance status {status!r}")
         if self.record.status != status:
-            updated = msgspec.structs.replace(self.record, status=status)
+            self.record.status = status
             if self.registered:
-                await self.publish(updated)
-            else:
-                self.record = updated
+                await self.publish()
             logger.info("instance status path=%s status=%s", self.path, status)
 
     async def update_labels(self, **labels: str) -> None:
-        updated = msgspec.structs.replace(self.record, labels={**self.record.labels, **labels})
+        self.record.labels.update(labels)
         if self.registered:
-            await self.publish(updated)
-        else:
-            self.record = updated
+            await self.publish()
 
     async def deregister(self) -> None:
         """Removes the discovery record (routers stop sending) but keeps serving in-flight streams."""
         if self.registered:
-            await self.endpoint.runtime.store.delete(self.key)
             self.registered = False
+            await self.endpoint.runtime.store.delete(self.key)
             logger.info("endpoint deregistered path=%s", self.path)
 
     def stop_serving(self) -> None:
@@ -362,16 +348,7 @@ class ServedInstance:
             self._server.unregister(self.path)
 
     def wrap(self, handler: Handler) -> Handler:
-        """Adds metrics and error accounting around a handler without changing its stream.
-        (Only request-plane handlers get ``dynamo_component_*`` series: an advertised instance,
-        such as the frontend's HTTP server, exports its own metrics.)"""
-        labels = (self.record.namespace, self.record.component, self.record.endpoint)
-        metrics = self.endpoint.runtime.metrics
-        self._m_requests = metrics.requests.labels(*labels)
-        self._m_duration = metrics.duration.labels(*labels)
-        self._m_inflight = metrics.inflight.labels(*labels)
-        self._m_errors = metrics.errors
-        self._labels = labels
+        """Adds metrics and error accounting around a handler without changing its stream."""
 
         async def instrumented(body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
             start = time.perf_counter()

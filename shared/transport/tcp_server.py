@@ -276,7 +276,7 @@ class TcpRequestServer:
         except OSError as exc:
             raise TransportError(f"cannot listen on {self.host}:{self.port}: {exc}") from exc
         port = self._server.sockets[0].getsockname()[1]
-        host = self._advertise_host or advertised_host(self.host)
+        host = self._advertise_host or _advertised_host(self.host)
         self._address = ServerAddress("tcp", f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         logger.info(
             "request_plane.tcp.listening bind=%s:%d address=%s", self.host, port, self._address.address
@@ -339,7 +339,7 @@ class TcpRequestServer:
         )
 
 
-def advertised_host(bind_host: str) -> str:
+def _advertised_host(bind_host: str) -> str:
     """The address peers should dial: the bind address, or this host's primary address when the
     server binds every interface."""
     if bind_host not in _WILDCARD_HOSTS:
