@@ -150,6 +150,8 @@ class ConsoleApp(App[None]):
     def refresh_now(self) -> None:
         """Redraws what changed: the active view (or the worker screen) and the top bar. Timed,
         because refresh latency at 256 workers is the console's benchmark."""
+        if self._exit or not self.is_running:
+            return  # the timer may tick once more while the app tears its widgets down
         start = time.perf_counter()
         screen = self.screen
         if isinstance(screen, WorkerScreen):
