@@ -57,6 +57,12 @@ def _env(name: str) -> str | None:
     return value if value not in (None, "") else None
 
 
+def env_or(name: str, default: str) -> str:
+    """A ``DYN_*`` variable's value, or ``default`` when it is unset or empty (flag defaults)."""
+    value = _env(name)
+    return default if value is None else value
+
+
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("runtime (discovery, request plane, event plane)")
     g.add_argument("--namespace", help=f"namespace to serve in [env DYN_NAMESPACE, default {DEFAULT_NAMESPACE}]")

@@ -7,6 +7,8 @@ allocations and one encode.
 
 from __future__ import annotations
 
+from typing import Any
+
 from dynamod.daemon.frontend.preprocessor import ModelPreprocessor
 from dynamod.daemon.frontend.protocol import (
     ChatChoice,
@@ -96,8 +98,10 @@ class LogprobCollector:
         )
 
 
-class ChatFormatter:
-    object_prefix = "chatcmpl-"
+class _Formatter:
+    """What both response formatters share: the response id, timestamps and usage options."""
+
+    object_prefix = ""
 
     def __init__(
         self,
@@ -115,6 +119,13 @@ class ChatFormatter:
         self.model = model
         self._with_usage = include_usage or continuous_usage
         self._continuous = continuous_usage
+
+
+class ChatFormatter(_Formatter):
+    object_prefix = "chatcmpl-"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._sent_role = False
 
     def chunk(
@@ -167,25 +178,8 @@ class ChatFormatter:
         return encoder.encode(ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage))
 
 
-class CompletionFormatter:
+class CompletionFormatter(_Formatter):
     object_prefix = "cmpl-"
-
-    def __init__(
-        self,
-        response_id: str,
-        created: int,
-        model: str,
-        *,
-        include_usage: bool,
-        continuous_usage: bool,
-        return_token_ids: bool = False,
-    ) -> None:
-        self.id = self.object_prefix + response_id
-        self._token_ids = return_token_ids
-        self.created = created
-        self.model = model
-        self._with_usage = include_usage or continuous_usage
-        self._continuous = continuous_usage
 
     def chunk(
         self,

@@ -25,25 +25,21 @@ from dynamod.daemon.frontend.routing import ROUTER_MODES, Quarantine
 from dynamod.daemon.frontend.server import HttpServer, bind_socket
 from dynamod.daemon.frontend.state import FrontendConfig, FrontendState
 from dynamod.daemon.frontend.sync import RoutingSync
-from dynamod.shared.config import add_runtime_args, settings_from_args
+from dynamod.shared.config import add_runtime_args, env_or, settings_from_args
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.runtime.distributed import DistributedRuntime
 
 logger = logging.getLogger(__name__)
 
 
-def _env(name: str, default: str) -> str:
-    value = os.environ.get(name)
-    return value if value else default
-
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("frontend")
-    g.add_argument("--http-host", default=_env("DYN_HTTP_HOST", "127.0.0.1"),
+    g.add_argument("--http-host", default=env_or("DYN_HTTP_HOST", "127.0.0.1"),
                    help="address the HTTP server binds [env DYN_HTTP_HOST, default 127.0.0.1]")
-    g.add_argument("--http-port", type=int, default=int(_env("DYN_HTTP_PORT", "8000")),
+    g.add_argument("--http-port", type=int, default=int(env_or("DYN_HTTP_PORT", "8000")),
                    help="HTTP port; 0 = any free port [env DYN_HTTP_PORT, default 8000]")
-    g.add_argument("--router-mode", choices=ROUTER_MODES, default=_env("DYN_ROUTER_MODE", "round-robin"),
+    g.add_argument("--router-mode", choices=ROUTER_MODES, default=env_or("DYN_ROUTER_MODE", "round-robin"),
                    help="how workers are chosen [env DYN_ROUTER_MODE, default round-robin]")
     g.add_argument("--migration-limit", type=int, default=None,
                    help="times a broken stream may move to another worker [default: the model card's, 3]")

@@ -15,28 +15,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 
 from dynamod.daemon.router.config import add_router_args, config_from_args
 from dynamod.daemon.router.decision_publisher import add_decision_args, sample_rate_from_args
 from dynamod.daemon.router.service import RouterService, RouterServiceConfig
-from dynamod.shared.config import add_runtime_args, settings_from_args
+from dynamod.shared.config import add_runtime_args, env_or, settings_from_args
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.runtime.distributed import DistributedRuntime
 
 logger = logging.getLogger(__name__)
 
 
-def _env(name: str, default: str) -> str:
-    value = os.environ.get(name)
-    return value if value else default
-
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("router")
-    g.add_argument("--router-component", default=_env("DYN_ROUTER_COMPONENT", "router"),
+    g.add_argument("--router-component", default=env_or("DYN_ROUTER_COMPONENT", "router"),
                    help="component this router serves generate/best_worker_id on [env DYN_ROUTER_COMPONENT, default router]")
-    g.add_argument("--worker-component", default=_env("DYN_WORKER_COMPONENT", "backend"),
+    g.add_argument("--worker-component", default=env_or("DYN_WORKER_COMPONENT", "backend"),
                    help="component of the workers routed to [env DYN_WORKER_COMPONENT, default backend]")
     g.add_argument("--kv-block-size", type=int, default=None,
                    help="tokens per KV block [default: from the workers' model cards]")
