@@ -5,7 +5,7 @@ are the KV index (shared/kv/), active sequences, busy detection, the scheduler a
 """
 
 from dynamod.daemon.router.config import KvRouterConfig, add_router_args, config_from_args
-from dynamod.daemon.router.decision import HEADER_NAME, CandidateScore, RoutingDecision
+from dynamod.shared.protocol.routing import HEADER_NAME, CandidateScore, RoutingDecision
 from dynamod.daemon.router.kv_router import KvRouter
 
 __all__ = [

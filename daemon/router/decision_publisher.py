@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import msgspec
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
-from dynamod.daemon.router.decision import RoutingDecision
+from dynamod.shared.protocol.routing import RoutingDecision
 from dynamod.shared.errors import ConfigError, DynamoError
 from dynamod.shared.events.dropqueue import DropOldestQueue, QueueClosed
 from dynamod.shared.events.plane import TOPIC_ROUTER_DECISIONS, EventPublisher

@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry, Counter
 from dynamod.daemon.router.active_sequences import ActiveSequences
 from dynamod.daemon.router.busy import BusyPolicy
 from dynamod.daemon.router.config import KvRouterConfig
-from dynamod.daemon.router.decision import RoutingDecision
+from dynamod.shared.protocol.routing import RoutingDecision
 from dynamod.daemon.router.metrics import RouterMetrics, router_metrics
 from dynamod.daemon.router.scheduler import KvScheduler
 from dynamod.daemon.router.wait_queue import WaitQueue

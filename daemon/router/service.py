@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from dynamod.daemon.router.config import KvRouterConfig
-from dynamod.daemon.router.decision import RoutingDecision
+from dynamod.shared.protocol.routing import RoutingDecision
 from dynamod.daemon.router.decision_publisher import DecisionPublisher
 from dynamod.daemon.router.feed import KvFeed
 from dynamod.daemon.router.kv_router import KvRouter

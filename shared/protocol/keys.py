@@ -13,6 +13,7 @@ from dynamod.shared.errors import InvalidRequestError
 INSTANCES_ROOT = "v1/instances/"
 MDC_ROOT = "v1/mdc/"
 EVENT_CHANNELS_ROOT = "v1/event_channels/"
+KV_TRANSFER_ROOT = "v1/kv_transfer/"
 
 
 def _check_segment(name: str, what: str) -> str:
@@ -50,6 +51,16 @@ def event_channel_key(namespace: str, component: str, topic: str, instance_id: i
 def event_channels_prefix(namespace: str, component: str | None = None, topic: str | None = None) -> str:
     parts = [p for p in (namespace, component, topic) if p is not None]
     return EVENT_CHANNELS_ROOT + "".join(f"{p}/" for p in parts)
+
+
+def kv_transfer_key(namespace: str, component: str, instance_id: int) -> str:
+    """Where a worker advertises its KV transfer agent (``KvTransferMetadata``, JSON)."""
+    return f"{KV_TRANSFER_ROOT}{_check_segment(namespace, 'namespace')}/{_check_segment(component, 'component')}/{instance_id:x}"
+
+
+def kv_transfer_prefix(namespace: str, component: str | None = None) -> str:
+    parts = [p for p in (namespace, component) if p is not None]
+    return KV_TRANSFER_ROOT + "".join(f"{p}/" for p in parts)
 
 
 @dataclass(frozen=True, slots=True)

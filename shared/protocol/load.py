@@ -17,6 +17,14 @@ class LoadMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
     prefix_hit_rate: float = 0.0  # cached prompt tokens / prompt tokens, since start
     status: str = "ready"
     ts: float = 0.0
+    # Disaggregated serving (cumulative since start, except the window figures): a decode worker
+    # counts what it pulled, a prefill worker what was read from it.
+    kv_transfer_bytes: int = 0
+    kv_transfers: int = 0
+    kv_transfer_failures: int = 0
+    kv_transfer_ms_p50: float = 0.0  # over the last transfers (a bounded window)
+    kv_transfer_ms_p99: float = 0.0
+    kv_held_blocks: int = 0  # prefill: blocks held for decode workers to read
 
 
 load_encoder = msgspec.msgpack.Encoder()

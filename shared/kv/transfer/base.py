@@ -1,0 +1,88 @@
+"""The transfer seam: one ``KvTransferAgent`` Protocol, several small implementations.
+
+An agent owns one worker's registered KV block memory (``KvBlockMemory``). The decode side calls
+``read_blocks`` to copy blocks of a remote worker into its own blocks; the read carries a
+notification (the transfer id) that reaches the remote agent's ``on_notify`` callback once the
+bytes have arrived, which is when the prefill side frees the blocks it held. Every agent also
+serves reads of its own memory, so any worker can be read from.
+
+Errors: ``KvTransferError`` (a ``TransportError``: the peer is gone or answered badly) and
+``KvTransferTimeout`` (the deadline passed). Both leave the local blocks in an undefined state;
+the caller recomputes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from dynamod.shared.errors import DeadlineExceededError, TransportError
+from dynamod.shared.protocol.kv_transfer import KvTransferMetadata
+
+
+class KvTransferError(TransportError):
+    """A KV block read failed: the remote agent is unreachable, refused it, or broke off."""
+
+    code = "kv_transfer_error"
+
+
+class KvTransferTimeout(KvTransferError, DeadlineExceededError):
+    """A KV block read did not finish before its deadline (a stalled or frozen peer)."""
+
+    code = "kv_transfer_timeout"
+
+
+@dataclass(slots=True)
+class TransferResult:
+    """What one ``read_blocks`` moved and how long it took (wall clock)."""
+
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+    backend: str
+
+
+NotifyCallback = Callable[[str], None]
+
+
+@runtime_checkable
+class KvTransferAgent(Protocol):
+    """One worker's transfer endpoint. Created by ``shared.kv.transfer.factory.create_agent``."""
+
+    backend: str  # BACKEND_NIXL | BACKEND_TCP
+
+    async def start(self) -> None:
+        """Registers the memory and starts serving reads; after it, ``metadata()`` is valid."""
+        ...
+
+    def metadata(self) -> KvTransferMetadata:
+        """What peers need to read from this agent (advertised in discovery)."""
+        ...
+
+    def set_notify_callback(self, callback: NotifyCallback) -> None:
+        """Called (on the event loop) with the notification of every completed remote read."""
+        ...
+
+    async def read_blocks(
+        self,
+        remote: KvTransferMetadata,
+        remote_block_ids: Sequence[int],
+        local_block_ids: Sequence[int],
+        *,
+        timeout_s: float,
+        notify: str | None = None,
+    ) -> TransferResult:
+        """Copies ``remote_block_ids`` of ``remote`` into ``local_block_ids`` of this agent's
+        memory (same length, same ``block_bytes``), then delivers ``notify`` to the remote agent.
+        Raises ``KvTransferTimeout`` after ``timeout_s``, ``KvTransferError`` on any failure."""
+        ...
+
+    async def notify(self, remote: KvTransferMetadata, message: str, *, timeout_s: float) -> None:
+        """Delivers ``message`` to the remote agent without reading (the decode side found every
+        block in its own cache, or gave up on the read): the prefill side frees its blocks."""
+        ...
+
+    async def close(self) -> None:
+        """Stops serving, releases registrations and connections. Idempotent."""
+        ...
