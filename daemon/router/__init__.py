@@ -5,8 +5,8 @@ are the KV index (shared/kv/), active sequences, busy detection, the scheduler a
 """
 
 from dynamod.daemon.router.config import KvRouterConfig, add_router_args, config_from_args
-from dynamod.shared.protocol.routing import HEADER_NAME, CandidateScore, RoutingDecision
 from dynamod.daemon.router.kv_router import KvRouter
+from dynamod.shared.protocol.routing import HEADER_NAME, CandidateScore, RoutingDecision
 
 __all__ = [
     "HEADER_NAME",

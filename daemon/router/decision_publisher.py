@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 import msgspec
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
-from dynamod.shared.protocol.routing import RoutingDecision
 from dynamod.shared.errors import ConfigError, DynamoError
 from dynamod.shared.events.dropqueue import DropOldestQueue, QueueClosed
 from dynamod.shared.events.plane import TOPIC_ROUTER_DECISIONS, EventPublisher
+from dynamod.shared.protocol.routing import RoutingDecision
 
 if TYPE_CHECKING:
     from dynamod.shared.runtime.distributed import DistributedRuntime

@@ -35,7 +35,6 @@ from prometheus_client import CollectorRegistry, Counter
 from dynamod.daemon.router.active_sequences import ActiveSequences
 from dynamod.daemon.router.busy import BusyPolicy
 from dynamod.daemon.router.config import KvRouterConfig
-from dynamod.shared.protocol.routing import RoutingDecision
 from dynamod.daemon.router.metrics import RouterMetrics, router_metrics
 from dynamod.daemon.router.scheduler import KvScheduler
 from dynamod.daemon.router.wait_queue import WaitQueue
@@ -51,6 +50,7 @@ from dynamod.shared.kv.router_sync import (
 )
 from dynamod.shared.protocol.kv_events import RouterEvent
 from dynamod.shared.protocol.load import LoadMetrics
+from dynamod.shared.protocol.routing import RoutingDecision
 
 logger = logging.getLogger(__name__)
 

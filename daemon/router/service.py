@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from dynamod.daemon.router.config import KvRouterConfig
-from dynamod.shared.protocol.routing import RoutingDecision
 from dynamod.daemon.router.decision_publisher import DecisionPublisher
 from dynamod.daemon.router.feed import KvFeed
 from dynamod.daemon.router.kv_router import KvRouter
@@ -42,6 +41,7 @@ from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.keys import mdc_prefix, parse_key
 from dynamod.shared.protocol.llm import PreprocessedRequest
 from dynamod.shared.protocol.model_card import ModelCard, decode_card
+from dynamod.shared.protocol.routing import RoutingDecision
 from dynamod.shared.transport.plane import RequestContext
 
 if TYPE_CHECKING:
