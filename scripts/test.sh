@@ -9,6 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python3 -m pip install --quiet --disable-pip-version-check -e ".[test]"
+python3 -m pip install --quiet --disable-pip-version-check --no-deps "nixl-cu12==1.5.1"
 
 if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then

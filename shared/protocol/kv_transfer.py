@@ -68,6 +68,9 @@ class KvTransferMetadata(msgspec.Struct, kw_only=True, omit_defaults=True):
     block_bytes: int
     layout: KvLayout | None = None
     nixl_metadata: bytes = b""
+    # Address of block 0 in the agent's registered memory: NIXL names remote memory by address,
+    # so a reader builds its descriptors as ``base_address + id * block_bytes``. 0 without NIXL.
+    base_address: int = 0
 
 
 class KvTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -1,0 +1,232 @@
+"""``TcpKvAgent``: the ``KvTransferAgent`` over our own TCP block transport.
+
+It needs nothing beyond the standard library, so every worker can serve and read KV blocks even
+where NIXL is not installed (``dynamod up`` on a laptop), and a NIXL agent runs one too so that
+TCP-only peers can still read from it. Frames are in ``tcp_wire``; the server in ``tcp_server``;
+the reader's zero-copy receive and connection pool in ``tcp_client``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+
+from dynamod.shared.kv.transfer.base import (
+    KvTransferError,
+    KvTransferTimeout,
+    NotifyCallback,
+    TransferResult,
+)
+from dynamod.shared.kv.transfer.memory import KvBlockMemory
+from dynamod.shared.kv.transfer.tcp_client import KvConnectionPool, KvReadConnection
+from dynamod.shared.kv.transfer.tcp_server import KvBlockServer
+from dynamod.shared.kv.transfer.tcp_wire import (
+    MAX_NOTIFY_BYTES,
+    ErrorReply,
+    NotifyRequest,
+    OkReply,
+    ReadRequest,
+    Reply,
+    advertised_host,
+    contiguous_runs,
+    encode_frame,
+    join_address,
+)
+from dynamod.shared.protocol.kv_transfer import BACKEND_TCP, KvLayout, KvTransferMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def new_agent_name(worker_id: int) -> str:
+    """Unique per agent instance: a restarted worker with the same id is a different agent."""
+    return f"{worker_id:x}-{uuid.uuid4().hex[:12]}"
+
+
+def check_read_args(
+    memory: KvBlockMemory,
+    remote: KvTransferMetadata,
+    remote_block_ids: Sequence[int],
+    local_block_ids: Sequence[int],
+) -> None:
+    """Refuses a read that cannot be right before any connection is made (both backends)."""
+    if len(remote_block_ids) != len(local_block_ids):
+        raise KvTransferError(
+            f"read of {len(remote_block_ids)} remote blocks into {len(local_block_ids)} local blocks; "
+            "the lists must have the same length"
+        )
+    if remote.block_bytes != memory.block_bytes:
+        raise KvTransferError(
+            f"block size mismatch: agent {remote.agent_name} (worker {remote.worker_id:x}) has "
+            f"{remote.block_bytes}-byte blocks, this worker {memory.block_bytes}; prefill and decode "
+            "workers must serve the same model with the same block size and KV dtype"
+        )
+    try:
+        memory.check_ids(local_block_ids)
+    except ValueError as exc:
+        raise KvTransferError(f"local {exc}") from exc
+    bad = [b for b in remote_block_ids if not 0 <= b < remote.num_blocks]
+    if bad:
+        raise KvTransferError(
+            f"remote block ids {bad[:8]} are outside agent {remote.agent_name}'s [0, {remote.num_blocks})"
+        )
+
+
+class TcpKvAgent:
+    """Serves reads of ``memory`` on (host, port) and reads remote blocks over pooled connections."""
+
+    backend = BACKEND_TCP
+
+    def __init__(
+        self,
+        memory: KvBlockMemory,
+        *,
+        worker_id: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        layout: KvLayout | None = None,
+        agent_name: str | None = None,
+    ) -> None:
+        self.memory = memory
+        self.worker_id = worker_id
+        self.agent_name = agent_name or new_agent_name(worker_id)
+        self._host = host
+        self._layout = layout
+        self._server = KvBlockServer(memory, self.agent_name, host, port)
+        self._pool = KvConnectionPool()
+        self._address: str | None = None
+
+    @property
+    def address(self) -> str:
+        if self._address is None:
+            raise RuntimeError("TcpKvAgent.start() was not called")
+        return self._address
+
+    async def start(self) -> None:
+        await self._server.start()
+        self._address = join_address(advertised_host(self._host), self._server.port)
+
+    def metadata(self) -> KvTransferMetadata:
+        return KvTransferMetadata(
+            worker_id=self.worker_id,
+            backend=BACKEND_TCP,
+            agent_name=self.agent_name,
+            address=self.address,
+            num_blocks=self.memory.num_blocks,
+            block_bytes=self.memory.block_bytes,
+            layout=self._layout,
+        )
+
+    def set_notify_callback(self, callback: NotifyCallback) -> None:
+        self._server.set_notify_callback(callback)
+
+    async def read_blocks(
+        self,
+        remote: KvTransferMetadata,
+        remote_block_ids: Sequence[int],
+        local_block_ids: Sequence[int],
+        *,
+        timeout_s: float,
+        notify: str | None = None,
+    ) -> TransferResult:
+        check_read_args(self.memory, remote, remote_block_ids, local_block_ids)
+        if notify is not None:
+            _check_notify(notify)
+        array = self.memory.array
+        targets = [memoryview(array[a:b].reshape(-1)) for a, b in contiguous_runs(list(local_block_ids))]
+        read = encode_frame(ReadRequest(list(remote_block_ids), self.memory.block_bytes))
+        num_bytes = len(local_block_ids) * self.memory.block_bytes
+        started = time.monotonic()
+
+        async def exchange(conn: KvReadConnection) -> None:
+            _expect(await conn.request(read, targets), remote, "read")
+            if notify is not None:
+                _expect(await conn.request(encode_frame(NotifyRequest(notify))), remote, "notify")
+
+        await self._with_connection(remote, exchange, timeout_s, f"reading {len(local_block_ids)} blocks")
+        seconds = time.monotonic() - started
+        logger.debug(
+            "kv_transfer.tcp.read agent=%s remote=%s blocks=%d bytes=%d seconds=%.6f",
+            self.agent_name,
+            remote.agent_name,
+            len(local_block_ids),
+            num_bytes,
+            seconds,
+        )
+        return TransferResult(
+            num_blocks=len(local_block_ids), num_bytes=num_bytes, seconds=seconds, backend=BACKEND_TCP
+        )
+
+    async def notify(self, remote: KvTransferMetadata, message: str, *, timeout_s: float) -> None:
+        _check_notify(message)
+        frame = encode_frame(NotifyRequest(message))
+
+        async def exchange(conn: KvReadConnection) -> None:
+            _expect(await conn.request(frame), remote, "notify")
+
+        await self._with_connection(remote, exchange, timeout_s, "notifying")
+
+    async def close(self) -> None:
+        self._pool.close()
+        await self._server.close()
+
+    async def _with_connection(
+        self,
+        remote: KvTransferMetadata,
+        exchange: Callable[[KvReadConnection], Awaitable[None]],
+        timeout_s: float,
+        what: str,
+    ) -> None:
+        """Runs ``exchange`` on a pooled connection under one deadline. A reused connection that
+        fails before any block byte arrived (the peer restarted while it sat idle) is retried
+        once on a fresh one: reads and notifications are safe to repeat."""
+        conn: KvReadConnection | None = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                conn, reused = await self._pool.acquire(remote.address)
+                try:
+                    await exchange(conn)
+                except KvTransferError:
+                    if not (reused and conn.closed and conn.received_bytes == 0):
+                        raise
+                    conn = await self._pool.dial(remote.address)
+                    await exchange(conn)
+        except TimeoutError:
+            if conn is not None:
+                conn.abort()
+            received = conn.received_bytes if conn is not None else 0
+            logger.info(
+                "kv_transfer.tcp.timeout agent=%s remote=%s address=%s timeout_s=%s received_bytes=%d",
+                self.agent_name,
+                remote.agent_name,
+                remote.address,
+                timeout_s,
+                received,
+            )
+            raise KvTransferTimeout(
+                f"{what} from KV agent {remote.agent_name} at {remote.address} did not finish within "
+                f"{timeout_s}s ({received} block bytes arrived); the peer is stalled or overloaded"
+            ) from None
+        except BaseException:
+            if conn is not None:
+                conn.abort()
+            raise
+        self._pool.release(conn)
+
+
+def _check_notify(message: str) -> None:
+    if len(message.encode()) > MAX_NOTIFY_BYTES:
+        raise KvTransferError(f"notification of {len(message)} characters is over {MAX_NOTIFY_BYTES} bytes")
+
+
+def _expect(reply: Reply, remote: KvTransferMetadata, what: str) -> None:
+    if isinstance(reply, ErrorReply):
+        raise KvTransferError(
+            f"KV agent {remote.agent_name} at {remote.address} refused the {what}: {reply.message}"
+        )
+    if what == "notify" and not isinstance(reply, OkReply):
+        raise KvTransferError(
+            f"KV agent {remote.agent_name} at {remote.address} answered a notify with {reply!r}"
+        )
