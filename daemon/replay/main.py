@@ -1,10 +1,15 @@
 """Replay a Mooncake-format trace through the real router and real mocker engines, simulated clock.
 
     dynamod replay --trace FILE.jsonl --workers 8 --router-mode kv --json
+    dynamod replay --trace FILE.jsonl --prefill-workers 2 --decode-workers 6 --json
 
 Each hash id is one block of ``--trace-block-size`` tokens; timestamps (ms) are divided by
 ``--arrival-speedup``. Mocker flags (``--num-gpu-blocks``, ``--block-size``, ...) and router flags
-(``--kv-overlap-score-weight``, ``--router-temperature``, ...) take their usual defaults.
+(``--kv-overlap-score-weight``, ``--router-temperature``, ...) take their usual defaults; in a
+disaggregated replay both pools use them. ``--prefill-workers``/``--decode-workers`` replace
+``--workers``; the transfer flags model moving the prompt's KV blocks between the pools, and
+``--router-conditional-disagg`` prefills some requests locally (with ``prefill_load``, the busy
+threshold counts prompt tokens queued on the chosen prefill worker).
 """
 
 from __future__ import annotations
@@ -15,48 +20,108 @@ import sys
 import time
 
 from dynamod.daemon.engines.mocker.config import add_mocker_flags, config_from_args
-from dynamod.daemon.replay.simulator import MODES, replay
+from dynamod.daemon.replay.simulator import (
+    DEFAULT_KV_BYTES_PER_TOKEN,
+    DEFAULT_KV_TRANSFER_BANDWIDTH_GB_S,
+    DEFAULT_KV_TRANSFER_LATENCY_MS,
+    MODES,
+    TransferModel,
+    replay,
+    replay_disagg,
+)
 from dynamod.daemon.replay.trace import build_requests, load_trace
 from dynamod.daemon.router.config import add_router_args
 from dynamod.daemon.router.config import config_from_args as router_config_from_args
-from dynamod.shared.errors import DynamoError
+from dynamod.daemon.router.disagg_policy import add_disagg_args, disagg_config_from_args
+from dynamod.shared.errors import ConfigError, DynamoError
 
 REPLAY_VOCAB = 32000  # Llama-sized vocabulary: room for the trace's block ids
+DEFAULT_WORKERS = 8
+
+_PROG = "dynamod replay"
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("replay")
     g.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
-    g.add_argument("--workers", type=int, default=8, help="mocker workers [default 8]")
-    g.add_argument("--router-mode", choices=MODES, default="kv", help="routing policy [default kv]")
+    g.add_argument("--workers", type=int, default=None,
+                   help=f"aggregated mocker workers [default {DEFAULT_WORKERS}]; not with --prefill/--decode-workers")
+    g.add_argument("--prefill-workers", type=int, default=None,
+                   help="disaggregated replay: prefill workers (0: every request prefills on its decode worker)")
+    g.add_argument("--decode-workers", type=int, default=None, help="disaggregated replay: decode workers")
+    g.add_argument("--router-mode", choices=MODES, default="kv", help="routing policy of every pool [default kv]")
     g.add_argument("--trace-block-size", type=int, default=512, help="tokens per trace hash id [default 512]")
     g.add_argument("--arrival-speedup", type=float, default=1.0, help="divide arrival times by this [default 1]")
     g.add_argument("--max-requests", type=int, help="replay only the first N requests")
     g.add_argument("--seed", type=int, default=0, help="seed for random routing and tie-breaks [default 0]")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    t = parser.add_argument_group("KV transfer model (disaggregated replay)")
+    t.add_argument("--kv-bytes-per-token", type=int, default=DEFAULT_KV_BYTES_PER_TOKEN,
+                   help="KV cache bytes per token: layers x KV heads x head dim x 2 x dtype bytes "
+                   f"[default {DEFAULT_KV_BYTES_PER_TOKEN}, Llama-3-8B in bf16]")
+    t.add_argument("--kv-transfer-bandwidth", type=float, default=DEFAULT_KV_TRANSFER_BANDWIDTH_GB_S,
+                   help=f"prefill-to-decode bandwidth per transfer, GB/s (10^9 bytes) [default {DEFAULT_KV_TRANSFER_BANDWIDTH_GB_S:g}]")
+    t.add_argument("--kv-transfer-latency-ms", type=float, default=DEFAULT_KV_TRANSFER_LATENCY_MS,
+                   help=f"fixed cost of each transfer, ms [default {DEFAULT_KV_TRANSFER_LATENCY_MS:g}]")
     add_mocker_flags(parser.add_argument_group("mocker engine"))
     add_router_args(parser)
+    add_disagg_args(parser)
+
+
+def _topology(args: argparse.Namespace) -> tuple[int, int] | None:
+    """``(prefill, decode)`` workers for a disaggregated replay, None for agg; ``ConfigError`` for
+    a combination that cannot mean what the user wants."""
+    p, d = args.prefill_workers, args.decode_workers
+    if p is None and d is None:
+        if args.router_conditional_disagg or args.router_conditional_disagg_config:
+            raise ConfigError("--router-conditional-disagg needs --prefill-workers and --decode-workers")
+        workers = DEFAULT_WORKERS if args.workers is None else args.workers
+        if workers < 1:
+            raise ConfigError(f"--workers must be at least 1, got {workers}")
+        return None
+    if args.workers is not None:
+        raise ConfigError("--workers is for aggregated replay; --prefill-workers and --decode-workers replace it")
+    if p is None or d is None:
+        raise ConfigError("a disaggregated replay needs both --prefill-workers and --decode-workers")
+    if p < 0:
+        raise ConfigError(f"--prefill-workers must be >= 0, got {p}")
+    if d < 1:
+        raise ConfigError(f"--decode-workers must be at least 1, got {d}")
+    if p == 0 and not args.decode_fallback:
+        raise ConfigError("--prefill-workers 0 with --no-decode-fallback leaves no worker to prefill")
+    return p, d
 
 
 def main_sync(args: argparse.Namespace) -> int:
-    if args.workers < 1:
-        print("dynamod replay: error: --workers must be at least 1", file=sys.stderr)
-        return 2
     started = time.perf_counter()
+    try:
+        topology = _topology(args)
+        mocker = config_from_args(args, vocab_size=REPLAY_VOCAB)
+        router_config = router_config_from_args(args)
+        policy = disagg_config_from_args(args) if topology else None
+        transfer = TransferModel(args.kv_bytes_per_token, args.kv_transfer_bandwidth, args.kv_transfer_latency_ms)
+    except ConfigError as exc:
+        print(f"{_PROG}: error: {exc}", file=sys.stderr)
+        return 2
     try:
         records = load_trace(args.trace)
         if args.max_requests:
             records = records[: args.max_requests]
-        mocker = config_from_args(args, vocab_size=REPLAY_VOCAB)
         requests = build_requests(
             records, trace_block_size=args.trace_block_size, vocab_size=REPLAY_VOCAB, arrival_speedup=args.arrival_speedup
         )
-        result = replay(
-            requests, workers=args.workers, mode=args.router_mode, mocker=mocker,
-            router_config=router_config_from_args(args), seed=args.seed,
-        )
+        if topology is None:
+            result = replay(
+                requests, workers=args.workers or DEFAULT_WORKERS, mode=args.router_mode, mocker=mocker,
+                router_config=router_config, seed=args.seed,
+            )
+        else:
+            result = replay_disagg(
+                requests, prefill_workers=topology[0], decode_workers=topology[1], mode=args.router_mode,
+                mocker=mocker, policy=policy, transfer=transfer, router_config=router_config, seed=args.seed,
+            )
     except DynamoError as exc:
-        print(f"dynamod replay: error: {exc}", file=sys.stderr)
+        print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return 1
     result["arrival_speedup"] = args.arrival_speedup
     result["wall_s"] = round(time.perf_counter() - started, 3)

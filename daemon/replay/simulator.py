@@ -6,6 +6,28 @@ timing model, and its tokens, finished requests and KV events take effect when t
 router sees exactly what a live router would: KV events as workers publish them, first tokens
 (prefill done) and completions, with the simulated clock as its clock. Nothing sleeps, so a
 1,000-second trace replays in seconds.
+
+Aggregated (``replay``): one pool; each worker prefills and decodes its own requests.
+
+Disaggregated (``replay_disagg``): a prefill pool and a decode pool, each with its own router
+over its own cores' KV events. Per request, at arrival:
+
+1. the decode worker is chosen (the KvRouter over the decode pool, or round-robin / random);
+2. the prefill worker is chosen (a second KvRouter over the prefill pool; the request counts on
+   it only while it prefills, as Dynamo's prefill router keeps no decode-block load);
+3. ``disagg_policy.decide`` says remote or local, from the prompt length minus the prefix the
+   chosen decode worker caches (its router's overlap) and the chosen prefill core's queued prefill
+   tokens (see ``_Pool.prefill_load_tokens``);
+4. remote: the prefill core runs the prompt with ``max_tokens=1``; when that step ends, the KV
+   blocks the decode worker lacks travel in ``TransferModel.time_ms``; then the decode core takes
+   the request with ``kv_transferred=True`` (its prompt occupies the decode cache at no compute)
+   and decodes. Local: the decode core prefills it itself, exactly as in agg mode.
+
+TTFT is what the client sees: arrival to the first token the *decode* worker streams. The token
+the prefill worker samples is discarded (Dynamo's frontend takes only the transfer parameters from
+the prefill stream, and the decode engine samples the first output token itself), so both modes
+count the same ``output_length`` tokens, all from the worker that streams them, and a remote TTFT
+includes prefill queueing, prefill compute, the KV transfer and the decode worker's first step.
 """
 
 from __future__ import annotations
@@ -18,49 +40,103 @@ from dataclasses import dataclass, field
 
 from dynamod.daemon.engines.mocker.config import MockerConfig
 from dynamod.daemon.engines.mocker.core import MockerCore, StepOutput
+from dynamod.daemon.replay.report import (
+    P50,
+    P99,
+    RequestStats,
+    StepLog,
+    busy_fraction,
+    client_figures,
+    sim_seconds,
+    summary,
+)
 from dynamod.daemon.replay.trace import TraceRequest
 from dynamod.daemon.router.config import KvRouterConfig
+from dynamod.daemon.router.disagg_policy import DisaggInputs, DisaggPolicyConfig, decide
 from dynamod.daemon.router.kv_router import KvRouter
+from dynamod.shared.errors import ConfigError
+from dynamod.shared.kv.hashing import hash_tokens
 from dynamod.shared.protocol.kv_events import RouterEvent
+from dynamod.shared.protocol.routing import DISAGG_REMOTE
 
 MODES = ("kv", "round-robin", "random")
 
+# A Llama-3-8B-like layout: 32 layers x 8 KV heads x 128 head dim x 2 (K and V) x 2 bytes (bf16).
+DEFAULT_KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
+DEFAULT_KV_TRANSFER_BANDWIDTH_GB_S = 25.0  # one RDMA NIC's worth, 200 Gb/s
+DEFAULT_KV_TRANSFER_LATENCY_MS = 1.0  # per transfer: metadata round trip and completion notice
 
-@dataclass(slots=True)
-class RequestStats:
-    arrival_ms: float
-    prompt_tokens: int
-    worker: int = -1
-    token_times: list[float] = field(default_factory=list)
-    finish_ms: float = -1.0
-    cached_tokens: int = 0
-    output_tokens: int = 0
+
+@dataclass(frozen=True, slots=True)
+class TransferModel:
+    """How long moving a prompt's KV blocks from a prefill worker to a decode worker takes.
+
+    Transfers are independent (no link contention): one prefill worker finishes a long prompt
+    every few hundred milliseconds while one transfer of it takes tens, so they rarely overlap.
+    ``bandwidth_gb_s`` is in 10^9 bytes per second.
+    """
+
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
+    bandwidth_gb_s: float = DEFAULT_KV_TRANSFER_BANDWIDTH_GB_S
+    latency_ms: float = DEFAULT_KV_TRANSFER_LATENCY_MS
+
+    def __post_init__(self) -> None:
+        if self.kv_bytes_per_token < 1:
+            raise ConfigError(f"--kv-bytes-per-token must be at least 1, got {self.kv_bytes_per_token}")
+        if not self.bandwidth_gb_s > 0:
+            raise ConfigError(f"--kv-transfer-bandwidth must be > 0 GB/s, got {self.bandwidth_gb_s}")
+        if not self.latency_ms >= 0:
+            raise ConfigError(f"--kv-transfer-latency-ms must be >= 0, got {self.latency_ms}")
+
+    def bytes_for(self, blocks: int, block_size: int) -> int:
+        """Bytes of ``blocks`` whole KV blocks (a partial last block travels as a whole block)."""
+        return max(blocks, 0) * block_size * self.kv_bytes_per_token
+
+    def time_ms(self, nbytes: int) -> float:
+        return self.latency_ms + nbytes / (self.bandwidth_gb_s * 1e9) * 1000.0
 
 
 class _Picker:
-    """The routing policy: KV-aware (the real KvRouter) or a simple baseline."""
+    """The routing policy of one pool: KV-aware (the real KvRouter) or a simple baseline.
+
+    ``keep_index``: also keep a KV index of the pool in round-robin / random mode, so that a
+    disaggregated replay can ask how much of a prompt the chosen decode worker caches whatever the
+    routing policy (the live system learns it from the same KV events).
+    """
 
     def __init__(self, mode: str, n_workers: int, block_size: int, clock: Callable[[], float], seed: int,
-                 router_config: KvRouterConfig | None) -> None:
+                 router_config: KvRouterConfig | None, *, keep_index: bool = False) -> None:
         if mode not in MODES:
-            raise ValueError(f"unknown router mode {mode!r}; choose one of {', '.join(MODES)}")
+            raise ConfigError(f"unknown router mode {mode!r}; choose one of {', '.join(MODES)}")
         self.mode = mode
         self._n = n_workers
+        self._block_size = block_size
         self._rr = itertools.count()
         self._rng = random.Random(seed)
         self.router: KvRouter | None = None
-        if mode == "kv":
+        self._routes = mode == "kv"
+        if self._routes or keep_index:
             self.router = KvRouter(router_config or KvRouterConfig(), block_size, clock=clock,
                                    rng=random.Random(seed), registry=None)
             self.router.update_workers([(w, 0) for w in range(n_workers)])
         self._event_ids = [0] * n_workers
 
-    def pick(self, req: TraceRequest) -> int:
-        if self.router is not None:
-            return self.router.select_worker(str(req.index), req.prompt).worker_id
+    def pick(self, req: TraceRequest) -> tuple[int, int | None]:
+        """The worker for ``req`` and, in kv mode, the prompt blocks it caches (else None)."""
+        if self._routes:
+            assert self.router is not None
+            decision = self.router.select_worker(str(req.index), req.prompt)
+            return decision.worker_id, decision.overlap_blocks
         if self.mode == "random":
-            return self._rng.randrange(self._n)
-        return next(self._rr) % self._n
+            return self._rng.randrange(self._n), None
+        return next(self._rr) % self._n, None
+
+    def cached_blocks(self, worker: int, prompt: list[int]) -> int:
+        """Leading prompt blocks ``worker`` caches now, by the pool's KV index (0 without one)."""
+        if self.router is None:
+            return 0
+        _, seq = hash_tokens(prompt, self._block_size)
+        return self.router.indexer.find_matches_sequence(seq).scores.get((worker, 0), 0)
 
     def on_step(self, worker: int, out: StepOutput) -> None:
         if self.router is None:
@@ -70,21 +146,252 @@ class _Picker:
             self._event_ids[worker] += 1
 
     def on_first_token(self, request_id: str) -> None:
-        if self.router is not None:
+        if self._routes:
+            assert self.router is not None
             self.router.mark_prefill_done(request_id)
 
     def on_finish(self, request_id: str) -> None:
-        if self.router is not None:
+        if self._routes:
+            assert self.router is not None
             self.router.free(request_id)
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    k = (len(sorted_values) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+# Event kinds. Events at the same instant run in the order they were pushed (the heap's second
+# key), which keeps a replay deterministic.
+_ARRIVAL, _STEP_DONE, _TRANSFER_DONE = 0, 1, 2
+
+
+@dataclass(slots=True)
+class _Pool:
+    """One pool of mocker cores and what their steps cost."""
+
+    name: str
+    cores: list[MockerCore]
+    busy: list[bool]
+    # Prompt tokens each core is computing in its current step. The core's state moves on when
+    # the step starts, but a live worker reports that batch as queued until the step ends.
+    inflight_prefill: list[int]
+    log: StepLog = field(default_factory=StepLog)
+
+    @classmethod
+    def create(cls, name: str, n: int, mocker: MockerConfig) -> _Pool:
+        return cls(name, [MockerCore(mocker) for _ in range(n)], [False] * n, [0] * n)
+
+    def prefill_load_tokens(self, w: int) -> int:
+        """The load ``prefill_load`` compares with ``prefill_busy_threshold`` in a replay: prompt
+        tokens on core ``w`` not yet computed (waiting requests' whole prompts, running requests'
+        unfinished chunks) plus those its current step is computing, before the new request joins.
+        The threshold is therefore a token count, the unit of the router's
+        ``--active-prefill-tokens-threshold``, to which it defaults."""
+        return self.cores[w].load().active_prefill_tokens + self.inflight_prefill[w]
+
+
+class _Simulation:
+    """The event loop shared by agg and disaggregated replays (agg: no policy, no prefill pool)."""
+
+    def __init__(self, *, prefill_workers: int, decode_workers: int, mode: str, mocker: MockerConfig,
+                 router_config: KvRouterConfig | None, seed: int, policy: DisaggPolicyConfig | None,
+                 transfer: TransferModel) -> None:
+        self.now = 0.0
+        self.mocker = mocker
+        self.policy = policy
+        self.transfer = transfer
+        self.router_config = router_config or KvRouterConfig()
+
+        def clock() -> float:
+            return self.now / 1000.0
+
+        disagg = policy is not None
+        self.decode = _Pool.create("decode" if disagg else "agg", decode_workers, mocker)
+        self.prefill = _Pool.create("prefill", prefill_workers, mocker)
+        self.decode_picker = _Picker(mode, decode_workers, mocker.block_size, clock, seed, router_config, keep_index=disagg)
+        # A different seed: the two pools' tie-breaks must not mirror each other.
+        self.prefill_picker = (
+            _Picker(mode, prefill_workers, mocker.block_size, clock, seed + 1, router_config) if prefill_workers else None
+        )
+        self.stats: dict[str, RequestStats] = {}
+        self.reasons: dict[str, int] = {}
+        self._requests: dict[str, TraceRequest] = {}
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._order = itertools.count()
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def run(self, requests: list[TraceRequest]) -> None:
+        for req in requests:
+            self._push(req.arrival_ms, _ARRIVAL, req)
+        heap = self._heap
+        while heap:
+            self.now, _, kind, payload = heapq.heappop(heap)
+            if kind == _ARRIVAL:
+                self._arrive(payload)  # type: ignore[arg-type]
+            elif kind == _STEP_DONE:
+                pool, w, out = payload  # type: ignore[misc]
+                pool.inflight_prefill[w] = 0
+                if pool is self.prefill:
+                    self._prefill_step_done(w, out)
+                else:
+                    self._decode_step_done(w, out)
+                if pool.cores[w].has_unfinished_requests():
+                    self._start_step(pool, w)
+                else:
+                    pool.busy[w] = False
+            else:
+                self._transfer_done(payload)  # type: ignore[arg-type]
+
+    def _push(self, at_ms: float, kind: int, payload: object) -> None:
+        heapq.heappush(self._heap, (at_ms, next(self._order), kind, payload))
+
+    def _start_step(self, pool: _Pool, w: int) -> None:
+        out = pool.cores[w].step()
+        if not (out.num_prefill_reqs or out.num_decode_reqs or out.req_ids or out.finished):
+            pool.busy[w] = False  # nothing could run; the next request wakes the worker
+            return
+        # A step may take no time yet make progress: a transferred prompt is admitted chunk by
+        # chunk at no compute cost. Its next step then runs at the same instant.
+        pool.busy[w] = True
+        pool.inflight_prefill[w] = out.num_prefill_tokens
+        pool.log.record(out.duration_ms, out.num_decode_reqs, out.num_prefill_tokens)
+        self._push(self.now + out.duration_ms, _STEP_DONE, (pool, w, out))
+
+    def _wake(self, pool: _Pool, w: int) -> None:
+        if not pool.busy[w]:
+            self._start_step(pool, w)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def _arrive(self, req: TraceRequest) -> None:
+        rid = str(req.index)
+        dw, overlap = self.decode_picker.pick(req)
+        st = self.stats[rid] = RequestStats(arrival_ms=self.now, prompt_tokens=len(req.prompt), worker=dw)
+        if self.policy is not None and self._prefill_remotely(req, rid, dw, overlap, st):
+            return
+        self.decode.cores[dw].add_request(rid, req.prompt, max_tokens=req.output_length, ignore_eos=True, seed=req.index)
+        self._wake(self.decode, dw)
+
+    def _prefill_remotely(self, req: TraceRequest, rid: str, dw: int, overlap: int | None, st: RequestStats) -> bool:
+        """Decides remote or local prefill; on remote, queues the prompt on a prefill core."""
+        assert self.policy is not None
+        bs = self.mocker.block_size
+        isl = len(req.prompt)
+        if overlap is None:
+            overlap = self.decode_picker.cached_blocks(dw, req.prompt)
+        decode_load = self.decode.cores[dw].load()
+        new_blocks = -(-isl // bs) - overlap
+        inputs = DisaggInputs(
+            isl=isl,
+            decode_cached_tokens=min(overlap * bs, isl),
+            prefill_available=self.prefill_picker is not None,
+            prefill_busy_threshold=self.router_config.active_prefill_tokens_threshold,
+            decode_kv_fraction=(decode_load.active_blocks + new_blocks) / decode_load.total_blocks,
+        )
+        pw = -1
+        if self.prefill_picker is not None:
+            pw, _ = self.prefill_picker.pick(req)
+            inputs = DisaggInputs(
+                isl=inputs.isl, decode_cached_tokens=inputs.decode_cached_tokens,
+                prefill_load=float(self.prefill.prefill_load_tokens(pw)),
+                prefill_busy_threshold=inputs.prefill_busy_threshold,
+                decode_kv_fraction=inputs.decode_kv_fraction, prefill_worker_id=pw,
+            )
+        info = decide(self.policy, inputs)
+        st.reason = info.reason
+        self.reasons[info.reason] = self.reasons.get(info.reason, 0) + 1
+        if info.mode != DISAGG_REMOTE:
+            if self.prefill_picker is not None:
+                self.prefill_picker.on_finish(rid)  # routed there, but it will not prefill there
+            return False
+        st.remote = True
+        st.prefill_worker = pw
+        # The decode worker will not compute this prompt: its router stops counting it as prefill
+        # load now and keeps only its blocks as decode load.
+        self.decode_picker.on_first_token(rid)
+        self._requests[rid] = req
+        self.prefill.cores[pw].add_request(rid, req.prompt, max_tokens=1, ignore_eos=True, seed=req.index)
+        self._wake(self.prefill, pw)
+        return True
+
+    def _prefill_step_done(self, w: int, out: StepOutput) -> None:
+        picker = self.prefill_picker
+        assert picker is not None
+        picker.on_step(w, out)
+        bs = self.mocker.block_size
+        for fin in out.finished:
+            rid = fin.request_id
+            picker.on_finish(rid)
+            st = self.stats[rid]
+            st.prefill_done_ms = self.now
+            st.cached_tokens = fin.usage.cached_tokens
+            req = self._requests[rid]
+            # Only the blocks the decode worker lacks travel; it caches the rest already.
+            lacking = -(-len(req.prompt) // bs) - self.decode_picker.cached_blocks(st.worker, req.prompt)
+            st.transfer_bytes = self.transfer.bytes_for(lacking, bs)
+            st.transfer_ms = self.transfer.time_ms(st.transfer_bytes)
+            self._push(self.now + st.transfer_ms, _TRANSFER_DONE, rid)
+
+    def _transfer_done(self, rid: str) -> None:
+        req = self._requests.pop(rid)
+        dw = self.stats[rid].worker
+        self.decode.cores[dw].add_request(
+            rid, req.prompt, max_tokens=req.output_length, ignore_eos=True, seed=req.index, kv_transferred=True
+        )
+        self._wake(self.decode, dw)
+
+    def _decode_step_done(self, w: int, out: StepOutput) -> None:
+        picker = self.decode_picker
+        picker.on_step(w, out)
+        stats = self.stats
+        for rid in out.req_ids:
+            st = stats[rid]
+            if not st.token_times:
+                picker.on_first_token(rid)
+            st.token_times.append(self.now)
+        for fin in out.finished:
+            st = stats[fin.request_id]
+            st.finish_ms = self.now
+            if not st.remote:
+                st.cached_tokens = fin.usage.cached_tokens
+            st.output_tokens = fin.usage.completion_tokens
+            picker.on_finish(fin.request_id)
+
+    # ---- figures -------------------------------------------------------------------------------
+
+    def report(self, mode: str) -> dict:
+        done = [s for s in self.stats.values() if s.finish_ms >= 0]
+        sim_s = sim_seconds(done)
+        res: dict[str, object] = {"mode": mode}
+        if self.policy is None:
+            res["workers"] = len(self.decode.cores)
+        else:
+            res["topology"] = "disagg"
+            res["prefill_workers"] = len(self.prefill.cores)
+            res["decode_workers"] = len(self.decode.cores)
+            res["policy"] = self.policy.name
+        res.update(client_figures(done))
+        res["decode_step_ms"] = self.decode.log.decode_figures()
+        if self.policy is None:
+            res["busy_fraction"] = {"agg": busy_fraction(self.decode.log, len(self.decode.cores), sim_s)}
+            res["requests_per_worker"] = [sum(1 for s in done if s.worker == w) for w in range(len(self.decode.cores))]
+        else:
+            remote = [s for s in done if s.remote]
+            res["disagg"] = {
+                "remote": sum(1 for s in self.stats.values() if s.remote),
+                "local": sum(1 for s in self.stats.values() if not s.remote),
+                "reasons": dict(sorted(self.reasons.items())),
+                "transfer_bytes_total": sum(s.transfer_bytes for s in remote),
+                "transfer_ms": summary((s.transfer_ms for s in remote), P50, P99),
+                "remote_prefill_ms": summary((s.prefill_done_ms - s.arrival_ms for s in remote), P50, P99),
+            }
+            res["busy_fraction"] = {
+                "prefill": busy_fraction(self.prefill.log, len(self.prefill.cores), sim_s),
+                "decode": busy_fraction(self.decode.log, len(self.decode.cores), sim_s),
+            }
+            res["requests_per_worker"] = {
+                "prefill": [sum(1 for s in remote if s.prefill_worker == w) for w in range(len(self.prefill.cores))],
+                "decode": [sum(1 for s in done if s.worker == w) for w in range(len(self.decode.cores))],
+            }
+        res["sim_s"] = round(sim_s, 3)
+        return res
 
 
 def replay(
@@ -96,81 +403,40 @@ def replay(
     router_config: KvRouterConfig | None = None,
     seed: int = 0,
 ) -> dict:
-    """Replays ``requests`` and returns the summary (the ``--json`` object, without wall time)."""
-    now = 0.0
-    picker = _Picker(mode, workers, mocker.block_size, lambda: now / 1000.0, seed, router_config)
-    cores = [MockerCore(mocker) for _ in range(workers)]
-    busy = [False] * workers
-    stats: dict[str, RequestStats] = {}
-    heap: list[tuple[float, int, int, object]] = []  # (time_ms, order, kind, payload)
-    order = itertools.count()
-    ARRIVAL, STEP_DONE = 0, 1
-    for req in requests:
-        heapq.heappush(heap, (req.arrival_ms, next(order), ARRIVAL, req))
+    """Replays ``requests`` on ``workers`` aggregated workers; returns the summary (the ``--json``
+    object, without wall time)."""
+    if workers < 1:
+        raise ConfigError(f"--workers must be at least 1, got {workers}")
+    sim = _Simulation(prefill_workers=0, decode_workers=workers, mode=mode, mocker=mocker,
+                      router_config=router_config, seed=seed, policy=None, transfer=TransferModel())
+    sim.run(requests)
+    return sim.report(mode)
 
-    def start_step(w: int) -> None:
-        out = cores[w].step()
-        if out.duration_ms <= 0 and not out.req_ids and not out.finished:
-            busy[w] = False  # nothing could run; the next arrival wakes the worker
-            return
-        busy[w] = True
-        heapq.heappush(heap, (now + out.duration_ms, next(order), STEP_DONE, (w, out)))
 
-    while heap:
-        now, _, kind, payload = heapq.heappop(heap)
-        if kind == ARRIVAL:
-            req: TraceRequest = payload  # type: ignore[assignment]
-            rid = str(req.index)
-            w = picker.pick(req)
-            stats[rid] = RequestStats(arrival_ms=now, prompt_tokens=len(req.prompt), worker=w)
-            cores[w].add_request(rid, req.prompt, max_tokens=req.output_length, ignore_eos=True, seed=req.index)
-            if not busy[w]:
-                start_step(w)
-            continue
-        w, out = payload  # type: ignore[misc]
-        picker.on_step(w, out)
-        for rid in out.req_ids:
-            st = stats[rid]
-            if not st.token_times:
-                picker.on_first_token(rid)
-            st.token_times.append(now)
-        for fin in out.finished:
-            st = stats[fin.request_id]
-            st.finish_ms = now
-            st.cached_tokens = fin.usage.cached_tokens
-            st.output_tokens = fin.usage.completion_tokens
-            picker.on_finish(fin.request_id)
-        if cores[w].has_unfinished_requests():
-            start_step(w)
-        else:
-            busy[w] = False
+def replay_disagg(
+    requests: list[TraceRequest],
+    *,
+    prefill_workers: int,
+    decode_workers: int,
+    mode: str,
+    mocker: MockerConfig,
+    policy: DisaggPolicyConfig | None = None,
+    transfer: TransferModel | None = None,
+    router_config: KvRouterConfig | None = None,
+    seed: int = 0,
+) -> dict:
+    """Replays ``requests`` on a prefill pool and a decode pool; returns the summary.
 
-    done = [s for s in stats.values() if s.finish_ms >= 0]
-    ttft = sorted(s.token_times[0] - s.arrival_ms for s in done if s.token_times)
-    itl = sorted(b - a for s in done for a, b in itertools.pairwise(s.token_times))
-    e2e = sorted(s.finish_ms - s.arrival_ms for s in done)
-    sim_s = (max(s.finish_ms for s in done) - min(s.arrival_ms for s in done)) / 1000.0 if done else 0.0
-    prompt_total = sum(s.prompt_tokens for s in done)
-    prefilled = sum(s.prompt_tokens - s.cached_tokens for s in done)
-    out_tokens = sum(s.output_tokens for s in done)
-
-    def summary(values: list[float], *qs: tuple[str, float]) -> dict[str, float]:
-        res = {"mean": round(sum(values) / len(values), 3) if values else 0.0}
-        for name, q in qs:
-            res[name] = round(_percentile(values, q), 3)
-        return res
-
-    per_worker = [sum(1 for s in done if s.worker == w) for w in range(workers)]
-    return {
-        "mode": mode,
-        "workers": workers,
-        "completed": len(done),
-        "ttft_ms": summary(ttft, ("p50", 0.5), ("p90", 0.9), ("p99", 0.99)),
-        "itl_ms": summary(itl, ("p50", 0.5)),
-        "e2e_ms": summary(e2e, ("p50", 0.5), ("p99", 0.99)),
-        "requests_per_s": round(len(done) / sim_s, 3) if sim_s else 0.0,
-        "output_tokens_per_s": round(out_tokens / sim_s, 1) if sim_s else 0.0,
-        "cache_hit_rate": round(1.0 - prefilled / prompt_total, 4) if prompt_total else 0.0,
-        "requests_per_worker": per_worker,
-        "sim_s": round(sim_s, 3),
-    }
+    ``policy`` None means Dynamo's default: unconditional disaggregation with decode fallback.
+    """
+    policy = policy or DisaggPolicyConfig()
+    if decode_workers < 1:
+        raise ConfigError(f"--decode-workers must be at least 1, got {decode_workers}")
+    if prefill_workers < 0:
+        raise ConfigError(f"--prefill-workers must be >= 0, got {prefill_workers}")
+    if prefill_workers == 0 and not policy.decode_fallback:
+        raise ConfigError("--prefill-workers 0 with --no-decode-fallback leaves no worker to prefill")
+    sim = _Simulation(prefill_workers=prefill_workers, decode_workers=decode_workers, mode=mode, mocker=mocker,
+                      router_config=router_config, seed=seed, policy=policy, transfer=transfer or TransferModel())
+    sim.run(requests)
+    return sim.report(mode)

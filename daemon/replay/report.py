@@ -1,0 +1,121 @@
+"""Summaries of a replay: percentiles and the figures every replay prints, agg or disaggregated.
+
+Kept apart from the event loop so that agg and disaggregated runs are measured by the very same
+code: a difference in their figures is a difference in the simulated system, not in the counting.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestStats:
+    """What the client of one request saw, plus where and how it was served.
+
+    ``token_times`` are the simulated times (ms) of the tokens the client received, so
+    ``token_times[0] - arrival_ms`` is the TTFT and consecutive differences are the ITLs.
+    ``cached_tokens`` counts prompt tokens whose prefill compute was saved by a prefix cache (on
+    the prefill worker for a remote prefill, on the decode worker for a local one).
+    """
+
+    arrival_ms: float
+    prompt_tokens: int
+    worker: int = -1  # the worker that streamed the tokens (the decode worker when disaggregated)
+    token_times: list[float] = field(default_factory=list)
+    finish_ms: float = -1.0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    # Disaggregated runs only.
+    prefill_worker: int = -1
+    remote: bool = False
+    reason: str = ""
+    prefill_done_ms: float = -1.0
+    transfer_bytes: int = 0
+    transfer_ms: float = 0.0
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile of an already sorted sequence; 0 when empty."""
+    if not sorted_values:
+        return 0.0
+    k = (len(sorted_values) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+
+
+P50, P90, P99, P999 = ("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999)
+
+
+def summary(values: Iterable[float], *qs: tuple[str, float]) -> dict[str, float]:
+    """``{"mean": ..., "p50": ...}`` rounded to microseconds (the figures are milliseconds)."""
+    ordered = sorted(values)
+    res = {"mean": round(sum(ordered) / len(ordered), 3) if ordered else 0.0}
+    for name, q in qs:
+        res[name] = round(percentile(ordered, q), 3)
+    return res
+
+
+def client_figures(done: Sequence[RequestStats]) -> dict[str, object]:
+    """TTFT, ITL, end-to-end latency, throughput and prefix-cache hit rate over finished requests."""
+    ttft = [s.token_times[0] - s.arrival_ms for s in done if s.token_times]
+    itl = [b - a for s in done for a, b in itertools.pairwise(s.token_times)]
+    e2e = [s.finish_ms - s.arrival_ms for s in done]
+    sim_s = sim_seconds(done)
+    prompt_total = sum(s.prompt_tokens for s in done)
+    prefilled = sum(s.prompt_tokens - s.cached_tokens for s in done)
+    out_tokens = sum(s.output_tokens for s in done)
+    return {
+        "completed": len(done),
+        "ttft_ms": summary(ttft, P50, P90, P99),
+        "itl_ms": summary(itl, P50, P90, P99, P999),
+        "e2e_ms": summary(e2e, P50, P99),
+        "requests_per_s": round(len(done) / sim_s, 3) if sim_s else 0.0,
+        "output_tokens_per_s": round(out_tokens / sim_s, 1) if sim_s else 0.0,
+        "cache_hit_rate": round(1.0 - prefilled / prompt_total, 4) if prompt_total else 0.0,
+    }
+
+
+def sim_seconds(done: Sequence[RequestStats]) -> float:
+    """Simulated span from the first arrival to the last finish, in seconds."""
+    if not done:
+        return 0.0
+    return (max(s.finish_ms for s in done) - min(s.arrival_ms for s in done)) / 1000.0
+
+
+@dataclass(slots=True)
+class StepLog:
+    """Engine steps of one pool: how long its cores computed, and how decode steps fared.
+
+    ``decode_step_ms`` holds the duration of every step that advanced at least one decoding
+    request: a step that also prefilled is longer, and every running stream waits for it. That
+    stall is what disaggregation removes, so its tail (and the share of decode steps that carried
+    a prefill) is reported beside the per-token ITL.
+    """
+
+    busy_ms: float = 0.0
+    decode_step_ms: list[float] = field(default_factory=list)
+    decode_steps_with_prefill: int = 0
+
+    def record(self, duration_ms: float, num_decode_reqs: int, num_prefill_tokens: int) -> None:
+        self.busy_ms += duration_ms
+        if num_decode_reqs:
+            self.decode_step_ms.append(duration_ms)
+            if num_prefill_tokens:
+                self.decode_steps_with_prefill += 1
+
+    def decode_figures(self) -> dict[str, float]:
+        res = summary(self.decode_step_ms, P50, P99)
+        n = len(self.decode_step_ms)
+        res["with_prefill_frac"] = round(self.decode_steps_with_prefill / n, 4) if n else 0.0
+        return res
+
+
+def busy_fraction(log: StepLog, workers: int, sim_s: float) -> float:
+    """Share of the pool's core-time spent computing over the replayed span."""
+    if workers <= 0 or sim_s <= 0:
+        return 0.0
+    return round(log.busy_ms / (workers * sim_s * 1000.0), 4)

@@ -1,0 +1,138 @@
+"""Disaggregated replay: transfer time, conditional disaggregation, fallback, determinism."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynamod.daemon.engines.mocker.timing import prefill_time_ms
+from dynamod.daemon.replay.simulator import MODES, TransferModel, replay, replay_disagg
+from dynamod.daemon.router.disagg_policy import DisaggPolicyConfig
+from dynamod.shared.errors import ConfigError
+from tests.unit.replay.helpers import BLOCK, mixed_trace, mocker, requests
+
+PROMPT = [0, 1, 2, 3]  # four blocks, 64 tokens
+BYTES_PER_TOKEN = 1000
+PROMPT_BYTES = 4 * BLOCK * BYTES_PER_TOKEN  # 64,000
+
+
+def transfer(gb_s: float, latency_ms: float = 2.0) -> TransferModel:
+    return TransferModel(kv_bytes_per_token=BYTES_PER_TOKEN, bandwidth_gb_s=gb_s, latency_ms=latency_ms)
+
+
+def one_request(gb_s: float) -> dict:
+    return replay_disagg(requests((0.0, PROMPT, 3)), prefill_workers=1, decode_workers=1, mode="kv",
+                         mocker=mocker(), transfer=transfer(gb_s))
+
+
+def test_remote_ttft_is_prefill_plus_transfer() -> None:
+    res = one_request(0.001)  # 10^6 bytes/s: 64,000 bytes take 64 ms, plus 2 ms latency
+    assert res["disagg"]["remote"] == 1
+    assert res["disagg"]["transfer_bytes_total"] == PROMPT_BYTES
+    assert res["disagg"]["transfer_ms"]["mean"] == pytest.approx(66.0)
+    assert res["disagg"]["remote_prefill_ms"]["mean"] == pytest.approx(prefill_time_ms(64), abs=1e-3)
+    # The decode worker samples the first token as the KV lands (nothing else runs there).
+    assert res["ttft_ms"]["mean"] == pytest.approx(prefill_time_ms(64) + 66.0, abs=1e-3)
+    assert res["completed"] == 1
+    assert res["output_tokens_per_s"] > 0
+
+
+def test_bandwidth_flag_scales_the_transfer_part_of_ttft() -> None:
+    slow, fast = one_request(0.001), one_request(0.002)
+    assert slow["ttft_ms"]["mean"] - fast["ttft_ms"]["mean"] == pytest.approx(32.0, abs=1e-3)
+
+
+def test_blocks_the_decode_worker_caches_do_not_travel() -> None:
+    trace = requests((0.0, PROMPT, 3), (1000.0, PROMPT, 3))
+    res = replay_disagg(trace, prefill_workers=1, decode_workers=1, mode="kv", mocker=mocker(), transfer=transfer(0.001))
+    assert res["disagg"]["remote"] == 2
+    assert res["disagg"]["transfer_bytes_total"] == PROMPT_BYTES  # the repeat moved nothing
+    assert res["disagg"]["transfer_ms"]["p50"] == pytest.approx((66.0 + 2.0) / 2)
+    # The prefill worker cached the first prompt too: 48 of the repeat's 64 tokens were not computed.
+    assert res["cache_hit_rate"] == pytest.approx(48 / 128)
+
+
+def test_conditional_isl_bounding_prefills_a_cached_prompt_locally() -> None:
+    trace = requests((0.0, PROMPT, 3), (1000.0, PROMPT, 3))
+    res = replay_disagg(trace, prefill_workers=1, decode_workers=1, mode="kv", mocker=mocker(),
+                        policy=DisaggPolicyConfig(enabled=True), transfer=transfer(0.001))
+    d = res["disagg"]
+    # First: nothing cached, effective isl 64 is short but the ratio 1.0 is not below 0.7: remote.
+    # Repeat: the decode worker caches all of it, effective isl 0: local.
+    assert (d["remote"], d["local"]) == (1, 1)
+    assert d["reasons"] == {"isl_above_threshold": 1, "isl_bounding": 1}
+    assert d["transfer_bytes_total"] == PROMPT_BYTES
+    assert res["policy"] == "isl_bounding"
+
+
+def test_conditional_prefill_load_keeps_work_local_while_the_prefill_worker_is_busy() -> None:
+    trace = requests((0.0, [0, 1, 2, 3], 2), (0.0, [10, 11, 12, 13], 2))
+    policy = DisaggPolicyConfig(enabled=True, policy="prefill_load", prefill_busy_threshold=0)
+    res = replay_disagg(trace, prefill_workers=1, decode_workers=1, mode="kv", mocker=mocker(), policy=policy,
+                        transfer=transfer(25.0))
+    # The second arrives while the prefill worker computes the first's 64 tokens (> 0 queued).
+    assert res["disagg"]["reasons"] == {"prefill_busy": 1, "prefill_not_busy": 1}
+    assert res["completed"] == 2
+
+
+def test_short_uncached_prompts_go_remote_without_the_condition() -> None:
+    trace = requests((0.0, PROMPT, 3), (1000.0, PROMPT, 3))
+    res = replay_disagg(trace, prefill_workers=1, decode_workers=1, mode="kv", mocker=mocker(), transfer=transfer(1.0))
+    assert res["disagg"]["reasons"] == {"always": 2}
+
+
+def test_no_prefill_workers_with_fallback_is_the_agg_replay() -> None:
+    trace = mixed_trace()
+    agg = replay(trace, workers=3, mode="kv", mocker=mocker(), seed=5)
+    dis = replay_disagg(mixed_trace(), prefill_workers=0, decode_workers=3, mode="kv", mocker=mocker(), seed=5)
+    for key in ("completed", "ttft_ms", "itl_ms", "e2e_ms", "cache_hit_rate", "output_tokens_per_s", "decode_step_ms"):
+        assert dis[key] == agg[key], key
+    assert dis["requests_per_worker"]["decode"] == agg["requests_per_worker"]
+    assert dis["disagg"]["reasons"] == {"no_prefill_workers": len(trace)}
+    assert dis["disagg"]["transfer_bytes_total"] == 0
+
+
+def test_no_prefill_workers_without_fallback_is_refused() -> None:
+    with pytest.raises(ConfigError, match="no-decode-fallback"):
+        replay_disagg(mixed_trace(), prefill_workers=0, decode_workers=2, mode="kv", mocker=mocker(),
+                      policy=DisaggPolicyConfig(decode_fallback=False))
+
+
+def test_long_prefills_stop_stalling_running_decodes() -> None:
+    # A short stream is decoding when a 1,024-token prompt arrives. A big cache keeps decode steps
+    # near their floor (their time grows with KV occupancy), so only a prefill can make one long.
+    big = mocker(num_gpu_blocks=4096)
+    trace = requests((0.0, [0], 40), (50.0, list(range(100, 164)), 2))
+    agg = replay(trace, workers=1, mode="kv", mocker=big)
+    dis = replay_disagg(requests((0.0, [0], 40), (50.0, list(range(100, 164)), 2)), prefill_workers=1,
+                        decode_workers=1, mode="kv", mocker=big)
+    stall = prefill_time_ms(1024)
+    assert agg["decode_step_ms"]["with_prefill_frac"] > 0.0
+    assert agg["itl_ms"]["p999"] > stall
+    assert dis["decode_step_ms"]["with_prefill_frac"] == 0.0
+    assert dis["itl_ms"]["p999"] < stall / 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_same_seed_same_figures(mode: str) -> None:
+    policy = DisaggPolicyConfig(enabled=True)
+    runs = [replay_disagg(mixed_trace(), prefill_workers=2, decode_workers=2, mode=mode, mocker=mocker(),
+                          policy=policy, transfer=transfer(0.01), seed=11) for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert runs[0]["completed"] == len(mixed_trace())
+    assert runs[0]["disagg"]["remote"] + runs[0]["disagg"]["local"] == len(mixed_trace())
+
+
+def test_random_routing_follows_the_seed() -> None:
+    spreads = {
+        tuple(replay_disagg(mixed_trace(), prefill_workers=2, decode_workers=3, mode="random", mocker=mocker(),
+                            seed=s)["requests_per_worker"]["decode"])
+        for s in range(4)
+    }
+    assert len(spreads) > 1
+
+
+def test_pool_busy_fractions_split_the_work() -> None:
+    res = replay_disagg(mixed_trace(), prefill_workers=2, decode_workers=2, mode="kv", mocker=mocker())
+    busy = res["busy_fraction"]
+    assert 0.0 < busy["prefill"] <= 1.0 and 0.0 < busy["decode"] <= 1.0
+    assert sum(res["requests_per_worker"]["prefill"]) == res["disagg"]["remote"] == len(mixed_trace())
