@@ -80,7 +80,13 @@ class HealthEndpoint:
                     status = "unreachable"
                 workers.append({"instance_id": f"{wid:x}", "status": status})
             ready = sum(1 for w in workers if w["status"] == "ready")
-            models.append({"model": model.name, "lora": model.card.lora, "workers": workers, "ready": ready})
+            entry: dict[str, Any] = {"model": model.name, "lora": model.card.lora, "workers": workers, "ready": ready}
+            if model.prefill is not None:
+                # Disaggregated: the prefill pool beside the decode workers.
+                prefill = model.prefill.candidates(state.dispatcher.quarantine)
+                entry["prefill_ready"] = len(prefill)
+                entry["prefill_workers"] = sorted(f"{i.instance_id:x}" for i in prefill)
+            models.append(entry)
         for pool in state.registry.pools():
             for inst in sorted(pool.instances.values(), key=lambda i: i.instance_id):
                 instances.append(

@@ -7,6 +7,15 @@ for: the worker is draining or went to sleep) the request is re-sent to another 
 tokens generated so far appended to the prompt and ``max_tokens`` reduced by as many, up to the
 migration limit. The caller sees one stream: no token twice, none missing.
 
+A disaggregated model (one with a prefill pool) puts the prefill stage before each attempt: the
+shared ``PrefillStage`` decides remote or local and, when remote, gets the transfer parameters
+from a prefill worker, which ride on the decode request; the decode worker is then routed with
+no overlap credit (its cache saved nothing). A migration prefills again through the same policy,
+with the generated tokens in the prompt. An aggregated model pays one attribute test for this.
+
+Everything the request learns on the way (routes and their explanations, where it was prefilled,
+tokens, migrations) goes into its ``FrontendRequest``, which the endpoint reads back.
+
 A request that finds no ready worker waits up to ``worker_wait_s`` for one to appear (a worker
 restarting, the first worker still loading) before giving up with a 503.
 """
@@ -21,10 +30,15 @@ from typing import Any
 import msgspec
 
 from dynamod.daemon.frontend.models import EndpointPool, ModelRegistry, ServedModel
+from dynamod.daemon.frontend.prefill import FrontendPrefillTarget, prefill_route
+from dynamod.daemon.frontend.request import FrontendRequest
 from dynamod.daemon.frontend.routing import Quarantine, RouteChoice, RouteRequest
+from dynamod.daemon.router.disagg_policy import DisaggPolicyConfig
+from dynamod.daemon.router.prefill_stage import DecodeHint, PrefillOutcome, PrefillStage, close_drains
 from dynamod.shared.errors import NoInstancesError, TransportError, UnavailableError
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.llm import FINISH_ABORT, FINISH_LENGTH, PreprocessedRequest
+from dynamod.shared.protocol.routing import STAGE_DECODE
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +51,8 @@ class WorkerAborted(UnavailableError):
 
 
 class Dispatcher:
-    """Shared by all requests: the registry, the quarantine and the migration policy."""
+    """Shared by all requests: the registry, the quarantine, the migration policy and the
+    prefill stage of disaggregated models."""
 
     def __init__(
         self,
@@ -46,28 +61,21 @@ class Dispatcher:
         *,
         migration_limit: int,
         worker_wait_s: float,
+        prefill_stage: PrefillStage | None = None,
     ) -> None:
         self.registry = registry
         self.quarantine = quarantine
         self.migration_limit = migration_limit
         self.worker_wait_s = worker_wait_s
+        self.prefill_stage = prefill_stage or PrefillStage(DisaggPolicyConfig(), registry.metrics.disagg)
         # Told when this process finds a worker unreachable (other frontends quarantine it too).
         self.on_worker_down: Callable[[int], None] | None = None
 
-    def open(
-        self,
-        model: ServedModel,
-        request: PreprocessedRequest,
-        *,
-        direct_ids: list[int] | None = None,
-        migration_limit: int | None = None,
-    ) -> EngineStream:
+    def open(self, request: FrontendRequest) -> EngineStream:
         # The frontend's --migration-limit, when given, overrides the model card's.
         if self.migration_limit >= 0:
-            limit = self.migration_limit
-        else:
-            limit = migration_limit if migration_limit is not None else DEFAULT_MIGRATION_LIMIT
-        return EngineStream(self, model, request, direct_ids=direct_ids, migration_limit=limit)
+            request.migration_limit = self.migration_limit
+        return EngineStream(self, request)
 
     def report_dead(self, worker_id: int) -> None:
         if worker_id in self.quarantine:
@@ -81,28 +89,24 @@ class Dispatcher:
 class EngineStream:
     """One request's engine output across migrations; iterate with ``async for``, end with ``aclose``."""
 
-    def __init__(
-        self,
-        dispatcher: Dispatcher,
-        model: ServedModel,
-        request: PreprocessedRequest,
-        *,
-        direct_ids: list[int] | None,
-        migration_limit: int,
-    ) -> None:
+    def __init__(self, dispatcher: Dispatcher, request: FrontendRequest) -> None:
         self._d = dispatcher
-        self.model = model
         self.request = request
-        self.prompt_len = len(request.token_ids)
-        self.max_tokens = request.stop.max_tokens
-        self.generated: list[int] = []
-        self.migrations = 0
-        self.migration_limit = migration_limit
-        self.worker_id: int | None = None
-        self.cached_tokens = 0
-        self.finish_reason: str | None = None
-        self._direct_ids = direct_ids
+        self.max_tokens = request.preprocessed.stop.max_tokens
         self._gen = self._run()
+
+    # The generation layer's view (TextGeneration reads these on every delta).
+    @property
+    def generated(self) -> list[int]:
+        return self.request.generated
+
+    @property
+    def prompt_len(self) -> int:
+        return self.request.prompt_len
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.request.cached_tokens
 
     def __aiter__(self) -> EngineStream:
         return self
@@ -111,31 +115,40 @@ class EngineStream:
         return self._gen.__anext__()
 
     async def aclose(self) -> None:
-        await self._gen.aclose()
+        try:
+            await self._gen.aclose()
+        finally:
+            if self.request.prefill_drains:
+                await close_drains(self.request.prefill_drains)
 
     # -- routing ----------------------------------------------------------------------------
 
-    async def _choose(self, exclude: set[int]) -> tuple[RouteChoice, EndpointPool]:
-        model = self.model
-        if self._direct_ids is not None:
-            for wid in self._direct_ids:
-                found = model.live_instance(wid)
-                if found is not None:
-                    return RouteChoice(found[0]), found[1]
-            shown = ", ".join(f"{w:x}" for w in self._direct_ids)
-            raise NoInstancesError(f"no live worker {shown} serves model {model.name!r} (x-dynamo-worker-instance-id)")
+    def _direct(self) -> tuple[RouteChoice, EndpointPool]:
+        req = self.request
+        assert req.direct_ids is not None
+        for wid in req.direct_ids:
+            found = req.model.live_instance(wid)
+            if found is not None:
+                return RouteChoice(found[0]), found[1]
+        shown = ", ".join(f"{w:x}" for w in req.direct_ids)
+        raise NoInstancesError(f"no live worker {shown} serves model {req.model.name!r} (x-dynamo-worker-instance-id)")
+
+    async def _candidates(self, exclude: set[int]) -> list[Instance]:
+        """Ready workers of the model, waiting up to ``worker_wait_s`` for one."""
+        req = self.request
+        model = req.model
         deadline = time.monotonic() + self._d.worker_wait_s
         quarantine = self._d.quarantine
         while True:
             candidates = model.candidates(quarantine, exclude)
             if candidates:
-                break
+                return candidates
             left = deadline - time.monotonic()
             if left <= 0:
                 # Quarantined workers may have recovered (a connection blip): better than a 503.
                 candidates = model.candidates(Quarantine(0), exclude)
                 if candidates:
-                    break
+                    return candidates
                 raise NoInstancesError(
                     f"no ready worker serves model {model.name!r} (waited {self._d.worker_wait_s:.1f}s)"
                 )
@@ -143,44 +156,100 @@ class EngineStream:
             # The model may have been replaced (all workers gone, then back): follow the name.
             current = self._d.registry.models.get(model.name)
             if current is not None and current is not model:
-                self.model = model = current
+                req.model = model = current
+
+    async def _choose(self, exclude: set[int]) -> tuple[RouteChoice, EndpointPool, PrefillOutcome | None]:
+        req = self.request
+        if req.direct_ids is not None:
+            choice, pool = self._direct()
+            outcome = await self._prefill([choice.instance]) if req.model.prefill is not None else None
+            return choice, pool, outcome
+        candidates = await self._candidates(exclude)
+        model = req.model
         router = model.router
         assert router is not None
-        choice = await router.select(RouteRequest(self.request.request_id, self.request.token_ids, model.lora_name), candidates)
-        pool = model.workers[choice.worker_id]
-        return choice, pool
+        pre = req.preprocessed
+        if model.prefill is None:
+            choice = await router.select(RouteRequest(req.request_id, pre.token_ids, model.lora_name), candidates)
+            return choice, model.workers[choice.worker_id], None
+        outcome = await self._prefill(candidates)
+        # Decode stage: a prompt prefilled remotely is fetched, not computed, so the decode
+        # worker's cache earns nothing (Dynamo's decode router: overlap weight 0).
+        route = RouteRequest(
+            req.request_id, pre.token_ids, model.lora_name, stage=STAGE_DECODE,
+            overlap_weight=0.0 if outcome.remote else None, disagg=outcome.info,
+        )
+        choice = await router.select(route, candidates)
+        return choice, model.workers[choice.worker_id], outcome
 
-    def _attempt_body(self, choice: RouteChoice) -> PreprocessedRequest:
-        """The request for this attempt; the request plane encodes the struct as msgpack directly."""
-        request = self.request
-        if choice.dp_rank is not None or choice.overlap_blocks:
-            request = msgspec.structs.replace(
-                request, dp_rank=choice.dp_rank, estimated_prefix_hit_blocks=choice.overlap_blocks or None
-            )
-        if not self.generated:
+    async def _prefill(self, candidates: list[Instance]) -> PrefillOutcome:
+        """The prefill stage of this attempt (the prompt plus what was generated so far)."""
+        req = self.request
+        model = req.model
+        assert model.prefill is not None
+        body = self._prompt_request()
+        target = FrontendPrefillTarget(model.prefill, model.name, self._d.quarantine, self._d.report_dead)
+        outcome = await self._d.prefill_stage.run(
+            body, target, lambda: self._decode_hint(model, candidates, body), model=model.name, drains=req.prefill_drains
+        )
+        req.disagg = outcome.info
+        req.prefill_route = prefill_route(outcome.pick) if outcome.remote and outcome.pick is not None else None
+        if outcome.remote:
+            req.prefill_s = outcome.duration_s
+        return outcome
+
+    @staticmethod
+    def _decode_hint(model: ServedModel, candidates: list[Instance], body: PreprocessedRequest) -> DecodeHint:
+        router = model.router
+        est = None if router is None else router.estimate(RouteRequest(body.request_id, body.token_ids, model.lora_name), candidates)
+        return DecodeHint() if est is None else DecodeHint(est.cached_tokens, est.kv_fraction)
+
+    def _prompt_request(self) -> PreprocessedRequest:
+        """The request with the tokens generated so far appended to the prompt (a migration
+        continues where the broken stream stopped) and the output budget reduced to match."""
+        request = self.request.preprocessed
+        generated = self.request.generated
+        if not generated:
             return request
         stop = msgspec.structs.replace(
             request.stop,
-            max_tokens=None if self.max_tokens is None else self.max_tokens - len(self.generated),
-            min_tokens=None if request.stop.min_tokens is None else max(0, request.stop.min_tokens - len(self.generated)),
+            max_tokens=None if self.max_tokens is None else self.max_tokens - len(generated),
+            min_tokens=None if request.stop.min_tokens is None else max(0, request.stop.min_tokens - len(generated)),
         )
-        return msgspec.structs.replace(request, token_ids=request.token_ids + self.generated, stop=stop)
+        return msgspec.structs.replace(request, token_ids=request.token_ids + generated, stop=stop)
+
+    def _attempt_body(self, choice: RouteChoice, outcome: PrefillOutcome | None) -> PreprocessedRequest:
+        """The request for this attempt; the request plane encodes the struct as msgpack directly."""
+        request = self._prompt_request()
+        params = None if outcome is None else outcome.params
+        if choice.dp_rank is not None or choice.overlap_blocks or params is not None:
+            request = msgspec.structs.replace(
+                request, dp_rank=choice.dp_rank, estimated_prefix_hit_blocks=choice.overlap_blocks or None,
+                disaggregated_params=params,
+            )
+        return request
 
     # -- the stream -------------------------------------------------------------------------
 
     async def _run(self) -> AsyncIterator[dict[str, Any]]:
+        req = self.request
         exclude: set[int] = set()
-        request_id = self.request.request_id
-        generated = self.generated
-        model_metrics = self.model.metrics
+        request_id = req.request_id
+        generated = req.generated
+        prompt_len = req.prompt_len
+        model_metrics = req.model.metrics
         while True:
-            choice, pool = await self._choose(exclude)
+            choice, pool, outcome = await self._choose(exclude)
+            req.decode_route = choice
             instance: Instance = choice.instance
             worker_id = instance.instance_id
-            self.worker_id = worker_id
-            router = self.model.router
+            router = req.model.router
             assert router is not None
-            stream = pool.client.stream_to(instance, self._attempt_body(choice), request_id=request_id)
+            # Remote prefill: the prompt's cache hits happened on the prefill worker.
+            remote_cached = outcome.cached_tokens if outcome is not None and outcome.remote else None
+            if remote_cached is not None:
+                req.cached_tokens = remote_cached
+            stream = pool.client.stream_to(instance, self._attempt_body(choice, outcome), request_id=request_id)
             first = True
             try:
                 async for out in stream:
@@ -192,14 +261,14 @@ class EngineStream:
                             router.on_first_token(request_id)
                         generated.extend(tokens)
                     usage = out.get("usage")
-                    if usage:
-                        self.cached_tokens = min(int(usage.get("cached_tokens") or 0), self.prompt_len)
+                    if usage and remote_cached is None:
+                        req.cached_tokens = min(int(usage.get("cached_tokens") or 0), prompt_len)
                     if finish == FINISH_ABORT:
                         if tokens:
                             yield {"token_ids": tokens, "log_probs": out.get("log_probs")}
                         raise WorkerAborted(f"worker {worker_id:x} aborted the request")
                     if finish is not None:
-                        self.finish_reason = finish
+                        req.finish_reason = finish
                     yield out
                     if finish is not None:
                         return
@@ -208,20 +277,20 @@ class EngineStream:
                 if isinstance(exc, TransportError):
                     self._d.report_dead(worker_id)
                 exclude.add(worker_id)
-                if self._direct_ids is not None or self.migrations >= self.migration_limit:
+                if req.direct_ids is not None or req.migrations >= req.migration_limit:
                     logger.warning(
                         "request failed without migration request_id=%s worker_id=%x migrations=%d error=%s",
-                        request_id, worker_id, self.migrations, exc,
+                        request_id, worker_id, req.migrations, exc,
                     )
                     raise
-                self.migrations += 1
+                req.migrations += 1
                 (model_metrics.migrate_ongoing if generated else model_metrics.migrate_new).inc()
                 logger.info(
                     "request migrating request_id=%s from_worker=%x generated=%d attempt=%d error=%s",
-                    request_id, worker_id, len(generated), self.migrations, exc,
+                    request_id, worker_id, len(generated), req.migrations, exc,
                 )
                 if self.max_tokens is not None and len(generated) >= self.max_tokens:
-                    self.finish_reason = FINISH_LENGTH
+                    req.finish_reason = FINISH_LENGTH
                     yield {"token_ids": [], "finish_reason": FINISH_LENGTH}
                     return
             finally:

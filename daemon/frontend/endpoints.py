@@ -43,7 +43,7 @@ from dynamod.daemon.frontend.protocol import (
     decode_chat_request,
     decode_completion_request,
 )
-from dynamod.daemon.frontend.router_factory import EXPLAIN_HEADER, RouteExplain, route_explain
+from dynamod.daemon.frontend.request import EXPLAIN_HEADER, FrontendRequest
 from dynamod.daemon.frontend.routing import header_candidates
 from dynamod.daemon.frontend.state import FrontendState
 from dynamod.shared.errors import (
@@ -89,11 +89,15 @@ def plan_max_tokens(prompt_len: int, requested: int | None, context_length: int,
     return requested
 
 
-def _explain_headers(explain: RouteExplain | None) -> list[tuple[bytes, bytes]]:
-    """The ``x-dynamo-route-explain`` response header, when asked for and the kv router answered."""
-    if explain is None or explain.header is None:
-        return []
-    return [(EXPLAIN_HEADER, explain.header.encode("latin-1"))]
+def _route_headers(request: FrontendRequest, explain: bool) -> list[tuple[bytes, bytes]]:
+    """The worker that answered and, when asked for and there is one, the route explanation.
+    After a migration both name the last routing, the one that produced the answer."""
+    headers = [(WORKER_HEADER, f"{request.worker_id:x}".encode())]
+    if explain:
+        value = request.explain_header()
+        if value is not None:
+            headers.append((EXPLAIN_HEADER, value.encode("latin-1")))
+    return headers
 
 
 class _Plan:
@@ -187,43 +191,39 @@ class OpenAIEndpoint(ABC):
         """Runs one admitted request; returns its metrics status. The engine request is closed on
         every way out (end, error, client gone)."""
         gen: TextGeneration | None = None
-        # x-dynamo-route-explain: the kv router fills the slot when it routes this request.
-        explain = RouteExplain() if (header(scope, EXPLAIN_HEADER) or "").strip().lower() in _EXPLAIN_ON else None
-        explain_token = route_explain.set(explain)
+        explain = (header(scope, EXPLAIN_HEADER) or "").strip().lower() in _EXPLAIN_ON
         try:
             try:
-                gen, pre, plan = await self._start(scope, req, model, request_id)
+                gen, pre, plan, freq = await self._start(scope, req, model, request_id, start)
                 first = await gen.__anext__()
             except Exception as exc:  # noqa: BLE001 - nothing sent yet: a proper HTTP error
                 watch.done()
                 await send_error(send, to_http_error(exc, request_id=request_id))
                 return STATUS_ERROR
-            mm = model.metrics
+            mm = freq.model.metrics
             now = time.perf_counter()
             mm.ttft.observe(now - start)
             mm.isl.observe(gen.prompt_tokens)
             fmt = self.formatter(req, request_id, int(time.time()))
             collector = LogprobCollector(pre) if plan.logprobs is not None else None
             if req.stream:
-                route_headers = [(WORKER_HEADER, f"{gen.engine.worker_id:x}".encode()), *_explain_headers(explain)]
-                status = await self._stream(send, req, gen, first, fmt, collector, plan, route_headers, now, watch)
+                status = await self._stream(send, req, gen, first, fmt, collector, plan, _route_headers(freq, explain), now, watch)
             else:
-                status = await self._unary(send, gen, first, fmt, collector, plan, watch, explain)
+                status = await self._unary(send, gen, first, fmt, collector, plan, watch, freq, explain)
             if status == STATUS_SUCCESS:
                 mm.osl.observe(gen.completion_tokens)
                 mm.usage(gen.prompt_tokens, gen.cached_tokens)
-                self.state.metrics.worker_latency(
-                    gen.engine.worker_id, now - start, time.perf_counter() - now, gen.completion_tokens
-                )
+                worker_id = freq.worker_id
+                if worker_id is not None:
+                    self.state.metrics.worker_latency(worker_id, now - start, time.perf_counter() - now, gen.completion_tokens)
             return status
         finally:
-            route_explain.reset(explain_token)
             if gen is not None:
                 await gen.aclose()
 
     async def _start(
-        self, scope: Scope, req: Any, model: ServedModel, request_id: str
-    ) -> tuple[TextGeneration, ModelPreprocessor, _Plan]:
+        self, scope: Scope, req: Any, model: ServedModel, request_id: str, start: float
+    ) -> tuple[TextGeneration, ModelPreprocessor, _Plan, FrontendRequest]:
         """Preprocesses the request and opens its engine stream (not yet awaited)."""
         if req.n != 1:
             raise InvalidRequestError("n > 1 is not supported; send n separate requests", param="n")
@@ -246,9 +246,13 @@ class OpenAIEndpoint(ABC):
             ),
             lora_name=model.lora_name,
         )
-        engine = self.state.dispatcher.open(model, preq, direct_ids=direct_ids, migration_limit=model.card.migration_limit)
+        freq = FrontendRequest(
+            request_id=request_id, model=model, preprocessed=preq, started_at=start, direct_ids=direct_ids,
+            migration_limit=model.card.migration_limit,
+        )
+        engine = self.state.dispatcher.open(freq)
         gen = TextGeneration(engine, pre.detokenizer(plan.prompt_ids), plan.stops, want_logprobs=plan.logprobs is not None)
-        return gen, pre, plan
+        return gen, pre, plan, freq
 
     async def _stream(
         self,
@@ -265,7 +269,7 @@ class OpenAIEndpoint(ABC):
     ) -> str:
         await send({"type": "http.response.start", "status": 200, "headers": [*_SSE_HEADERS, *route_headers]})
         continuous = req.continuous_usage
-        itl = gen.engine.model.metrics.itl
+        itl = gen.engine.request.model.metrics.itl
         # Coalescing would have to merge log-probabilities across chunks; with them, send each delta.
         coalesce_s = self.state.config.coalesce_s if collector is None else 0.0
         delta = first
@@ -322,7 +326,8 @@ class OpenAIEndpoint(ABC):
         collector: LogprobCollector | None,
         plan: _Plan,
         watch: DisconnectWatch,
-        explain: RouteExplain | None,
+        freq: FrontendRequest,
+        explain: bool,
     ) -> str:
         parts = [plan.echo_text, first.text]
         delta = first
@@ -342,10 +347,8 @@ class OpenAIEndpoint(ABC):
         body = fmt.response(
             "".join(parts), delta.finish_reason, self._total_logprobs(collector), usage, gen.engine.generated[: gen.completion_tokens]
         )
-        worker = gen.engine.worker_id
         watch.done()
-        # After a migration both headers name the last routing, the one that produced the answer.
-        await send_json(send, 200, body, [(WORKER_HEADER, f"{worker:x}".encode()), *_explain_headers(explain)])
+        await send_json(send, 200, body, _route_headers(freq, explain))
         return STATUS_SUCCESS
 
 

@@ -8,8 +8,13 @@ once). Feeding the routers (KV events, load, ``kv_dump`` resyncs, replica sync o
 ``namespace/frontend/active_sequences_events``) is ``dynamod.daemon.router.feed.KvFeed``, shared
 with the standalone router role.
 
-Every decision is offered to the ``router_decisions`` publisher (console), and handed to the
-request's ``RouteExplain`` slot when the client asked for ``x-dynamo-route-explain``.
+Every decision is offered to the ``router_decisions`` publisher (console) and returned on the
+``RouteChoice`` (``explain``), where the endpoint finds it for ``x-dynamo-route-explain``.
+
+Disaggregated models get a second router per base model over the prefill pool, fed by the prefill
+workers' own KV events like the decode one and, as Dynamo's prefill router, without active-block
+tracking (nothing to free; a prefill worker's load is what it reports). The decode stage of a
+remotely prefilled request is routed with overlap weight 0: its prefix cache saves nothing there.
 """
 
 from __future__ import annotations
@@ -20,22 +25,33 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from dynamod.daemon.frontend.router_factory import route_explain
-from dynamod.daemon.frontend.routing import RouteChoice, RouteRequest
+from dynamod.daemon.frontend.routing import DecodeEstimate, RouteChoice, RouteRequest
 from dynamod.daemon.router import KvRouter, KvRouterConfig, config_from_args
+from dynamod.daemon.router.config import prefill_router_config
 from dynamod.daemon.router.decision_publisher import DecisionPublisher, sample_rate_from_args
 from dynamod.daemon.router.feed import KvFeed
-from dynamod.shared.errors import DynamoError
+from dynamod.shared.errors import DynamoError, NoInstancesError, OverloadedError
 from dynamod.shared.protocol.instance import Instance
+from dynamod.shared.protocol.routing import STAGE_AGG, STAGE_PREFILL, RoutingDecision
 
 if TYPE_CHECKING:
-    from dynamod.daemon.frontend.models import ModelRegistry, ServedModel
+    from dynamod.daemon.frontend.models import ModelRegistry, PrefillPool, ServedModel
     from dynamod.daemon.frontend.sync import RoutingSync
     from dynamod.shared.runtime.distributed import DistributedRuntime
 
 logger = logging.getLogger(__name__)
 
 FRONTEND_COMPONENT = "frontend"
+PREFILL_KEY_PREFIX = "prefill:"  # the prefill routers' feed keys, apart from the base models'
+
+
+def _choice(decision: RoutingDecision, candidates: Sequence[Instance], stage: str) -> RouteChoice:
+    for inst in candidates:
+        if inst.instance_id == decision.worker_id:
+            return RouteChoice(
+                inst, dp_rank=decision.dp_rank, overlap_blocks=decision.overlap_blocks, stage=stage, explain=decision
+            )
+    raise DynamoError(f"kv router chose worker {decision.worker_id:x}, which is not a candidate")
 
 
 class KvGroup:
@@ -78,22 +94,82 @@ class KvModelRouter:
         # While every worker is busy the request waits in the router's bounded queue
         # (--router-queue-size, --router-queue-timeout-secs), then gets a 503.
         decision = await group.kv.select_worker_waiting(
-            request.request_id, request.token_ids, lora_name=self._lora, allowed=keys
+            request.request_id, request.token_ids, lora_name=self._lora, allowed=keys, overlap_weight=request.overlap_weight
         )
+        if request.stage != STAGE_AGG:
+            decision.stage = request.stage
+            decision.disagg = request.disagg
         self._decisions.offer(decision, self._model)
-        slot = route_explain.get()
-        if slot is not None:
-            slot.header = decision.to_header()
-        for inst in candidates:
-            if inst.instance_id == decision.worker_id:
-                return RouteChoice(inst, dp_rank=decision.dp_rank, overlap_blocks=decision.overlap_blocks)
-        raise DynamoError(f"kv router chose worker {decision.worker_id:x}, which is not a candidate")
+        return _choice(decision, candidates, request.stage)
+
+    def estimate(self, request: RouteRequest, candidates: Sequence[Instance]) -> DecodeEstimate | None:
+        """The worker normal KV routing would pick and the prompt prefix it caches; counts nothing."""
+        group = self._group
+        keys = group.keys_for(candidates)
+        group.ensure(keys)
+        kv = group.kv
+        try:
+            decision = kv.best_worker(request.request_id, request.token_ids, lora_name=self._lora, allowed=keys)
+        except (OverloadedError, NoInstancesError):
+            return None  # every decode worker busy: select will queue; the policy sees no cache
+        capacity = kv.busy.capacity(decision.worker)
+        latest = kv.busy.latest(decision.worker)
+        if latest is not None and latest.total_blocks:
+            capacity = latest.total_blocks
+        fraction = decision.winner.decode_blocks / capacity if capacity else None
+        return DecodeEstimate(decision.worker_id, min(decision.overlap_blocks * kv.block_size, len(request.token_ids)), fraction)
+
+    def record(self, choice: RouteChoice, model: str) -> None:
+        return None  # select publishes its decisions
 
     def on_first_token(self, request_id: str) -> None:
         self._group.kv.mark_prefill_done(request_id)
 
     def on_finish(self, request_id: str) -> None:
         self._group.kv.free(request_id)
+
+
+class KvPrefillRouter:
+    """The ``Router`` of one model's prefill pool: KV-aware, no active-block tracking.
+
+    ``select`` picks without counting the request (so ``on_first_token``/``on_finish`` have
+    nothing to do) and without publishing: the pick becomes a decision only when the prompt is
+    really sent there, which the prefill stage reports through ``record``."""
+
+    name = "kv"
+
+    def __init__(self, group: KvGroup, lora_name: str | None, decisions: DecisionPublisher) -> None:
+        self._group = group
+        self._lora = lora_name
+        self._decisions = decisions
+
+    async def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice:
+        group = self._group
+        keys = group.keys_for(candidates)
+        group.ensure(keys)
+        kv = group.kv
+        decision = kv.select_worker(
+            request.request_id, request.token_ids, lora_name=self._lora, allowed=keys, track_active=False
+        )
+        decision.stage = STAGE_PREFILL
+        choice = _choice(decision, candidates, STAGE_PREFILL)
+        latest = kv.busy.latest(decision.worker)
+        if latest is not None:
+            choice.load = float(latest.active_prefill_tokens)
+        return choice
+
+    def estimate(self, request: RouteRequest, candidates: Sequence[Instance]) -> DecodeEstimate | None:
+        return None
+
+    def record(self, choice: RouteChoice, model: str) -> None:
+        if choice.explain is not None:
+            self._decisions.offer(choice.explain, model)
+
+    def on_first_token(self, request_id: str) -> None:
+        return None
+
+    def on_finish(self, request_id: str) -> None:
+        return None
 
 
 class KvRouting:
@@ -107,6 +183,8 @@ class KvRouting:
         self.config = config
         self._rt = runtime
         self.groups: dict[str, KvGroup] = {}
+        self.prefill_groups: dict[str, KvGroup] = {}
+        self.prefill_config = prefill_router_config(config)
         self.feed = KvFeed(runtime, config, sync_component=FRONTEND_COMPONENT)
         self.decisions = DecisionPublisher(runtime, FRONTEND_COMPONENT, sample_rate=sample_rate_from_args(args))
 
@@ -114,6 +192,7 @@ class KvRouting:
 
     def attach(self, registry: ModelRegistry) -> None:
         registry.worker_listeners.append(self._on_worker)
+        registry.prefill_listeners.append(self._on_prefill_worker)
 
     async def start(self) -> None:
         await self.feed.start()
@@ -142,6 +221,34 @@ class KvRouting:
             self.groups[base] = group
             self.feed.add_router(base, kv)
         return KvModelRouter(group, card.lora, model.name, self.decisions)
+
+    def prefill_router_for(self, pool: PrefillPool) -> KvPrefillRouter:
+        card = pool.card
+        base = card.base_model or pool.name
+        group = self.prefill_groups.get(base)
+        if group is None:
+            if card.kv_block_size <= 0:
+                raise DynamoError(f"model {pool.name!r} publishes no kv_block_size; the kv prefill router needs it")
+            kv = KvRouter(self.prefill_config, card.kv_block_size, registry=self._rt.registry, on_resync=self.feed.request_resync)
+            group = KvGroup(base, kv, card.runtime_config.data_parallel_size)
+            self.prefill_groups[base] = group
+            self.feed.add_router(PREFILL_KEY_PREFIX + base, kv)
+        return KvPrefillRouter(group, card.lora, self.decisions)
+
+    def _on_prefill_worker(self, pool: PrefillPool, worker_id: int, added: bool) -> None:
+        group = self.prefill_groups.get(pool.card.base_model or pool.name)
+        if group is None:
+            return
+        if added:
+            total = pool.card.runtime_config.total_kv_blocks
+            if total:
+                for rank in range(group.dp_size):
+                    group.kv.set_worker_capacity((worker_id, rank), total)
+            endpoint_pool = pool.workers.get(worker_id)
+            if endpoint_pool is not None:
+                self.feed.add_worker(group.kv, worker_id, endpoint_pool.component)
+            return
+        self.feed.remove_worker(group.kv, worker_id)
 
     def _on_worker(self, model: ServedModel, worker_id: int, added: bool) -> None:
         group = self.groups.get(model.card.base_model or model.name)

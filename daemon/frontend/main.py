@@ -25,6 +25,8 @@ from dynamod.daemon.frontend.routing import ROUTER_MODES, Quarantine
 from dynamod.daemon.frontend.server import HttpServer, bind_socket
 from dynamod.daemon.frontend.state import FrontendConfig, FrontendState
 from dynamod.daemon.frontend.sync import RoutingSync
+from dynamod.daemon.router.disagg_policy import add_disagg_args, disagg_config_from_args
+from dynamod.daemon.router.prefill_stage import DEFAULT_PREFILL_TIMEOUT_S, DisaggMetrics, PrefillStage
 from dynamod.shared.config import add_runtime_args, env_or, settings_from_args
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.runtime.distributed import DistributedRuntime
@@ -54,8 +56,30 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-frontends", type=int, default=1,
                    help="frontend processes sharing the HTTP port (SO_REUSEPORT) [default 1]")
     g.add_argument("--frontend-group-pid", type=int, default=None, help=argparse.SUPPRESS)
+    add_prefill_timeout_arg(g)
     add_runtime_args(parser)
     add_kv_router_args(parser)
+    add_disagg_args(parser)
+
+
+def add_prefill_timeout_arg(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--prefill-timeout", type=float, default=float(env_or("DYN_PREFILL_TIMEOUT", str(DEFAULT_PREFILL_TIMEOUT_S))),
+        help="seconds a remote prefill may take to return its transfer parameters before another prefill worker "
+        f"(then local prefill) is tried [env DYN_PREFILL_TIMEOUT, default {DEFAULT_PREFILL_TIMEOUT_S:g}]",
+    )
+
+
+def prefill_stage_from_args(args: argparse.Namespace, metrics: DisaggMetrics) -> PrefillStage:
+    """The prefill stage with its policy flags; the busy threshold defaults to the KV router's
+    ``--active-prefill-tokens-threshold`` (a prefill worker's load is its active prefill tokens)."""
+    if args.prefill_timeout <= 0:
+        raise ConfigError("--prefill-timeout must be > 0")
+    busy = getattr(args, "active_prefill_tokens_threshold", None)
+    return PrefillStage(
+        disagg_config_from_args(args), metrics, prefill_timeout_s=args.prefill_timeout,
+        busy_threshold=None if busy is None else float(busy),
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
@@ -94,10 +118,11 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         quarantine = Quarantine(hold_s=settings.lease_ttl_s + 1.0)
         sync = RoutingSync(runtime, quarantine)
         routers = RouterFactoryBuilder(config.router_mode, args, runtime, sync)
-        registry = ModelRegistry(runtime, metrics, quarantine, routers.build)
+        registry = ModelRegistry(runtime, metrics, quarantine, routers.build, routers.build_prefill)
         routers.attach(registry)
         dispatcher = Dispatcher(
-            registry, quarantine, migration_limit=config.migration_limit, worker_wait_s=config.worker_wait_s
+            registry, quarantine, migration_limit=config.migration_limit, worker_wait_s=config.worker_wait_s,
+            prefill_stage=prefill_stage_from_args(args, metrics.disagg),
         )
         dispatcher.on_worker_down = sync.publish_worker_down
         state = FrontendState(config=config, registry=registry, dispatcher=dispatcher, metrics=metrics)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from dynamod.daemon.router.prefill_stage import DisaggMetrics
 from dynamod.shared.observability.metrics import LATENCY_BUCKETS
 
 _TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -109,6 +110,9 @@ class FrontendMetrics:
             ("worker_id",),
             registry=registry,
         )
+        # Disaggregated serving: dynamo_frontend_disagg_decisions_total{model,mode,reason},
+        # dynamo_frontend_prefill_duration_seconds{model}, dynamo_frontend_prefill_failures_total{model,reason}.
+        self.disagg = DisaggMetrics(registry, "dynamo_frontend")
         self._models: dict[str, ModelMetrics] = {}
         self._workers: dict[int, tuple[Gauge, Gauge]] = {}
 

@@ -8,6 +8,14 @@ name on the engine request.
 
 Workers are reached through one ``EndpointClient`` per (component, endpoint) the cards point at;
 its instance watch tells which workers are ready (draining and sleeping ones get no new requests).
+
+Prefill cards (model type ``prefill``, component ``prefill``, the decode cards' served name) are
+not models of their own: they form the ``PrefillPool`` of the model with that name, and a model
+with a prefill pool is served disaggregated. A prefill card may come before the model's first
+decode card; its pool waits here until the model appears. A pool outlives its last worker, so a
+disaggregated model whose prefill workers are all gone prefills locally (``no_prefill_workers``)
+instead of silently turning into an aggregated one; a decode-role worker makes its model
+disaggregated in the same way before any prefill worker has shown up.
 """
 
 from __future__ import annotations
@@ -23,12 +31,18 @@ import msgspec
 
 from dynamod.daemon.frontend.metrics import FrontendMetrics, ModelMetrics
 from dynamod.daemon.frontend.preprocessor import ModelPreprocessor, PreprocessorCache
-from dynamod.daemon.frontend.routing import Quarantine, Router
+from dynamod.daemon.frontend.routing import Quarantine, RoundRobinRouter, Router
 from dynamod.shared.discovery.store import WatchEventKind
 from dynamod.shared.errors import DynamoError, NotFoundError
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.keys import MDC_ROOT, mdc_prefix, parse_key
-from dynamod.shared.protocol.model_card import MODEL_TYPE_CHAT, MODEL_TYPE_COMPLETIONS, ModelCard, decode_card
+from dynamod.shared.protocol.model_card import (
+    MODEL_TYPE_CHAT,
+    MODEL_TYPE_COMPLETIONS,
+    MODEL_TYPE_PREFILL,
+    ModelCard,
+    decode_card,
+)
 
 if TYPE_CHECKING:
     from dynamod.shared.runtime.client import EndpointClient
@@ -37,18 +51,27 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RouterFactory = Callable[["ServedModel"], Router]
+PrefillRouterFactory = Callable[["PrefillPool"], Router]
+DECODE_ROLE = "decode"
 
 
 class EndpointPool:
     """The live instances of one (component, endpoint), indexed by id for the hot path."""
 
-    def __init__(self, client: EndpointClient, on_change: Callable[[], None], quarantine: Quarantine) -> None:
+    def __init__(
+        self,
+        client: EndpointClient,
+        on_change: Callable[[], None],
+        quarantine: Quarantine,
+        on_instance: Callable[[Instance], None] | None = None,
+    ) -> None:
         self.client = client
         self.component = client.component
         self.endpoint = client.endpoint
         self.instances: dict[int, Instance] = {}
         self._on_change = on_change
         self._quarantine = quarantine
+        self._on_instance = on_instance
         for inst in client.instances:
             self.instances[inst.instance_id] = inst
         client.instance_set.add_listener(self._listen)
@@ -59,12 +82,43 @@ class EndpointPool:
             if old is not None and (old.address != inst.address or old.started_at != inst.started_at):
                 self._quarantine.discard(inst.instance_id)  # restarted: give it a fresh chance
             self.instances[inst.instance_id] = inst
+            if self._on_instance is not None:
+                self._on_instance(inst)
         else:
             parsed = parse_key(key)
             if parsed is not None:
                 self.instances.pop(parsed.instance_id, None)
                 self._quarantine.discard(parsed.instance_id)
         self._on_change()
+
+
+def _ready(workers: dict[int, EndpointPool], quarantine: Quarantine, exclude: set[int] | frozenset[int]) -> list[Instance]:
+    out = []
+    for wid, pool in workers.items():
+        inst = pool.instances.get(wid)
+        if inst is not None and inst.status == "ready" and wid not in exclude and wid not in quarantine:
+            out.append(inst)
+    return out
+
+
+@dataclass(eq=False)
+class PrefillPool:
+    """The prefill workers of one served model name, and the router that picks among them.
+
+    ``inflight_tokens`` counts the prompt tokens this frontend has sent to each prefill worker
+    and not yet seen the params for: the ``prefill_load`` policy's load where no fresher figure
+    (the worker's own load metrics, kv mode) is known."""
+
+    name: str
+    card: ModelCard  # the first prefill card seen, else the decode card (block size, LoRA)
+    from_prefill_card: bool = False  # False: made for a decode worker before any prefill card
+    workers: dict[int, EndpointPool] = field(default_factory=dict)
+    router: Router | None = None
+    inflight_tokens: dict[int, int] = field(default_factory=dict)
+
+    def candidates(self, quarantine: Quarantine, exclude: set[int] | frozenset[int] = frozenset()) -> list[Instance]:
+        """Ready prefill workers, minus ``exclude`` and quarantined ones."""
+        return _ready(self.workers, quarantine, exclude)
 
 
 @dataclass(eq=False)
@@ -78,6 +132,7 @@ class ServedModel:
     workers: dict[int, EndpointPool] = field(default_factory=dict)
     router: Router | None = None
     preprocessor_task: asyncio.Task[ModelPreprocessor] | None = None
+    prefill: PrefillPool | None = None  # set: served disaggregated
 
     @property
     def lora_name(self) -> str | None:
@@ -89,12 +144,7 @@ class ServedModel:
 
     def candidates(self, quarantine: Quarantine, exclude: set[int] | frozenset[int] = frozenset()) -> list[Instance]:
         """Ready workers of this model, minus ``exclude`` and quarantined ones."""
-        out = []
-        for wid, pool in self.workers.items():
-            inst = pool.instances.get(wid)
-            if inst is not None and inst.status == "ready" and wid not in exclude and wid not in quarantine:
-                out.append(inst)
-        return out
+        return _ready(self.workers, quarantine, exclude)
 
     def live_instance(self, worker_id: int) -> tuple[Instance, EndpointPool] | None:
         pool = self.workers.get(worker_id)
@@ -117,14 +167,18 @@ class ModelRegistry:
         metrics: FrontendMetrics,
         quarantine: Quarantine,
         router_factory: RouterFactory,
+        prefill_router_factory: PrefillRouterFactory | None = None,
     ) -> None:
         self._rt = runtime
-        self._metrics = metrics
+        self.metrics = metrics
         self._quarantine = quarantine
         self._router_factory = router_factory
+        self._prefill_router_factory = prefill_router_factory
         self._namespace = runtime.settings.namespace
         self.models: dict[str, ServedModel] = {}
         self._cards: dict[str, tuple[str, int]] = {}  # card key -> (model name, worker id)
+        self._prefill_cards: dict[str, tuple[str, int]] = {}  # prefill card key -> (model name, worker id)
+        self.prefill_pools: dict[str, PrefillPool] = {}  # model name -> its prefill pool (may precede the model)
         self._pools: dict[tuple[str, str], EndpointPool] = {}
         self._pool_lock = asyncio.Lock()
         self._preprocessors = PreprocessorCache()
@@ -134,6 +188,8 @@ class ModelRegistry:
         self.model_listeners: list[Callable[[ServedModel, bool], None]] = []
         # (model, worker id, added): the KV router starts or stops tracking a worker.
         self.worker_listeners: list[Callable[[ServedModel, int, bool], None]] = []
+        # (prefill pool, worker id, added): the prefill router follows the prefill pool.
+        self.prefill_listeners: list[Callable[[PrefillPool, int, bool], None]] = []
 
     async def start(self) -> None:
         prefix = mdc_prefix(self._namespace)
@@ -202,7 +258,7 @@ class ModelRegistry:
             pool = self._pools.get(key)
             if pool is None:
                 client = await self._rt.namespace(self._namespace).component(component).endpoint(endpoint).client()
-                pool = EndpointPool(client, self._notify, self._quarantine)
+                pool = EndpointPool(client, self._notify, self._quarantine, self._instance_seen)
                 self._pools[key] = pool
                 logger.info("watching endpoint component=%s endpoint=%s instances=%d", component, endpoint, len(pool.instances))
             return pool
@@ -217,6 +273,8 @@ class ModelRegistry:
             logger.warning("ignoring malformed model card key=%s error=%s", key, exc)
             return
         if not ({MODEL_TYPE_CHAT, MODEL_TYPE_COMPLETIONS} & set(card.model_types)):
+            if MODEL_TYPE_PREFILL in card.model_types:
+                await self._apply_prefill_put(key, parsed.component, parsed.name, parsed.instance_id, card)
             return  # prefill-only workers are not reachable by clients directly
         name = card.served_model_name
         previous = self._cards.get(key)
@@ -226,9 +284,10 @@ class ModelRegistry:
         self._cards[key] = (name, parsed.instance_id)
         model = self.models.get(name)
         if model is None:
-            model = ServedModel(name=name, card=card, created=int(time.time()), metrics=self._metrics.for_model(name))
+            model = ServedModel(name=name, card=card, created=int(time.time()), metrics=self.metrics.for_model(name))
             model.preprocessor_task = self._preprocessors.get(card)
             model.router = self._router_factory(model)
+            model.prefill = self.prefill_pools.get(name)
             self.models[name] = model
             logger.info(
                 "model added model=%s lora=%s base_model=%s context_length=%d block_size=%d worker_id=%x",
@@ -238,13 +297,76 @@ class ModelRegistry:
                 listener(model, True)
         added = parsed.instance_id not in model.workers
         model.workers[parsed.instance_id] = pool
+        inst = pool.instances.get(parsed.instance_id)
+        if inst is not None and inst.role == DECODE_ROLE and name not in self.prefill_pools:
+            self._ensure_prefill_pool(name, card, from_prefill_card=False)
         if added:
             logger.info("model worker added model=%s worker_id=%x workers=%d", name, parsed.instance_id, len(model.workers))
             for wl in self.worker_listeners:
                 wl(model, parsed.instance_id, True)
         self._notify()
 
+    # -- prefill pools --------------------------------------------------------------------------
+
+    def _ensure_prefill_pool(self, name: str, card: ModelCard, *, from_prefill_card: bool) -> PrefillPool:
+        pp = self.prefill_pools.get(name)
+        if pp is None:
+            pp = PrefillPool(name=name, card=card, from_prefill_card=from_prefill_card)
+            pp.router = self._prefill_router_factory(pp) if self._prefill_router_factory else RoundRobinRouter()
+            self.prefill_pools[name] = pp
+            logger.info(
+                "model disaggregated model=%s source=%s", name, "prefill_card" if from_prefill_card else "decode_worker"
+            )
+        elif from_prefill_card and not pp.from_prefill_card:
+            pp.card, pp.from_prefill_card = card, True
+            if self._prefill_router_factory is not None:
+                pp.router = self._prefill_router_factory(pp)  # now with the prefill card's block size
+        model = self.models.get(name)
+        if model is not None:
+            model.prefill = pp
+        return pp
+
+    def _instance_seen(self, inst: Instance) -> None:
+        """A decode-role worker makes the models it serves disaggregated (its card may have come first)."""
+        if inst.role != DECODE_ROLE:
+            return
+        for name, wid in list(self._cards.values()):
+            model = self.models.get(name)
+            if wid == inst.instance_id and model is not None and name not in self.prefill_pools:
+                self._ensure_prefill_pool(name, model.card, from_prefill_card=False)
+
+    async def _apply_prefill_put(self, key: str, component: str, endpoint: str, worker_id: int, card: ModelCard) -> None:
+        name = card.served_model_name
+        previous = self._prefill_cards.get(key)
+        if previous is not None and previous[0] != name:
+            self._apply_delete(key)
+        pool = await self._pool(component, endpoint)
+        self._prefill_cards[key] = (name, worker_id)
+        pp = self._ensure_prefill_pool(name, card, from_prefill_card=True)
+        if worker_id not in pp.workers:
+            pp.workers[worker_id] = pool
+            logger.info("prefill worker added model=%s worker_id=%x prefill_workers=%d", name, worker_id, len(pp.workers))
+            for pl in self.prefill_listeners:
+                pl(pp, worker_id, True)
+        self._notify()
+
+    def _apply_prefill_delete(self, key: str) -> bool:
+        entry = self._prefill_cards.pop(key, None)
+        if entry is None:
+            return False
+        name, worker_id = entry
+        pp = self.prefill_pools.get(name)
+        if pp is not None and entry not in self._prefill_cards.values() and pp.workers.pop(worker_id, None) is not None:
+            pp.inflight_tokens.pop(worker_id, None)
+            logger.info("prefill worker removed model=%s worker_id=%x prefill_workers=%d", name, worker_id, len(pp.workers))
+            for pl in self.prefill_listeners:
+                pl(pp, worker_id, False)
+        self._notify()
+        return True
+
     def _apply_delete(self, key: str) -> None:
+        if self._apply_prefill_delete(key):
+            return
         entry = self._cards.pop(key, None)
         if entry is None:
             return

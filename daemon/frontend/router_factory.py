@@ -4,11 +4,8 @@ Round-robin and random need nothing but the candidate list. The kv mode wraps th
 ``dynamod.daemon.router`` (one per model: block size and LoRA hashing are per model) and feeds it
 the workers' KV events and load; it is imported only when chosen, so the frontend runs without it.
 
-``route_explain`` carries a request's ``x-dynamo-route-explain`` answer from the router back to the
-HTTP endpoint. The routing call sits deep inside the engine stream (dispatch -> router.select),
-which runs in the endpoint's own task, so a context variable set by the endpoint reaches it
-without threading an argument through every layer that has no use for it. Only the kv mode fills
-it; it lives here, not in ``kv_routing``, so the endpoint does not import the KV router.
+A disaggregated model's prefill pool gets its own router from ``build_prefill`` (kv: a KV router
+over the prefill workers' events; otherwise a round-robin or random picker of its own).
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ import argparse
 import importlib
 import importlib.util
 import logging
-from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 from dynamod.daemon.frontend.routing import Router, make_basic_router
@@ -25,7 +21,7 @@ from dynamod.daemon.frontend.sync import RoutingSync
 from dynamod.shared.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dynamod.daemon.frontend.models import ModelRegistry, ServedModel
+    from dynamod.daemon.frontend.models import ModelRegistry, PrefillPool, ServedModel
     from dynamod.shared.runtime.distributed import DistributedRuntime
 
 logger = logging.getLogger(__name__)
@@ -34,20 +30,6 @@ KV_ROUTER_MODULE = "dynamod.daemon.router.kv_router"
 KV_CONFIG_MODULE = "dynamod.daemon.router.config"
 KV_ADAPTER_MODULE = "dynamod.daemon.frontend.kv_routing"
 KV_DECISIONS_MODULE = "dynamod.daemon.router.decision_publisher"
-
-EXPLAIN_HEADER = b"x-dynamo-route-explain"
-
-
-class RouteExplain:
-    """Where the kv router leaves ``RoutingDecision.to_header()`` for the request that asked."""
-
-    __slots__ = ("header",)
-
-    def __init__(self) -> None:
-        self.header: str | None = None
-
-
-route_explain: ContextVar[RouteExplain | None] = ContextVar("route_explain", default=None)
 
 
 def _has_module(name: str) -> bool:
@@ -101,4 +83,9 @@ class RouterFactoryBuilder:
     def build(self, model: ServedModel) -> Router:
         if self._kv is not None:
             return self._kv.router_for(model)
+        return make_basic_router(self.mode)
+
+    def build_prefill(self, pool: PrefillPool) -> Router:
+        if self._kv is not None:
+            return self._kv.prefill_router_for(pool)
         return make_basic_router(self.mode)

@@ -3,7 +3,14 @@
 A ``Router`` picks one of the candidates the caller hands it (ready workers of the model, minus
 the ones this request already failed on and the ones recently found dead) and hears when the
 request's first token arrives and when it ends, which is what a KV-aware router needs to track
-active sequences. Round-robin and random keep no per-request state. Direct routing (the
+active sequences. The choice it returns carries its own explanation (the kv router's
+``RoutingDecision``), which the caller keeps on the request object and reads back for the
+``x-dynamo-route-explain`` header: no side channel.
+
+With disaggregated serving the same seam routes two stages: ``stage`` says which (``prefill``:
+the prefill pool; ``decode``: the decode pool, where a remotely prefilled prompt earns no overlap
+credit, ``overlap_weight=0``); ``estimate`` answers "which decode worker, and how much of the
+prompt does it cache" without routing, for the conditional-disaggregation policy. Round-robin and random keep no per-request state. Direct routing (the
 ``x-dynamo-worker-instance-id`` header) bypasses the router altogether.
 
 ``Quarantine`` remembers workers whose connection just failed: their discovery record outlives
@@ -22,6 +29,7 @@ from typing import Protocol
 
 from dynamod.shared.errors import ConfigError, InvalidRequestError
 from dynamod.shared.protocol.instance import Instance
+from dynamod.shared.protocol.routing import STAGE_AGG, DisaggInfo, RoutingDecision
 
 ROUTER_MODES = ("round-robin", "random", "kv")
 
@@ -31,6 +39,9 @@ class RouteRequest:
     request_id: str
     token_ids: list[int]
     lora_name: str | None = None
+    stage: str = STAGE_AGG
+    overlap_weight: float | None = None  # None: the router's configured weight
+    disagg: DisaggInfo | None = None  # on the decode stage: where the prompt was prefilled
 
 
 @dataclass(slots=True)
@@ -38,10 +49,22 @@ class RouteChoice:
     instance: Instance
     dp_rank: int | None = None
     overlap_blocks: int = 0
+    stage: str = STAGE_AGG
+    explain: RoutingDecision | None = None  # the kv router's decision; None for round-robin/random
+    load: float | None = None  # prefill stage: the worker's active prefill tokens, when known
 
     @property
     def worker_id(self) -> int:
         return self.instance.instance_id
+
+
+@dataclass(slots=True)
+class DecodeEstimate:
+    """The decode worker a request would get, without routing it (conditional disaggregation)."""
+
+    worker_id: int
+    cached_tokens: int  # the prompt's prefix already cached there
+    kv_fraction: float | None  # its projected active KV blocks over its capacity; None: unknown
 
 
 class Router(Protocol):
@@ -51,6 +74,15 @@ class Router(Protocol):
     name: str
 
     async def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice: ...
+
+    def estimate(self, request: RouteRequest, candidates: Sequence[Instance]) -> DecodeEstimate | None:
+        """What ``select`` would pick and what it caches, counting nothing; None: no cache view."""
+        ...
+
+    def record(self, choice: RouteChoice, model: str) -> None:
+        """A choice the caller acted on, for the published decisions (the prefill stage picks
+        before it knows whether the prompt goes remote; ``select`` publishes everything else)."""
+        ...
 
     def on_first_token(self, request_id: str) -> None: ...
 
@@ -64,7 +96,13 @@ class RoundRobinRouter:
         self._counter = itertools.count()
 
     async def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice:
-        return RouteChoice(candidates[next(self._counter) % len(candidates)])
+        return RouteChoice(candidates[next(self._counter) % len(candidates)], stage=request.stage)
+
+    def estimate(self, request: RouteRequest, candidates: Sequence[Instance]) -> DecodeEstimate | None:
+        return None
+
+    def record(self, choice: RouteChoice, model: str) -> None:
+        return None
 
     def on_first_token(self, request_id: str) -> None:
         return None
@@ -80,7 +118,13 @@ class RandomRouter:
         self._rng = rng or random.Random()
 
     async def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice:
-        return RouteChoice(candidates[self._rng.randrange(len(candidates))])
+        return RouteChoice(candidates[self._rng.randrange(len(candidates))], stage=request.stage)
+
+    def estimate(self, request: RouteRequest, candidates: Sequence[Instance]) -> DecodeEstimate | None:
+        return None
+
+    def record(self, choice: RouteChoice, model: str) -> None:
+        return None
 
     def on_first_token(self, request_id: str) -> None:
         return None

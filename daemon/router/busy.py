@@ -52,6 +52,10 @@ class BusyPolicy:
         if total_blocks > 0:
             self._capacity[worker] = total_blocks
 
+    def capacity(self, worker: WorkerKey) -> int:
+        """The worker's KV capacity in blocks (0 when unknown)."""
+        return self._capacity.get(worker, 0)
+
     def latest(self, worker: WorkerKey) -> LoadMetrics | None:
         """The worker's load metrics if fresh enough to trust."""
         entry = self._metrics.get(worker)

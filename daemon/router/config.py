@@ -8,6 +8,7 @@ Dynamo's newer spelling ``--router-kv-overlap-score-weight``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,6 +63,14 @@ class KvRouterConfig:
     @property
     def busy_detection(self) -> bool:
         return self.active_decode_blocks_threshold is not None or self.active_prefill_tokens_threshold is not None
+
+
+def prefill_router_config(config: KvRouterConfig) -> KvRouterConfig:
+    """A prefill pool's router, as Dynamo's: no busy skipping (the ``prefill_load`` policy decides
+    what a busy prefill worker means) and no replica sync (it tracks no active requests to share)."""
+    return dataclasses.replace(
+        config, active_decode_blocks_threshold=None, active_prefill_tokens_threshold=None, router_replica_sync=False
+    )
 
 
 def _parse_bool(text: str) -> bool:

@@ -270,11 +270,19 @@ class KvRouter:
         overlap_weight: float | None = None,
         temperature: float | None = None,
         allowed: Iterable[tuple[int, int]] | None = None,
+        track_active: bool = True,
     ) -> RoutingDecision:
         """Picks a worker and starts counting the request on it. Raises ``NoInstancesError``
         without candidates and ``OverloadedError`` when all are busy: it never queues (see
-        ``select_worker_waiting``), and it does not take turns with requests already queued."""
-        decision = self._route(request_id, token_ids, lora_name, overlap_weight, temperature, allowed, register=True)
+        ``select_worker_waiting``), and it does not take turns with requests already queued.
+
+        ``track_active=False`` is Dynamo's prefill router: the decision is counted (metrics,
+        approximate-mode cache prediction) but no active blocks are added, so nothing needs
+        ``mark_prefill_done`` or ``free`` afterwards; a prefill pool's load comes from its
+        workers' own metrics."""
+        decision = self._route(
+            request_id, token_ids, lora_name, overlap_weight, temperature, allowed, register=True, track_active=track_active
+        )
         assert decision is not None
         return decision
 
@@ -352,6 +360,7 @@ class KvRouter:
         allowed: Iterable[tuple[int, int]] | None,
         *,
         register: bool,
+        track_active: bool = True,
         wait_if_busy: bool = False,
         hashes: list[tuple[list[int], list[int]]] | None = None,
     ) -> RoutingDecision | None:
@@ -422,7 +431,10 @@ class KvRouter:
         m.find_matches_seconds.observe(t2 - t1)
         m.scheduling_seconds.observe(t3 - t2)
         if register:
-            self._register(request_id, decision.worker, local, seq, isl, won.overlap_blocks)
+            if track_active:
+                self._register(request_id, decision.worker, local, seq, isl, won.overlap_blocks)
+            elif self.approx is not None:
+                self.approx.record(decision.worker, local, seq)
             m.decisions.labels(sel.reason).inc()
             m.observe_hit(len(local), won.overlap_blocks)
         if logger.isEnabledFor(logging.DEBUG):

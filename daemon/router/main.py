@@ -18,6 +18,8 @@ import logging
 
 from dynamod.daemon.router.config import add_router_args, config_from_args
 from dynamod.daemon.router.decision_publisher import add_decision_args, sample_rate_from_args
+from dynamod.daemon.router.disagg_policy import add_disagg_args, disagg_config_from_args
+from dynamod.daemon.router.prefill_stage import DEFAULT_PREFILL_TIMEOUT_S, DisaggMetrics, PrefillStage
 from dynamod.daemon.router.service import RouterService, RouterServiceConfig
 from dynamod.shared.config import add_runtime_args, env_or, settings_from_args
 from dynamod.shared.errors import ConfigError
@@ -33,6 +35,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="component this router serves generate/best_worker_id on [env DYN_ROUTER_COMPONENT, default router]")
     g.add_argument("--worker-component", default=env_or("DYN_WORKER_COMPONENT", "backend"),
                    help="component of the workers routed to [env DYN_WORKER_COMPONENT, default backend]")
+    g.add_argument("--prefill-component", default=env_or("DYN_PREFILL_COMPONENT", "prefill"),
+                   help="component of the prefill workers; '' turns disaggregated serving off "
+                   "[env DYN_PREFILL_COMPONENT, default prefill]")
+    g.add_argument("--prefill-timeout", type=float, default=float(env_or("DYN_PREFILL_TIMEOUT", str(DEFAULT_PREFILL_TIMEOUT_S))),
+                   help="seconds a remote prefill may take to return its transfer parameters before another prefill "
+                   f"worker (then local prefill) is tried [env DYN_PREFILL_TIMEOUT, default {DEFAULT_PREFILL_TIMEOUT_S:g}]")
     g.add_argument("--kv-block-size", type=int, default=None,
                    help="tokens per KV block [default: from the workers' model cards]")
     g.add_argument("--worker-wait", type=float, default=5.0,
@@ -42,6 +50,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_runtime_args(parser)
     add_router_args(parser)
     add_decision_args(parser)
+    add_disagg_args(parser)
 
 
 def service_config_from_args(args: argparse.Namespace) -> RouterServiceConfig:
@@ -51,9 +60,14 @@ def service_config_from_args(args: argparse.Namespace) -> RouterServiceConfig:
         raise ConfigError("--worker-wait must be 0 or more")
     if args.router_component == args.worker_component:
         raise ConfigError("--router-component and --worker-component must differ")
+    if args.prefill_component and args.prefill_component in (args.router_component, args.worker_component):
+        raise ConfigError("--prefill-component must differ from --router-component and --worker-component")
+    if args.prefill_timeout <= 0:
+        raise ConfigError("--prefill-timeout must be > 0")
     return RouterServiceConfig(
         router_component=args.router_component,
         worker_component=args.worker_component,
+        prefill_component=args.prefill_component or None,
         block_size=args.kv_block_size,
         worker_wait_s=args.worker_wait,
         decision_sample_rate=sample_rate_from_args(args),
@@ -67,7 +81,12 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     runtime = await DistributedRuntime.create(settings)
     service: RouterService | None = None
     try:
-        service = RouterService(runtime, kv_config, config)
+        busy = kv_config.active_prefill_tokens_threshold
+        stage = PrefillStage(
+            disagg_config_from_args(args), DisaggMetrics(runtime.registry, "dynamo_router"),
+            prefill_timeout_s=args.prefill_timeout, busy_threshold=None if busy is None else float(busy),
+        )
+        service = RouterService(runtime, kv_config, config, stage)
         await service.start()
         logger.info(
             "router up instance_id=%x replica_sync=%s use_kv_events=%s status_url=%s",

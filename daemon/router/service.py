@@ -7,9 +7,18 @@ done at the first output; freed at the end, on an error, or when the caller canc
 cancels the worker's stream). The first output frame carries ``worker_id`` and ``dp_rank`` so the
 caller learns where the request went (extra keys; ``EngineOutput`` decoders ignore them).
 
-``best_worker_id`` takes ``{token_ids, lora_name?, overlap_weight?, temperature?}`` and answers
-``{worker_id, dp_rank, overlap_blocks, explain}`` (``explain``: ``RoutingDecision.to_dict()``)
-without counting anything: for callers that send the request themselves.
+``best_worker_id`` takes ``{token_ids, lora_name?, overlap_weight?, temperature?, stage?}`` and
+answers ``{worker_id, dp_rank, overlap_blocks, explain}`` (``explain``: ``RoutingDecision.to_dict()``)
+without counting anything: for callers that send the request themselves. ``stage`` ``prefill``
+asks the prefill pool; ``decode`` the decode pool as a remotely prefilled request sees it
+(overlap weight 0 unless given).
+
+Disaggregated serving: when the prefill component (``--prefill-component``, default ``prefill``)
+has published a prefill card, or a decode-role worker is among the workers, ``generate`` runs
+the prefill stage first (``prefill_stage.PrefillStage``, the very code the frontend runs: policy,
+one retry on another prefill worker, local fallback or 503), then routes the decode stage and
+forwards the request with the prefill worker's ``disaggregated_params``. The first output frame
+then also carries ``disagg`` (the decision) and ``prefill_worker_id``.
 
 Workers: the ready instances of ``{namespace}/{worker_component}/generate``. A worker's model card
 (same key layout under ``v1/mdc``, watched) gives the block size, data-parallel size and KV
@@ -25,7 +34,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,13 +44,21 @@ from dynamod.daemon.router.config import KvRouterConfig
 from dynamod.daemon.router.decision_publisher import DecisionPublisher
 from dynamod.daemon.router.feed import KvFeed
 from dynamod.daemon.router.kv_router import KvRouter
+from dynamod.daemon.router.prefill_pool import RouterPrefillPool
+from dynamod.daemon.router.prefill_stage import (
+    DecodeHint,
+    PrefillOutcome,
+    PrefillStage,
+    close_drains,
+    decode_body,
+)
 from dynamod.shared.discovery.store import WatchEventKind
 from dynamod.shared.errors import DynamoError, InvalidRequestError, NoInstancesError, NotFoundError
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.keys import mdc_prefix, parse_key
 from dynamod.shared.protocol.llm import PreprocessedRequest
 from dynamod.shared.protocol.model_card import ModelCard, decode_card
-from dynamod.shared.protocol.routing import RoutingDecision
+from dynamod.shared.protocol.routing import STAGE_DECODE, STAGE_PREFILL, RoutingDecision
 from dynamod.shared.transport.plane import RequestContext
 
 if TYPE_CHECKING:
@@ -53,6 +70,7 @@ logger = logging.getLogger(__name__)
 GENERATE = "generate"
 BEST_WORKER_ID = "best_worker_id"
 ROLE = "router"
+DECODE_ROLE = "decode"
 
 
 class BestWorkerRequest(msgspec.Struct, kw_only=True):
@@ -61,12 +79,14 @@ class BestWorkerRequest(msgspec.Struct, kw_only=True):
     overlap_weight: float | None = None
     temperature: float | None = None
     request_id: str | None = None
+    stage: str | None = None  # None: the plain decision; "prefill" | "decode": that stage's
 
 
 @dataclass(frozen=True, slots=True)
 class RouterServiceConfig:
     router_component: str = "router"
     worker_component: str = "backend"
+    prefill_component: str | None = "prefill"  # None: no disaggregated serving
     block_size: int | None = None  # None: from the first worker's model card
     worker_wait_s: float = 5.0  # a request waits this long for a first routable worker
     decision_sample_rate: float = 1.0
@@ -75,12 +95,23 @@ class RouterServiceConfig:
 class RouterService:
     """``start()`` serves the endpoints; ``stop(grace_s)`` deregisters and lets streams finish."""
 
-    def __init__(self, runtime: DistributedRuntime, kv_config: KvRouterConfig, config: RouterServiceConfig) -> None:
+    def __init__(
+        self,
+        runtime: DistributedRuntime,
+        kv_config: KvRouterConfig,
+        config: RouterServiceConfig,
+        prefill_stage: PrefillStage | None = None,
+    ) -> None:
         self._rt = runtime
         self.kv_config = kv_config
         self.config = config
         self.feed = KvFeed(runtime, kv_config, sync_component=config.router_component)
         self.decisions = DecisionPublisher(runtime, config.router_component, sample_rate=config.decision_sample_rate)
+        self.prefill_stage = prefill_stage
+        self.prefill: RouterPrefillPool | None = None
+        if config.prefill_component and prefill_stage is not None:
+            self.prefill = RouterPrefillPool(runtime, kv_config, self.feed, self.decisions, config.prefill_component)
+        self._decode_role = False  # a decode-role worker: disaggregated even before any prefill card
         self.kv: KvRouter | None = None
         self._client: EndpointClient | None = None
         self._cards: dict[int, ModelCard] = {}  # worker id -> its base model card
@@ -110,7 +141,13 @@ class RouterService:
         client = await component.endpoint(GENERATE).client()
         self._client = client
         client.instance_set.add_listener(self._on_instance)
-        self._spawn(self._watch_cards(), "router-card-watch")
+        self._spawn(self._watch_cards(self.config.worker_component, self._card_put, self._card_deleted), "router-card-watch")
+        if self.prefill is not None:
+            await self.prefill.start()
+            self._spawn(
+                self._watch_cards(self.prefill.component, self.prefill.card_put, self.prefill.card_deleted),
+                "router-prefill-card-watch",
+            )
         router = self._rt.namespace().component(self.config.router_component)
         self._served.append(await router.endpoint(GENERATE).serve(self._generate, role=ROLE))
         self._served.append(await router.endpoint(BEST_WORKER_ID).serve(self._best_worker_id, role=ROLE))
@@ -138,6 +175,8 @@ class RouterService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._client is not None:
             await self._client.close()
+        if self.prefill is not None:
+            await self.prefill.close()
         await self.decisions.close()
         await self.feed.close()
 
@@ -163,12 +202,22 @@ class RouterService:
         return kv
 
     def _on_instance(self, key: str, inst: Instance | None) -> None:
+        if inst is not None and inst.role == DECODE_ROLE:
+            self._decode_role = True
         parsed = parse_key(key)
         if parsed is not None:
             self._reconcile(parsed.instance_id)
 
-    async def _watch_cards(self) -> None:
-        prefix = f"{mdc_prefix(self.namespace)}{self.config.worker_component}/{GENERATE}/"
+    @property
+    def disaggregated(self) -> bool:
+        """Decode workers with a prefill pool (or declared as decode workers) get the prefill stage."""
+        return self.prefill is not None and (self.prefill.seen or self._decode_role)
+
+    async def _watch_cards(
+        self, component: str, put: Callable[[int, str | None, bytes], None], deleted: Callable[[int, str | None], None]
+    ) -> None:
+        """Follows one component's model cards (the decode workers', the prefill workers')."""
+        prefix = f"{mdc_prefix(self.namespace)}{component}/{GENERATE}/"
         while True:
             try:
                 async for ev in self._rt.store.watch_prefix(prefix):
@@ -176,9 +225,9 @@ class RouterService:
                     if parsed is None:
                         continue
                     if ev.kind is WatchEventKind.PUT and ev.value is not None:
-                        self._card_put(parsed.instance_id, parsed.lora, ev.value)
+                        put(parsed.instance_id, parsed.lora, ev.value)
                     else:
-                        self._card_deleted(parsed.instance_id, parsed.lora)
+                        deleted(parsed.instance_id, parsed.lora)
                 return
             except DynamoError as exc:
                 logger.warning("router card watch failed error=%s action=retry_in_1s", exc)
@@ -303,10 +352,33 @@ class RouterService:
         key = request.request_id
         if key in kv.active:
             key = f"{request.request_id}#{next(self._ids)}"  # two callers chose the same id
-        decision = await kv.select_worker_waiting(
-            key, request.token_ids, lora_name=request.lora_name, allowed=self._allowed(kv, request.lora_name)
-        )
-        self.decisions.offer(decision, request.model)
+        allowed = self._allowed(kv, request.lora_name)
+        drains: list[asyncio.Task[None]] = []
+        try:
+            outcome: PrefillOutcome | None = None
+            if self.disaggregated:
+                assert self.prefill_stage is not None and self.prefill is not None
+                outcome = await self.prefill_stage.run(
+                    request, self.prefill, lambda: self._decode_hint(kv, request, allowed), model=request.model, drains=drains
+                )
+            decision = await kv.select_worker_waiting(
+                key, request.token_ids, lora_name=request.lora_name, allowed=allowed,
+                overlap_weight=0.0 if outcome is not None and outcome.remote else None,
+            )
+            if outcome is not None:
+                decision.stage = STAGE_DECODE
+                decision.disagg = outcome.info
+            self.decisions.offer(decision, request.model)
+            async with contextlib.aclosing(self._forward(kv, key, request, decision, outcome, ctx)) as outputs:
+                async for out in outputs:
+                    yield out
+        finally:
+            await close_drains(drains)
+
+    async def _forward(
+        self, kv: KvRouter, key: str, request: PreprocessedRequest, decision: RoutingDecision,
+        outcome: PrefillOutcome | None, ctx: RequestContext,
+    ) -> AsyncIterator[Any]:
         wid, rank = decision.worker_id, decision.dp_rank
         try:
             assert self._client is not None
@@ -316,6 +388,8 @@ class RouterService:
             forward = msgspec.structs.replace(
                 request, dp_rank=rank, estimated_prefix_hit_blocks=decision.overlap_blocks or None
             )
+            if outcome is not None:
+                forward = decode_body(forward, outcome)
             stream = self._client.stream_to(inst, forward, request_id=request.request_id, timeout_s=ctx.time_left())
             try:
                 first = True
@@ -325,26 +399,58 @@ class RouterService:
                         kv.mark_prefill_done(key)
                         if isinstance(out, dict):
                             out = {**out, "worker_id": wid, "dp_rank": rank}
+                            if outcome is not None:
+                                out["disagg"] = msgspec.to_builtins(outcome.info)
+                                if outcome.remote and outcome.pick is not None:
+                                    out["prefill_worker_id"] = outcome.pick.worker_id
+                    if outcome is not None and outcome.cached_tokens is not None and isinstance(out, dict):
+                        usage = out.get("usage")
+                        if isinstance(usage, dict):  # the client is told the prefill worker's cache hits
+                            out = {**out, "usage": {**usage, "cached_tokens": outcome.cached_tokens}}
                     yield out
             finally:
                 await stream.aclose()  # a cancelled caller cancels the worker's stream
         finally:
             kv.free(key)
 
+    @staticmethod
+    def _decode_hint(kv: KvRouter, request: PreprocessedRequest, allowed: list[tuple[int, int]] | None) -> DecodeHint:
+        """The decode worker normal KV routing would pick: its cached prefix and KV fraction."""
+        try:
+            decision = kv.best_worker(request.request_id, request.token_ids, lora_name=request.lora_name, allowed=allowed)
+        except DynamoError:
+            return DecodeHint()
+        capacity = kv.busy.capacity(decision.worker)
+        fraction = decision.winner.decode_blocks / capacity if capacity else None
+        return DecodeHint(min(decision.overlap_blocks * kv.block_size, len(request.token_ids)), fraction)
+
     async def _best_worker_id(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
         try:
             req = msgspec.convert(body, BestWorkerRequest)
         except msgspec.ValidationError as exc:
             raise InvalidRequestError(f"bad best_worker_id request: {exc}") from None
-        kv = await self._wait_for_workers()
-        decision: RoutingDecision = kv.best_worker(
-            req.request_id or f"best-{next(self._ids)}",
-            req.token_ids,
-            lora_name=req.lora_name,
-            overlap_weight=req.overlap_weight,
-            temperature=req.temperature,
-            allowed=self._allowed(kv, req.lora_name),
-        )
+        request_id = req.request_id or f"best-{next(self._ids)}"
+        if req.stage not in (None, STAGE_PREFILL, STAGE_DECODE):
+            raise InvalidRequestError(f"stage must be {STAGE_PREFILL!r} or {STAGE_DECODE!r}, got {req.stage!r}")
+        if req.stage == STAGE_PREFILL:
+            if self.prefill is None:
+                raise InvalidRequestError("this router serves no prefill pool (--prefill-component is off)")
+            decision = self.prefill.best(request_id, req.token_ids, req.lora_name)
+        else:
+            kv = await self._wait_for_workers()
+            weight = req.overlap_weight
+            if req.stage == STAGE_DECODE and weight is None:
+                weight = 0.0  # a remotely prefilled prompt earns no overlap credit on the decode pool
+            decision = kv.best_worker(
+                request_id,
+                req.token_ids,
+                lora_name=req.lora_name,
+                overlap_weight=weight,
+                temperature=req.temperature,
+                allowed=self._allowed(kv, req.lora_name),
+            )
+            if req.stage == STAGE_DECODE:
+                decision.stage = STAGE_DECODE
         yield {
             "worker_id": decision.worker_id,
             "dp_rank": decision.dp_rank,
