@@ -11,7 +11,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from dynamod.console.state.cluster import ClusterState
+from dynamod.console.state.pools import PoolSummary
 from dynamod.console.state.records import STATUS_GONE, Worker, fmt_id
+from dynamod.console.state.transfers import TransferFigures
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 
@@ -49,6 +51,22 @@ def fmt_rate(rate: float | None) -> str:
     return f"{rate:.1f}/s" if rate < 100 else f"{rate:.0f}/s"
 
 
+def fmt_bytes_rate(rate: float | None) -> str:
+    """Bytes per second in SI units, at most 7 characters (``1.5MB/s``, ``157MB/s``)."""
+    if rate is None:
+        return "-"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if rate >= size:
+            v = rate / size
+            return f"{v:.1f}{unit}/s" if v < 10 else f"{v:.0f}{unit}/s"
+    return f"{rate:.0f}B/s"
+
+
+def fmt_ms_value(ms: float | None) -> str:
+    """A figure already in milliseconds (transfer times), formatted like ``fmt_ms``."""
+    return "-" if ms is None else fmt_ms(ms / 1000)
+
+
 def fmt_count(value: float | None) -> str:
     if value is None:
         return "-"
@@ -78,7 +96,22 @@ def worker_load_scale(workers: Iterable[Worker]) -> float:
     return top or 1.0
 
 
-def worker_record(w: Worker, now: float) -> dict[str, Any]:
+def transfer_record(fig: TransferFigures | None) -> dict[str, Any] | None:
+    """A worker's KV transfer figures for JSON (None for workers that never took part in one)."""
+    if fig is None or not fig.seen:
+        return None
+    return {
+        "bytes_total": fig.bytes_total,
+        "bytes_per_s": round(fig.bytes_per_s, 1) if fig.bytes_per_s is not None else None,
+        "transfers": fig.transfers,
+        "failures": fig.failures,
+        "ms_p50": fig.p50_ms,
+        "ms_p99": fig.p99_ms,
+        "held_blocks": fig.held_blocks,
+    }
+
+
+def worker_record(w: Worker, now: float, transfer: TransferFigures | None = None) -> dict[str, Any]:
     """Everything ``dynamoctl status --json`` prints for one instance (stable keys)."""
     st = w.stats
     return {
@@ -106,12 +139,65 @@ def worker_record(w: Worker, now: float) -> dict[str, Any]:
         }
         if st.loads or st.ttft_s is not None or st.routed
         else None,
+        "kv_transfer": transfer_record(transfer),
     }
 
 
 def status_records(state: ClusterState, *, include_gone: bool = False) -> list[dict[str, Any]]:
     now = state.clock()
-    return [worker_record(w, now) for w in state.worker_list(workers_only=False, include_gone=include_gone)]
+    return [
+        worker_record(w, now, state.transfers.figures(w.instance_id))
+        for w in state.worker_list(workers_only=False, include_gone=include_gone)
+    ]
+
+
+POOL_COLUMNS = ("POOL", "READY", "RUN", "WAIT", "KV", "KV USED", "XFER/S", "XFER50", "XFER99", "FAIL", "HELD")
+
+
+def pool_row(p: PoolSummary) -> tuple[str, ...]:
+    """One pool as the TUI's pool strip and ``dynamoctl status`` show it. KV is the mean of the
+    workers' usage; KV USED the pool's blocks in use over its blocks; transfer figures are "-"
+    for a pool that never moved KV (agg)."""
+    xfer = p.transfers_seen
+    return (
+        p.role,
+        f"{p.ready}/{p.workers}",
+        str(p.running),
+        str(p.waiting),
+        fmt_pct(p.kv_avg),
+        f"{fmt_count(p.kv_used_blocks)}/{fmt_count(p.kv_total_blocks)}" if p.kv_total_blocks else "-",
+        fmt_bytes_rate(p.bytes_per_s) if xfer else "-",
+        fmt_ms_value(p.p50_ms) if xfer else "-",
+        fmt_ms_value(p.p99_ms) if xfer else "-",
+        fmt_count(p.failures) if xfer else "-",
+        fmt_count(p.held_blocks) if xfer else "-",
+    )
+
+
+def pool_records(state: ClusterState) -> list[dict[str, Any]]:
+    """Per-pool figures for JSON (``dynamoctl status --json --pools``)."""
+    out = []
+    for p in state.pools().values():
+        out.append(
+            {
+                "pool": p.role,
+                "workers": p.workers,
+                "ready": p.ready,
+                "running": p.running,
+                "waiting": p.waiting,
+                "kv_usage_avg": round(p.kv_avg, 4) if p.kv_avg is not None else None,
+                "kv_used_blocks": p.kv_used_blocks,
+                "kv_total_blocks": p.kv_total_blocks,
+                "kv_transfer_bytes_per_s": round(p.bytes_per_s, 1) if p.bytes_per_s is not None else None,
+                "kv_transfers": p.transfers,
+                "kv_transfer_failures": p.failures,
+                "kv_transfer_ms_p50": p.p50_ms,
+                "kv_transfer_ms_p99": p.p99_ms,
+                "kv_held_blocks": p.held_blocks,
+                "worker_ids": [fmt_id(i) for i in p.worker_ids],
+            }
+        )
+    return out
 
 
 STATUS_COLUMNS = ("ID", "COMPONENT", "ROLE", "STATUS", "MODEL", "LORAS", "NODE", "PID", "RUN", "WAIT", "KV", "HIT", "AGE")

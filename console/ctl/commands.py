@@ -14,9 +14,18 @@ from typing import TYPE_CHECKING, Any
 
 from dynamod.console.actions.control import ActionResult, ControlClient
 from dynamod.console.collectors.connection import ClusterConnection
-from dynamod.console.present import STATUS_COLUMNS, format_table, status_records, status_table_rows
+from dynamod.console.present import (
+    POOL_COLUMNS,
+    STATUS_COLUMNS,
+    format_table,
+    pool_records,
+    pool_row,
+    status_records,
+    status_table_rows,
+)
 from dynamod.console.settings import ConsoleSettings, settings_from_args
 from dynamod.console.state.cluster import ClusterState
+from dynamod.console.state.pools import is_disaggregated
 from dynamod.console.state.recording import RecordingSink
 from dynamod.console.state.records import ClusterEvent
 from dynamod.shared.errors import DiscoveryError, DynamoError
@@ -89,6 +98,15 @@ async def status(args: argparse.Namespace) -> int:
             if workers and all(w.stats.loads for w in workers):
                 break
             await asyncio.sleep(0.05)
+    pools = state.pools()
+    if args.pools:
+        if args.json:
+            _dump(pool_records(state))
+        elif pools:
+            print(format_table(POOL_COLUMNS, [pool_row(p) for p in pools.values()]))
+        else:
+            print(f"no workers ({_settings(args).describe()})")
+        return EXIT_OK
     if args.json:
         _dump(status_records(state, include_gone=args.all))
         return EXIT_OK
@@ -97,6 +115,10 @@ async def status(args: argparse.Namespace) -> int:
         print(f"no instances ({_settings(args).describe()})")
         return EXIT_OK
     print(format_table(STATUS_COLUMNS, rows))
+    if is_disaggregated(pools):
+        # Which pool is short is the first question about a disaggregated cluster.
+        print()
+        print(format_table(POOL_COLUMNS, [pool_row(p) for p in pools.values()]))
     return EXIT_OK
 
 

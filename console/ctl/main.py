@@ -1,6 +1,7 @@
 """``dynamoctl``: the console's actions as commands for scripts and SSH sessions.
 
-    dynamoctl status [--json]                      every instance: id, component, role, status, model, LoRAs, node, pid, load
+    dynamoctl status [--json] [--pools]            every instance: id, component, role, status, model, LoRAs, node, pid, load
+                                                   (and, with prefill/decode pools, a per-pool summary)
     dynamoctl drain|sleep|wake|clear-kv INSTANCE   one worker (id in hex, or a unique prefix of it)
     dynamoctl lora load INSTANCE NAME SOURCE       load a LoRA adapter from a path or URI
     dynamoctl lora unload INSTANCE NAME
@@ -51,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", parents=[conn], help="list every instance with its status and load")
     s.add_argument("--json", action="store_true", help="print a JSON array instead of a table")
+    s.add_argument("--pools", action="store_true",
+                   help="print only the per-pool summary (agg/prefill/decode: load, KV, KV transfers)")
     s.add_argument("--all", action="store_true", help="include instances that just went away")
     s.add_argument("--wait", type=float, default=2.0, help="seconds to collect load metrics [default 2]")
 

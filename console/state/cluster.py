@@ -4,6 +4,11 @@ Collectors call the ``apply_*`` / ``put_*`` methods (discovery records, load met
 router and planner decisions, frontend scrapes, connection changes); screens only read. It does no
 I/O and owns no tasks, so it is tested by feeding it recorded streams with a manual clock.
 
+It is a façade: jobs with their own state live in small classes it owns and the views reach through
+it: ``DecisionLog`` (routing decisions and the remote/local prefill tally, ``decisions.py``),
+``KvTransferTracker`` (KV transfer rates per worker, ``transfers.py``) and the per-pool summary
+(``pools.py``).
+
 Change tracking is by version counters per area (``versions.topology`` for discovery,
 ``versions.load`` for metrics, ...): a screen redraws only what changed since it last looked, which
 keeps a 256-worker cluster at ten updates a second cheap to show.
@@ -19,7 +24,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from dynamod.console.state import histogram
+from dynamod.console.state.decisions import DecisionLog, decode_decision
+from dynamod.console.state.pools import PoolSummary, summarize_pools
 from dynamod.console.state.prom import FrontendScrape, parse_frontend_metrics
 from dynamod.console.state.records import (
     EV_ACTION,
@@ -35,7 +44,6 @@ from dynamod.console.state.records import (
     EV_SLEEP,
     EV_WAKE,
     STATUS_GONE,
-    Candidate,
     ClusterEvent,
     ConnectionStatus,
     EndpointInstance,
@@ -47,6 +55,7 @@ from dynamod.console.state.records import (
     WorkerStats,
     fmt_id,
 )
+from dynamod.console.state.transfers import KvTransferTracker
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.keys import INSTANCES_ROOT, MDC_ROOT, parse_key
 from dynamod.shared.protocol.kv_events import KvCleared, KvRemoved, KvStored, RouterEvent
@@ -94,15 +103,6 @@ def _as_id(value: Any) -> int | None:
     return None
 
 
-def _as_float(value: Any) -> float | None:
-    if isinstance(value, bool) or value is None:
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
-
-
 class ClusterState:
     """The console's model of the cluster. Not thread-safe: feed it from one event loop."""
 
@@ -114,7 +114,8 @@ class ClusterState:
         self.cards: dict[str, tuple[str, str, int, ModelCard]] = {}  # key -> (ns, component, iid, card)
         self.stats: dict[int, WorkerStats] = {}
         self.events: deque[ClusterEvent] = deque(maxlen=MAX_EVENTS)
-        self.decisions: deque[RouterDecision] = deque(maxlen=MAX_DECISIONS)
+        self.decision_log = DecisionLog(MAX_DECISIONS)
+        self.transfers = KvTransferTracker()
         self.connections: dict[str, ConnectionStatus] = {}
         self.imbalances: list[Imbalance] = []
         self.counters: dict[str, int] = {"load_updates": 0, "kv_events": 0, "decode_errors": 0}
@@ -124,6 +125,12 @@ class ClusterState:
         self._imbalance_reported: dict[tuple[str, int], float] = {}
         self._last_history_at = 0.0
         self._models_cache: tuple[int, dict[str, ModelInfo]] | None = None
+        self._pools_cache: tuple[tuple[int, int], dict[str, PoolSummary]] | None = None
+
+    @property
+    def decisions(self) -> deque[RouterDecision]:
+        """The latest routing decisions, newest last."""
+        return self.decision_log.decisions
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -202,6 +209,7 @@ class ClusterState:
             worker.gone_at = now
             worker.status = STATUS_GONE
             worker.stats.loads.clear()  # its last load is no longer true; the history stays
+            self.transfers.forget(worker.instance_id)
             what = "worker" if worker.is_worker else worker.component
             reason = "after draining" if before == "draining" else "(deregistered or lease expired)"
             self.add_event(
@@ -340,6 +348,7 @@ class ClusterState:
             st = self.stats[m.worker_id] = WorkerStats()
         st.loads[m.dp_rank] = m
         st.last_load_at = self.clock()
+        self.transfers.observe(m, st.last_load_at)
         self.counters["load_updates"] += 1
         self.versions.load += 1
 
@@ -371,44 +380,14 @@ class ClusterState:
         self.versions.load += 1
 
     def apply_router_decision(self, namespace: str, data: Mapping[str, Any]) -> RouterDecision | None:
-        """A ``router_decisions`` message (``RoutingDecision.to_dict()``); unknown keys are kept."""
-        wid = _as_id(data.get("worker_id"))
-        if wid is None:
-            self.note_decode_error("router_decisions", f"decision without worker_id: keys={sorted(data)}")
+        """A ``router_decisions`` message (``RoutingDecision.to_dict()`` plus ``ts``/``model``)."""
+        try:
+            decision = decode_decision(namespace, data, self.clock())
+        except (msgspec.ValidationError, TypeError) as exc:
+            self.note_decode_error("router_decisions", str(exc))
             return None
-        known = {"worker_id", "dp_rank", "overlap_blocks", "candidates", "request_id", "isl_blocks", "request_blocks", "ts"}
-        cands: list[Candidate] = []
-        for raw in data.get("candidates") or ():
-            if not isinstance(raw, Mapping):
-                continue
-            cid = _as_id(raw.get("worker_id"))
-            if cid is None:
-                continue
-            ckeys = {"worker_id", "dp_rank", "overlap_blocks", "prefill_blocks", "decode_blocks", "cost"}
-            cands.append(
-                Candidate(
-                    worker_id=cid,
-                    dp_rank=int(raw.get("dp_rank") or 0),
-                    overlap_blocks=_as_float(raw.get("overlap_blocks")),
-                    prefill_blocks=_as_float(raw.get("prefill_blocks")),
-                    decode_blocks=_as_float(raw.get("decode_blocks")),
-                    cost=_as_float(raw.get("cost")),
-                    extra={k: v for k, v in raw.items() if k not in ckeys},
-                )
-            )
-        decision = RouterDecision(
-            ts=_as_float(data.get("ts")) or self.clock(),
-            namespace=namespace,
-            worker_id=wid,
-            dp_rank=int(data.get("dp_rank") or 0),
-            overlap_blocks=_as_float(data.get("overlap_blocks")),
-            request_id=str(data.get("request_id") or ""),
-            isl_blocks=_as_float(data.get("request_blocks", data.get("isl_blocks"))),
-            candidates=cands,
-            extra={k: v for k, v in data.items() if k not in known},
-        )
-        self.decisions.append(decision)
-        self.stats.setdefault(wid, WorkerStats()).routed += 1
+        self.decision_log.add(decision)
+        self.stats.setdefault(decision.worker_id, WorkerStats()).routed += 1
         self.versions.decisions += 1
         return decision
 
@@ -611,6 +590,7 @@ class ClusterState:
         for iid, st in list(self.stats.items()):
             if iid not in live_ids and now - st.last_load_at > ORPHAN_STATS_TTL_S:
                 del self.stats[iid]
+        self.transfers.retain(set(self.stats))
         for key, entry in list(self.instances.items()):
             if entry.gone_at is not None and now - entry.gone_at > GONE_RETENTION_S:
                 del self.instances[key]
@@ -656,6 +636,13 @@ class ClusterState:
             if w.instance_id == instance_id and (best is None or (best.gone_at is not None and w.gone_at is None)):
                 best = w
         return best
+
+    def pools(self) -> dict[str, PoolSummary]:
+        """Per-pool load and KV transfer figures (agg, prefill, decode), recomputed on change."""
+        version = (self.versions.topology, self.versions.load)
+        if self._pools_cache is None or self._pools_cache[0] != version:
+            self._pools_cache = (version, summarize_pools(self.workers.values(), self.transfers))
+        return self._pools_cache[1]
 
     def namespaces(self) -> list[str]:
         return sorted({w.namespace for w in self.workers.values()})

@@ -13,8 +13,13 @@ from typing import Any
 
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.load import LoadMetrics
+from dynamod.shared.protocol.routing import DISAGG_REMOTE, STAGE_AGG, DisaggInfo
 
-WORKER_ROLES = frozenset({"agg", "decode", "prefill"})
+ROLE_AGG = "agg"
+ROLE_PREFILL = "prefill"
+ROLE_DECODE = "decode"
+WORKER_ROLES = frozenset({ROLE_AGG, ROLE_DECODE, ROLE_PREFILL})
+POOL_ORDER = (ROLE_AGG, ROLE_PREFILL, ROLE_DECODE)  # the order pools are listed in
 STATUS_GONE = "gone"
 HISTORY_LEN = 60  # sparkline samples, one a second: the last minute of load
 
@@ -213,6 +218,12 @@ class Worker:
         return dict(rec.labels) if rec else {}
 
     @property
+    def pool(self) -> str:
+        """The worker pool it belongs to: its role, with an unnamed engine role counted as agg."""
+        role = self.role
+        return role if role in WORKER_ROLES else ROLE_AGG
+
+    @property
     def is_worker(self) -> bool:
         """Engine workers (agg/decode/prefill) go to the Workers table; frontends and routers do not."""
         return self.role in WORKER_ROLES or "generate" in self.endpoints and self.role == ""
@@ -229,10 +240,10 @@ class Candidate:
     prefill_blocks: float | None = None
     decode_blocks: float | None = None
     cost: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    tree_size: int | None = None
 
 
-# RoutingDecision.reason values (daemon/router/decision.py) in words; the usual one says nothing.
+# RoutingDecision.reason values (shared/protocol/routing.py) in words; the usual one says nothing.
 REASON_WORDS = {
     "lowest_cost": "",
     "only_candidate": "only candidate",
@@ -244,6 +255,8 @@ REASON_WORDS = {
 
 @dataclass(slots=True)
 class RouterDecision:
+    """One routing decision as the console shows it, decoded from a typed ``RoutingDecision``."""
+
     ts: float
     namespace: str
     worker_id: int
@@ -252,7 +265,11 @@ class RouterDecision:
     request_id: str = ""
     isl_blocks: float | None = None
     candidates: list[Candidate] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+    busy: int = 0  # workers skipped as busy
+    stage: str = STAGE_AGG  # agg | prefill | decode
+    disagg: DisaggInfo | None = None  # on decode (or local-prefill) decisions: where the prompt was prefilled
+    model: str = ""
 
     def chosen(self) -> Candidate | None:
         for c in self.candidates:
@@ -260,15 +277,30 @@ class RouterDecision:
                 return c
         return None
 
-    def why(self) -> str:
+    def prefill_text(self) -> str:
+        """Where the prompt was prefilled and why, in a few words ("" without disaggregation)."""
+        d = self.disagg
+        if d is None:
+            return ""
+        if d.mode == DISAGG_REMOTE:
+            where = f" on {fmt_id(d.prefill_worker_id)}" if d.prefill_worker_id is not None else ""
+            return f"remote prefill{where}"
+        # The reason keeps its wire spelling: it is the policy's name in flags and metric labels.
+        return f"local prefill ({d.reason})" if d.reason else "local prefill"
+
+    def cost_why(self) -> str:
         """The cost breakdown of the chosen worker and its margin over the runner-up (and, when the
         router says so, that it was a tie-break, a sample at temperature > 0, or the only choice)."""
         text = self._breakdown()
-        reason = REASON_WORDS.get(str(self.extra.get("reason", "")), "")
-        busy = self.extra.get("busy")
-        if isinstance(busy, list) and busy:
-            text += f"; {len(busy)} busy skipped"
+        reason = REASON_WORDS.get(self.reason, "")
+        if self.busy:
+            text += f"; {self.busy} busy skipped"
         return f"{reason}: {text}" if reason else text
+
+    def why(self) -> str:
+        """``cost_why`` led by where the prompt was prefilled when the request was disaggregated."""
+        prefill = self.prefill_text()
+        return f"{prefill}; {self.cost_why()}" if prefill else self.cost_why()
 
     def _breakdown(self) -> str:
         chosen = self.chosen()

@@ -12,10 +12,11 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, Input, Label, OptionList, Sparkline, Static
 
 from dynamod.console.actions.specs import ACTIONS
-from dynamod.console.present import fmt_age, fmt_count, fmt_ms, fmt_pct
+from dynamod.console.present import fmt_age, fmt_bytes_rate, fmt_count, fmt_ms, fmt_ms_value, fmt_pct
 from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.records import fmt_id
 from dynamod.console.tui.style import STATUS_STYLE, severity_text
+from dynamod.shared.protocol.routing import STAGE_AGG
 
 
 class WorkerScreen(Screen[None]):
@@ -79,6 +80,12 @@ class WorkerScreen(Screen[None]):
         facts.add_row("ttft", fmt_ms(st.ttft_s), "itl", fmt_ms(st.itl_s))
         facts.add_row("cached blocks", fmt_count(st.cached_blocks), "routed", fmt_count(st.routed))
         facts.add_row("status url", w.system_url or "-", "kv gaps", str(st.kv_gaps))
+        xfer = self.state.transfers.figures(w.instance_id)
+        if xfer is not None and xfer.seen:
+            # Disaggregated workers only: a decode worker's pulls, a prefill worker's reads served.
+            facts.add_row("kv transfer", f"{fmt_bytes_rate(xfer.bytes_per_s)} ({fmt_count(xfer.transfers)} total)",
+                          "p50 / p99", f"{fmt_ms_value(xfer.p50_ms)} / {fmt_ms_value(xfer.p99_ms)}")
+            facts.add_row("xfer failures", str(xfer.failures), "held blocks", fmt_count(xfer.held_blocks))
         self.query_one("#facts", Static).update(facts)
         history = list(st.history)
         peak = max(history) if history else 0.0
@@ -98,7 +105,8 @@ class WorkerScreen(Screen[None]):
         if decisions:
             more.append("recent routing decisions:\n", style="dim")
             for d in decisions:
-                more.append(f"  {fmt_age(now - d.ts):>4}  {d.why()}\n")
+                stage = f"{d.stage}: " if d.stage != STAGE_AGG else ""
+                more.append(f"  {fmt_age(now - d.ts):>4}  {stage}{d.why()}\n")
         events = [e for e in self.state.recent_events(limit=200) if e.instance_id == w.instance_id][:8]
         if events:
             more.append("recent events:\n", style="dim")

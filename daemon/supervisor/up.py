@@ -1,6 +1,15 @@
-"""Start a local cluster: a frontend and N workers, no external servers.
+"""Start a local cluster: a frontend and N workers (or a prefill and a decode pool), no external servers.
 
     dynamod up [--workers 2] [--http-port 8000] [--engine mocker] [--model tiny] [--speedup-ratio R]
+    dynamod up --prefill-workers P --decode-workers D [...]     disaggregated: two pools
+
+Aggregated (default): ``--workers`` agg workers each prefill and decode their own requests.
+Disaggregated: ``--prefill-workers`` and ``--decode-workers`` start the two pools *instead of* agg
+workers. Agg and decode workers would register in the same component and serve the same model, so
+the frontend would send decode-stage requests (carrying transfer parameters) to agg workers too: a
+mix that makes no sense, so giving ``--workers`` with either pool flag is an error. Decode workers
+without a prefill pool (``--prefill-workers 0``) prefill locally; a prefill pool without decode
+workers could serve nothing and is refused.
 
 Discovery is the file backend in the default directory (so ``dynamoctl`` and ``dynamo-console``
 find the cluster without flags), events go over ZMQ, and every part is a real ``dynamod`` process
@@ -21,10 +30,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from dynamod.daemon.frontend.routing import ROUTER_MODES
 from dynamod.daemon.supervisor.children import ChildSpec, Supervisor
+from dynamod.daemon.worker.main import COMPONENT_BY_ROLE
 from dynamod.shared.config import DEFAULT_NAMESPACE
 from dynamod.shared.discovery.factory import default_file_kv_dir
 from dynamod.shared.errors import ConfigError
@@ -32,13 +43,21 @@ from dynamod.shared.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 FRONTEND = "frontend"
+ROLE_AGG, ROLE_PREFILL, ROLE_DECODE = "agg", "prefill", "decode"
+# The worker daemon's components per role (daemon/worker/main.py, as Dynamo names them).
+PREFILL_COMPONENT, DECODE_COMPONENT = COMPONENT_BY_ROLE[ROLE_PREFILL], COMPONENT_BY_ROLE[ROLE_DECODE]
 # Mocker flags `up` passes through to every worker when given.
 _WORKER_PASSTHROUGH = ("speedup_ratio", "block_size", "num_gpu_blocks", "max_num_seqs")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("cluster")
-    g.add_argument("--workers", type=int, default=2, help="worker processes [default 2]")
+    g.add_argument("--workers", type=int, default=None,
+                   help="agg workers (prefill and decode their own requests) [default 2; not with the pool flags]")
+    g.add_argument("--prefill-workers", type=int, default=None,
+                   help="prefill workers (--role prefill): a disaggregated cluster; needs --decode-workers")
+    g.add_argument("--decode-workers", type=int, default=None,
+                   help="decode workers (--role decode); without prefill workers they prefill locally")
     g.add_argument("--engine", default="mocker", help="engine of the workers [default mocker]")
     g.add_argument("--model", default="tiny", help="model directory, or 'tiny' [default tiny]")
     g.add_argument("--http-host", default="127.0.0.1", help="frontend address [default 127.0.0.1]")
@@ -50,6 +69,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-dir", default=None, help="children's log files [default: beside the discovery directory]")
     g.add_argument("--log-to-console", action="store_true", help="children log to this terminal instead of files")
     g.add_argument("--worker-args", default="", help='extra flags for every worker, e.g. "--max-num-seqs 64"')
+    g.add_argument("--prefill-args", default="", help="extra flags for prefill workers only (after --worker-args)")
+    g.add_argument("--decode-args", default="", help="extra flags for decode workers only (after --worker-args)")
     g.add_argument("--frontend-args", default="", help="extra flags for the frontend")
     g.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for the cluster [default 120]")
     g.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds children get to stop [default 30]")
@@ -60,10 +81,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once per worker")
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def _free_port(host: str, avoid: set[int] | None = None) -> int:
+    """A port free now; ``avoid`` holds ports already handed to other children (the kernel may hand
+    a just-closed port out again before the first child has bound it)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if not avoid or port not in avoid:
+            return port
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -74,6 +100,46 @@ def _port_free(host: str, port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+@dataclass(frozen=True)
+class Pools:
+    """How many workers of each role `up` starts (agg, or prefill + decode, never both)."""
+
+    agg: int = 0
+    prefill: int = 0
+    decode: int = 0
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill > 0 or self.decode > 0
+
+    def by_role(self) -> list[tuple[str, int]]:
+        """(role, count) in start order: prefill before decode, so a decode worker finds its pool."""
+        return [(ROLE_AGG, self.agg), (ROLE_PREFILL, self.prefill), (ROLE_DECODE, self.decode)]
+
+    def describe(self) -> str:
+        if self.disaggregated:
+            return f"{self.prefill} prefill + {self.decode} decode worker(s)"
+        return f"{self.agg} worker(s)"
+
+
+def resolve_pools(args: argparse.Namespace) -> Pools:
+    """The worker counts from the flags; ``ConfigError`` for a combination that makes no sense."""
+    prefill, decode, agg = args.prefill_workers, args.decode_workers, args.workers
+    for flag, value in (("--workers", agg), ("--prefill-workers", prefill), ("--decode-workers", decode)):
+        if value is not None and value < 0:
+            raise ConfigError(f"{flag} must be 0 or more")
+    if prefill is None and decode is None:
+        return Pools(agg=2 if agg is None else agg)
+    if agg is not None:
+        raise ConfigError(
+            "--workers (agg) cannot be combined with --prefill-workers/--decode-workers: agg and decode workers "
+            "would serve the same model from one component; use the pool flags alone"
+        )
+    if not decode:
+        raise ConfigError("a disaggregated cluster needs --decode-workers 1 or more (prefill workers only compute KV)")
+    return Pools(prefill=prefill or 0, decode=decode)
 
 
 def build_specs(args: argparse.Namespace, file_kv: str, namespace: str) -> list[ChildSpec]:
@@ -96,14 +162,24 @@ def build_specs(args: argparse.Namespace, file_kv: str, namespace: str) -> list[
         if value is not None:
             passthrough += [f"--{name.replace('_', '-')}", str(value)]
     extra = shlex.split(args.worker_args)
-    for index in range(args.workers):
-        status_port = _free_port("127.0.0.1")
-        worker = [
-            *base, "--role", "agg", *runtime, "--engine", args.engine, "--model", args.model,
-            "--system-port", str(status_port), *passthrough, *extra,
-        ]
-        specs.append(ChildSpec(f"worker-{index}", worker, live_url=f"http://127.0.0.1:{status_port}/live", env=env))
+    role_extra = {ROLE_AGG: [], ROLE_PREFILL: shlex.split(args.prefill_args), ROLE_DECODE: shlex.split(args.decode_args)}
+    pools = resolve_pools(args)
+    ports: set[int] = set()
+    for role, count in pools.by_role():
+        for index in range(count):
+            status_port = _free_port("127.0.0.1", avoid=ports)
+            ports.add(status_port)
+            worker = [
+                *base, "--role", role, *runtime, "--engine", args.engine, "--model", args.model,
+                "--system-port", str(status_port), *passthrough, *extra, *role_extra[role],
+            ]
+            specs.append(ChildSpec(child_name(role, index), worker, live_url=f"http://127.0.0.1:{status_port}/live", env=env))
     return specs
+
+
+def child_name(role: str, index: int) -> str:
+    """``worker-0`` for agg workers (as before pools existed), ``prefill-0``/``decode-0`` otherwise."""
+    return f"worker-{index}" if role == ROLE_AGG else f"{role}-{index}"
 
 
 def _health(url: str) -> dict | None:
@@ -114,15 +190,29 @@ def _health(url: str) -> dict | None:
         return None
 
 
-async def _wait_ready(base_url: str, workers: int, timeout_s: float, stop: asyncio.Event) -> list[str] | None:
-    """The served model names once the frontend sees ``workers`` ready workers; None on timeout."""
+def ready_models(body: dict, pools: Pools) -> list[str] | None:
+    """The served (base) model names once /health shows the cluster whole, else None: the model's
+    ``ready`` workers are its decode (or agg) workers, its ``prefill_ready`` the prefill pool's."""
+    models = [m for m in body.get("models", []) if not m.get("lora")]
+    if not models:
+        return None
+    serving = pools.decode if pools.disaggregated else pools.agg
+    if sum(int(m.get("ready", 0)) for m in models) < serving:
+        return None
+    if pools.prefill and sum(int(m.get("prefill_ready", 0)) for m in models) < pools.prefill:
+        return None
+    return [m["model"] for m in models]
+
+
+async def _wait_ready(base_url: str, pools: Pools, timeout_s: float, stop: asyncio.Event) -> list[str] | None:
+    """The served model names once the frontend sees every pool ready; None on timeout."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not stop.is_set():
         body = await asyncio.to_thread(_health, f"{base_url}/health")
         if body is not None:
-            models = [m for m in body.get("models", []) if not m.get("lora")]
-            if models and sum(m.get("ready", 0) for m in models) >= workers:
-                return [m["model"] for m in models]
+            models = ready_models(body, pools)
+            if models:
+                return models
         try:
             await asyncio.wait_for(stop.wait(), 0.25)
         except TimeoutError:
@@ -130,10 +220,14 @@ async def _wait_ready(base_url: str, workers: int, timeout_s: float, stop: async
     return None
 
 
-def _banner(base_url: str, model: str, log_dir: Path | None, file_kv: str, workers: int) -> str:
+def _banner(base_url: str, model: str, log_dir: Path | None, file_kv: str, pools: Pools) -> str:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
-    lines = [
-        f"dynamod is up: {workers} worker(s) serving {model!r}",
+    lines = [f"dynamod is up: {pools.describe()} serving {model!r}"]
+    if pools.disaggregated:
+        lines.append(f"  prefill:    {pools.prefill} worker(s), component {PREFILL_COMPONENT!r}"
+                     + ("" if pools.prefill else " (none: decode workers prefill locally)"))
+        lines.append(f"  decode:     {pools.decode} worker(s), component {DECODE_COMPONENT!r}")
+    lines += [
         f"  OpenAI API: {base_url}/v1",
         f"  try:        curl -s {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
         f"  discovery:  {file_kv}",
@@ -145,8 +239,7 @@ def _banner(base_url: str, model: str, log_dir: Path | None, file_kv: str, worke
 
 
 async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
-    if args.workers < 0:
-        raise ConfigError("--workers must be 0 or more")
+    pools = resolve_pools(args)
     file_kv = args.file_kv or default_file_kv_dir()
     namespace = args.namespace or os.environ.get("DYN_NAMESPACE") or DEFAULT_NAMESPACE
     await asyncio.to_thread(Path(file_kv).mkdir, parents=True, exist_ok=True)
@@ -163,9 +256,9 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     try:
         for child in supervisor.children:
             logger.info("cluster child name=%s pid=%s", child.spec.name, child.pid)
-        models = await _wait_ready(base_url, args.workers, args.ready_timeout, stop)
+        models = await _wait_ready(base_url, pools, args.ready_timeout, stop)
         if models:
-            print(_banner(base_url, models[0], log_dir, file_kv, args.workers), flush=True)
+            print(_banner(base_url, models[0], log_dir, file_kv, pools), flush=True)
         elif not stop.is_set():
             print(
                 f"dynamod up: the cluster is not ready after {args.ready_timeout:.0f}s; still trying. "
@@ -176,6 +269,10 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         await stop.wait()
         print("dynamod up: stopping (frontend first, then workers)", file=sys.stderr, flush=True)
     finally:
-        workers = [c.spec.name for c in supervisor.children if c.spec.name != FRONTEND]
-        await supervisor.stop([[FRONTEND], workers], args.shutdown_grace)
+        # Frontend first (it finishes its streams), then the workers that serve them, and the
+        # prefill pool last: decode workers may still be reading KV blocks from it.
+        names = [c.spec.name for c in supervisor.children if c.spec.name != FRONTEND]
+        prefill = [n for n in names if n.startswith(f"{ROLE_PREFILL}-")]
+        serving = [n for n in names if n not in prefill]
+        await supervisor.stop([[FRONTEND], serving, prefill], args.shutdown_grace)
     return 0

@@ -10,6 +10,7 @@ from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.recording import read_records, replay
 
 RECORDING = Path(__file__).parent / "fixtures" / "cluster_recording.jsonl"
+DISAGG_RECORDING = Path(__file__).parent / "fixtures" / "disagg_recording.jsonl"
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +22,14 @@ def recording() -> list[dict]:
 def recorded_state(recording: list[dict]) -> ClusterState:
     """The recorded cluster as it stood at the end of the recording (clock frozen there)."""
     return replay(recording)
+
+
+@pytest.fixture(scope="session")
+def disagg_recording() -> list[dict]:
+    """A disaggregated cluster: 2 prefill + 3 decode workers moving KV (see make_recording.py)."""
+    return read_records(DISAGG_RECORDING)
+
+
+@pytest.fixture
+def disagg_state(disagg_recording: list[dict]) -> ClusterState:
+    return replay(disagg_recording)

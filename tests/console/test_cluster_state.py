@@ -266,13 +266,14 @@ def test_connection_loss_and_recovery_are_events() -> None:
     ]
 
 
-def test_router_decision_accepts_hex_ids_and_rejects_garbage() -> None:
+def test_router_decision_that_is_not_a_routing_decision_is_a_decode_error() -> None:
+    """Decisions are decoded with the wire type: a map missing its fields is reported, not guessed."""
     state, _ = _state()
-    d = state.apply_router_decision("ns", {"worker_id": "1f", "candidates": [{"worker_id": "1f", "cost": 3, "prefill_blocks": 1, "decode_blocks": 2, "overlap_blocks": 4}, {"worker_id": 2, "cost": 9}]})
-    assert d is not None and d.worker_id == 0x1F
-    assert d.explanation() == "picked 1f: cost 3 = prefill 1 + decode 2 (overlap 4); next 2 cost 9"
+    assert state.apply_router_decision("ns", {"worker_id": "1f", "candidates": [{"worker_id": "1f", "cost": 3}]}) is None
     assert state.apply_router_decision("ns", {"nothing": 1}) is None
-    assert state.counters["decode_errors"] == 1
+    assert state.counters["decode_errors"] == 2 and not state.decisions
+    errors = state.recent_events(kinds=["error"])
+    assert len(errors) == 1 and "unreadable router_decisions message" in errors[0].message
 
 
 def test_decode_errors_are_shown_once_a_minute() -> None:
@@ -343,5 +344,5 @@ def test_router_decision_from_the_routers_own_format() -> None:
         "busy": [[7, 0, "queue full"]],
     })
     assert d is not None and d.request_id == "r1" and d.isl_blocks == 4
-    assert d.candidates[0].extra["tree_size"] == 10
+    assert d.candidates[0].tree_size == 10 and d.stage == "agg" and d.disagg is None
     assert d.why() == "tie, smallest cache: cost 5.50 = prefill 2.50 + decode 3 (overlap 2); next 6 cost 5.50; 1 busy skipped"

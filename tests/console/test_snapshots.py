@@ -10,7 +10,7 @@ import pytest
 
 from dynamod.console.state.recording import replay
 from dynamod.console.tui.app import ConsoleApp
-from tests.console.fixtures.make_recording import WORKER_A, WORKER_B
+from tests.console.fixtures.make_recording import DECODE_2, WORKER_A, WORKER_B
 
 VIEWS = ("topology", "workers", "models", "events", "router")
 SIZES = ((80, 24), (160, 50))
@@ -55,3 +55,27 @@ def test_confirm_drain(snap_compare, recording) -> None:
 
 def test_help(snap_compare, recording) -> None:
     assert snap_compare(_app(recording), press=["question_mark"], terminal_size=(80, 24))
+
+
+@pytest.mark.parametrize("view", ("topology", "workers", "router"))
+def test_disagg_view(snap_compare, disagg_recording, view: str) -> None:
+    """A disaggregated cluster at 80x24: the pool strip, role and transfer columns, the two-stage
+    router table with the remote/local prefill summary."""
+    assert snap_compare(_app(disagg_recording, view), terminal_size=(80, 24))
+
+
+def test_disagg_workers_wide(snap_compare, disagg_recording) -> None:
+    assert snap_compare(_app(disagg_recording, "workers"), terminal_size=(160, 50))
+
+
+def test_disagg_worker_detail(snap_compare, disagg_recording) -> None:
+    """A decode worker's detail: its KV transfer figures and its recent decisions by stage."""
+
+    async def open_detail(pilot) -> None:
+        table = pilot.app.query_one("#workers-table")
+        keys = [r.key.value for r in table.ordered_rows]
+        table.move_cursor(row=next(i for i, k in enumerate(keys) if k.endswith(f"{DECODE_2:x}")))
+        await pilot.press("enter")
+        await pilot.pause()
+
+    assert snap_compare(_app(disagg_recording), run_before=open_detail, terminal_size=(80, 24))

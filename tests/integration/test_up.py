@@ -84,3 +84,76 @@ def test_up_serves_heals_and_stops(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_up_starts_prefill_and_decode_pools(tmp_path: Path) -> None:
+    """``--prefill-workers 1 --decode-workers 1``: one process per role, each on its own status
+    port, the banner names both pools once the frontend sees them, and a chat completion is served.
+    Discovery shows the roles the console and dynamoctl read."""
+    port = free_port()
+    file_kv = tmp_path / "discovery"
+    cmd = [
+        sys.executable, "-m", "dynamod.daemon.cli", "up", "--http-port", str(port),
+        "--prefill-workers", "1", "--decode-workers", "1", "--speedup-ratio", "10",
+        "--file-kv", str(file_kv), "--log-dir", str(tmp_path / "logs"),
+    ]
+    proc = subprocess.Popen(cmd, env=clean_env(file_kv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: any("dynamod is up" in line for line in lines), 90, what="the banner")
+        out = "".join(lines)
+        assert "1 prefill + 1 decode worker(s) serving 'tiny'" in out
+        assert re.search(r"prefill: +1 worker\(s\), component 'prefill'", out), out
+        assert re.search(r"decode: +1 worker\(s\), component 'backend'", out), out
+
+        health = get_json(url + "/health")
+        tiny = next(m for m in health["models"] if m["model"] == "tiny")
+        assert tiny["ready"] == 1 and tiny["prefill_ready"] == 1
+
+        # Each role is its own process, registered under its role and component.
+        res = subprocess.run([sys.executable, "-m", "dynamod.console.ctl.main", "--file-kv", str(file_kv), "status", "--json"],
+                             capture_output=True, text=True, timeout=60, env=clean_env(file_kv))
+        assert res.returncode == 0, res.stderr
+        workers = [r for r in json.loads(res.stdout) if r["role"] in ("prefill", "decode")]
+        assert sorted((r["role"], r["component"]) for r in workers) == [("decode", "backend"), ("prefill", "prefill")]
+        assert len({r["pid"] for r in workers}) == 2
+        assert all(r["status"] == "ready" for r in workers)
+        # The frontend's pools are these very processes.
+        by_role = {r["role"]: r["id"] for r in workers}
+        assert tiny["prefill_workers"] == [by_role["prefill"]]
+        assert [w["instance_id"] for w in tiny["workers"]] == [by_role["decode"]]
+
+        reply = httpx.post(url + "/v1/chat/completions", timeout=30,
+                           json={"model": "tiny", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["role"] == "assistant"
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        for r in workers:
+            wait_until(lambda pid=r["pid"]: pid_gone(pid), 10, what=f"{r['role']} worker {r['pid']} to exit")
+        assert not any("Traceback" in line for line in lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--workers", "2", "--decode-workers", "1"], "cannot be combined"),
+        (["--prefill-workers", "2"], "needs --decode-workers"),
+        (["--prefill-workers", "1", "--decode-workers", "-1"], "--decode-workers must be 0 or more"),
+    ],
+)
+def test_up_refuses_pool_flags_that_make_no_sense(tmp_path: Path, flags: list[str], message: str) -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "dynamod.daemon.cli", "up", "--http-port", str(free_port()), "--file-kv", str(tmp_path), *flags],
+        capture_output=True, text=True, timeout=60, env=clean_env(tmp_path),
+    )
+    assert res.returncode != 0
+    assert message in res.stderr, res.stderr

@@ -1,5 +1,10 @@
 """Router: the latest routing decisions with their explanation, and the candidate table (overlap,
-prefill, decode, cost) of the highlighted one, when the router publishes ``router_decisions``."""
+prefill, decode, cost) of the highlighted one, when the router publishes ``router_decisions``.
+
+With disaggregated serving a request gives a prefill-stage and a decode-stage decision; the table
+then shows each decision's STAGE and, on decode decisions, whether the prompt was prefilled
+remotely or locally (PREFILL), and a summary above it counts remote vs local prefills with the
+reasons and the latest one in words."""
 
 from __future__ import annotations
 
@@ -21,23 +26,76 @@ from dynamod.console.tui.views.base import (
     sync_slots,
     sync_table,
 )
+from dynamod.shared.protocol.routing import DISAGG_LOCAL, DISAGG_REMOTE, STAGE_DECODE, STAGE_PREFILL
 
 DECISION_COLUMNS = ("AGE", "WORKER", "OVERLAP", "CANDS", "WHY")
 _WIDTHS = {"AGE": 4, "WORKER": 16, "OVERLAP": 7, "CANDS": 5}
+# With two stages, overlap and the candidate count give way to the stage and the prefill mode (both
+# stay in the candidate table below).
+DISAGG_COLUMNS = ("AGE", "STAGE", "WORKER", "PREFILL", "WHY")
+_DISAGG_WIDTHS = {"AGE": 4, "STAGE": 7, "WORKER": 16, "PREFILL": 7}
 CANDIDATE_COLUMNS = ("", "WORKER", "DP", "OVERLAP", "PREFILL", "DECODE", "COST")
 MAX_ROWS = 200
+MODE_STYLE = {DISAGG_REMOTE: "green", DISAGG_LOCAL: "yellow"}
 
 
 def decision_matches(d: RouterDecision, needle: str) -> bool:
     if not needle:
         return True
-    hay = f"{fmt_id(d.worker_id)} {d.namespace} {d.request_id} " + " ".join(fmt_id(c.worker_id) for c in d.candidates)
+    hay = f"{fmt_id(d.worker_id)} {d.namespace} {d.request_id} {d.stage} " + " ".join(fmt_id(c.worker_id) for c in d.candidates)
+    if d.disagg is not None:
+        hay += f" {d.disagg.mode} {d.disagg.reason} {fmt_id(d.disagg.prefill_worker_id)}"
     return needle.lower() in hay.lower()
+
+
+def disagg_why(d: RouterDecision) -> str:
+    """The WHY cell of a two-stage table: a local prefill's reason in words (what the operator
+    tunes), a remote one's source worker, then the cost breakdown."""
+    info = d.disagg
+    if info is None:
+        return d.cost_why()
+    if info.mode == DISAGG_REMOTE:
+        src = f"from {fmt_id(info.prefill_worker_id)}; " if info.prefill_worker_id is not None else ""
+        return src + d.cost_why()
+    return f"{info.reason}: {info.detail}" if info.detail else f"{info.reason}; {d.cost_why()}"
+
+
+def disagg_summary(state: ClusterState, width: int) -> Text:
+    """Two lines: remote vs local prefill counts with the local reasons, and the latest decision."""
+    tally = state.decision_log.disagg
+    text = Text(no_wrap=True, overflow="ellipsis")
+    if not tally.total:
+        text.append("prefill: no disaggregation decisions yet", style="dim")
+        return text
+    line = Text(no_wrap=True, overflow="ellipsis")
+    line.append("prefill ", style="bold")
+    line.append(f"{tally.remote} remote", style="green")
+    line.append(f" / {tally.local} local")
+    line.append(f" ({tally.remote / tally.total:.0%} remote)", style="dim")
+    local = tally.top_reasons(DISAGG_LOCAL)
+    if local:
+        line.append("  local: ", style="dim")
+        line.append(", ".join(f"{reason or '?'} {n}" for reason, n in local))
+    line.truncate(width, overflow="ellipsis")
+    text.append_text(line)
+    latest = tally.latest[-1]
+    info = latest.disagg
+    assert info is not None  # only decisions with disagg info are kept in ``latest``
+    last = Text(no_wrap=True, overflow="ellipsis")
+    last.append("\nlatest ", style="dim")
+    last.append(f"{fmt_age(state.clock() - latest.ts)} {info.mode} {info.reason}", style="bold")
+    if info.detail:
+        last.append(f": {info.detail}")
+    last.truncate(width + 1, overflow="ellipsis")
+    text.append_text(last)
+    return text
 
 
 class RouterView(Vertical, ViewMixin):
     view_name = "router"
     DEFAULT_CSS = """
+    RouterView #disagg { height: auto; padding: 0 1; display: none; background: $boost; }
+    RouterView #disagg.shown { display: block; }
     RouterView #decisions { height: 2fr; }
     RouterView #candidates { height: 1fr; min-height: 4; }
     RouterView #router-empty { height: auto; color: $text-muted; padding: 0 1; display: none; }
@@ -52,18 +110,22 @@ class RouterView(Vertical, ViewMixin):
         self._seen = (-1, -1.0)
         self._shown_key: tuple[str | None, int] = (None, -1)
         self._room = 0
+        self._two_stage = False
 
     def compose(self) -> ComposeResult:
         yield Static("No routing decisions yet: a KV router publishes them on router_decisions.", id="router-empty")
+        yield Static("", id="disagg")
         yield LiveTable(id="decisions", cursor_type="row")
         yield LiveTable(id="candidates", cursor_type="row", show_cursor=False)
 
-    def _set_decision_columns(self, room: int) -> None:
+    def _set_decision_columns(self, room: int, two_stage: bool) -> None:
         dec = self.query_one("#decisions", DataTable)
         dec.clear(columns=True)
-        for col in DECISION_COLUMNS:
-            dec.add_column(col, key=col, width=_WIDTHS.get(col, room))
+        widths = _DISAGG_WIDTHS if two_stage else _WIDTHS
+        for col in DISAGG_COLUMNS if two_stage else DECISION_COLUMNS:
+            dec.add_column(col, key=col, width=widths.get(col, room))
         self._room = room
+        self._two_stage = two_stage
         self._row_cache.clear()
 
     def on_mount(self) -> None:
@@ -77,10 +139,18 @@ class RouterView(Vertical, ViewMixin):
         if not force and seen == self._seen:
             return
         self._seen = seen
-        # AGE, WORKER, OVERLAP, CANDS with their padding, and the scrollbar: the rest is for WHY.
-        room = max(20, self.app.size.width - sum(w + 2 for w in _WIDTHS.values()) - 5)
-        if room != self._room:
-            self._set_decision_columns(room)
+        stages = state.decision_log.stages
+        two_stage = bool(stages.get(STAGE_PREFILL) or stages.get(STAGE_DECODE))
+        widths = _DISAGG_WIDTHS if two_stage else _WIDTHS
+        # The fixed columns with their padding, and the scrollbar: the rest is for WHY.
+        width = self.app.size.width
+        room = max(20, width - sum(w + 2 for w in widths.values()) - 5)
+        if room != self._room or two_stage != self._two_stage:
+            self._set_decision_columns(room, two_stage)
+        summary = self.query_one("#disagg", Static)
+        if two_stage:
+            summary.update(disagg_summary(state, width - 2))
+        summary.set_class(two_stage, "shown")
         rows: list[list[Cell]] = []
         self._by_key = {}
         count = 0
@@ -89,9 +159,13 @@ class RouterView(Vertical, ViewMixin):
                 continue
             key = str(count)
             self._by_key[key] = d
-            why = Text(d.why(), no_wrap=True)
+            why = Text(disagg_why(d) if two_stage else d.why(), no_wrap=True)
             why.truncate(room, overflow="ellipsis")
-            rows.append([fmt_age(now - d.ts), fmt_id(d.worker_id), fmt_num(d.overlap_blocks), str(len(d.candidates)), why])
+            if two_stage:
+                mode = d.disagg.mode if d.disagg is not None else "-"
+                rows.append([fmt_age(now - d.ts), d.stage, fmt_id(d.worker_id), Text(mode, style=MODE_STYLE.get(mode, "")), why])
+            else:
+                rows.append([fmt_age(now - d.ts), fmt_id(d.worker_id), fmt_num(d.overlap_blocks), str(len(d.candidates)), why])
             count += 1
             if count >= MAX_ROWS:
                 break

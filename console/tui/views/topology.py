@@ -1,6 +1,10 @@
 """Topology: namespace -> component -> endpoint -> instance, each instance with its role, status,
 model and LoRAs, node and age. Nodes are updated in place, so expansion and the cursor survive
-every refresh."""
+every refresh.
+
+In a disaggregated cluster each component's label also sums its pools (per role: running, waiting,
+KV usage, KV transfer rate, p99 and failures) and each instance that moves KV shows its transfer
+rate; those figures are redrawn once a second, not on every load message."""
 
 from __future__ import annotations
 
@@ -11,9 +15,11 @@ from rich.text import Text
 from textual.widgets import Tree
 from textual.widgets.tree import TreeNode
 
-from dynamod.console.present import fmt_age
+from dynamod.console.present import fmt_age, fmt_bytes_rate, fmt_ms_value, fmt_pct
 from dynamod.console.state.cluster import ClusterState
+from dynamod.console.state.pools import PoolSummary, is_disaggregated, summarize_pools
 from dynamod.console.state.records import EndpointInstance, Worker
+from dynamod.console.state.transfers import TransferFigures
 from dynamod.console.tui.messages import ShowWorker
 from dynamod.console.tui.style import STATUS_STYLE
 from dynamod.console.tui.views.base import ViewMixin
@@ -22,7 +28,7 @@ Path = tuple[str, ...]
 AGE_REFRESH_S = 5.0  # labels carry ages; redraw them this often even when nothing changed
 
 
-def instance_label(entry: EndpointInstance, worker: Worker | None, now: float) -> Text:
+def instance_label(entry: EndpointInstance, worker: Worker | None, now: float, transfer: TransferFigures | None = None) -> Text:
     rec = entry.record
     status = entry.status
     text = Text()
@@ -31,6 +37,8 @@ def instance_label(entry: EndpointInstance, worker: Worker | None, now: float) -
     text.append(status, style=STATUS_STYLE.get(status, ""))
     if rec.role:
         text.append(f"  {rec.role}")
+    if transfer is not None and transfer.seen and entry.gone_at is None:
+        text.append(f"  ⇄ {fmt_bytes_rate(transfer.bytes_per_s)}", style="cyan")
     model = rec.model or (worker.model if worker else "")
     if model:
         text.append(f"  {model}", style="magenta")
@@ -41,6 +49,17 @@ def instance_label(entry: EndpointInstance, worker: Worker | None, now: float) -
     started = rec.started_at or (worker.first_seen if worker else 0.0)
     gone = entry.gone_at
     text.append(f"  {fmt_age((gone if gone is not None else now) - started) if started else '-'}", style="dim")
+    return text
+
+
+def pool_brief(p: PoolSummary) -> Text:
+    """One pool in a few words, for a component's label."""
+    text = Text(f"{p.role}:", style="bold")
+    text.append(f" run {p.running} wait {p.waiting} kv {fmt_pct(p.kv_avg)}")
+    if p.transfers_seen:
+        text.append(f" xfer {fmt_bytes_rate(p.bytes_per_s)} p99 {fmt_ms_value(p.p99_ms)}", style="cyan")
+        if p.failures:
+            text.append(f" fail {p.failures}", style="bold red")
     return text
 
 
@@ -80,7 +99,9 @@ class TopologyView(Tree[Any], ViewMixin):
 
     def refresh_from(self, state: ClusterState, *, force: bool = False) -> None:
         now = state.clock()
-        seen = (state.versions.topology, float(int(now // AGE_REFRESH_S)))
+        disaggregated = is_disaggregated(state.pools())
+        # Pool figures move with load: once a second is often enough for a tree.
+        seen = (state.versions.topology, float(int(now // AGE_REFRESH_S)), float(int(now)) if disaggregated else 0.0)
         if not force and seen == self._seen:
             return
         self._seen = seen
@@ -102,11 +123,17 @@ class TopologyView(Tree[Any], ViewMixin):
                 iids = {e.record.instance_id for (n, c, _), es in grouped.items() if (n, c) == (ns, comp) for e, _ in es}
                 label = Text(comp, style="bold")
                 label.append(f" ({len(iids)})", style="dim")
+                if disaggregated:
+                    members = [w for w in state.workers.values() if w.namespace == ns and w.component == comp]
+                    for pool in summarize_pools(members, state.transfers).values():
+                        label.append("  ")
+                        label.append_text(pool_brief(pool))
                 tree[(ns, comp)] = (label, ("component", ns, comp), False)
             tree[(ns, comp, ep)] = (_counts_label(ep, [e.status for e, _ in entries]), ("endpoint", ns, comp, ep), False)
             for entry, worker in sorted(entries, key=lambda ew: ew[0].record.instance_id):
                 iid = entry.record.instance_id
-                tree[(ns, comp, ep, f"{iid:x}")] = (instance_label(entry, worker, now), ("instance", iid), True)
+                transfer = state.transfers.figures(iid) if disaggregated else None
+                tree[(ns, comp, ep, f"{iid:x}")] = (instance_label(entry, worker, now, transfer), ("instance", iid), True)
         self._apply(tree)
 
     def _apply(self, tree: dict[Path, tuple[Text, Any, bool]]) -> None:

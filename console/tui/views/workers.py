@@ -1,24 +1,87 @@
 """Workers: one row per engine worker with load, KV, hit rate, latency and a load sparkline, plus a
-banner naming the hot or slow worker when the pool is out of balance."""
+banner naming the hot or slow worker when the pool is out of balance.
+
+With disaggregated serving (a prefill or decode pool exists) a strip above the table sums each pool
+(load, KV, transfer rate and times) and the table gains the role and per-worker KV transfer
+columns. Columns are chosen by priority to fit the terminal: at 80 columns the identity, status,
+role and queue come first, then transfer rate and latency; what does not fit is left out whole,
+never cut (a status reads ``draining``, not ``draini``).
+"""
 
 from __future__ import annotations
 
+from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import DataTable, Static
 
-from dynamod.console.present import fmt_age, fmt_count, fmt_ms, fmt_pct, sparkline, worker_load_scale
+from dynamod.console.present import (
+    POOL_COLUMNS,
+    fmt_age,
+    fmt_bytes_rate,
+    fmt_count,
+    fmt_ms,
+    fmt_ms_value,
+    fmt_pct,
+    pool_row,
+    sparkline,
+    worker_load_scale,
+)
 from dynamod.console.state.cluster import ClusterState
+from dynamod.console.state.pools import is_disaggregated
 from dynamod.console.state.records import Worker
+from dynamod.console.state.transfers import TransferFigures
 from dynamod.console.tui.messages import ShowWorker
 from dynamod.console.tui.style import status_text
 from dynamod.console.tui.views.base import Cell, LiveTable, Row, ViewMixin, selected_key, sync_table
 
-WIDE_MIN_COLS = 120
 SPARK_WIDTH = 12
-COMPACT = ("ID", "STATUS", "RUN", "WAIT", "KV", "HIT", "TTFT", "ITL", "LOAD")
-WIDE = ("ID", "COMPONENT", "STATUS", "MODEL", "LORAS", "NODE", "RUN", "WAIT", "KV", "HIT", "TTFT", "ITL", "CACHED", "ROUTED", "AGE", "LOAD")
+# Display order, and the cell width each column needs when fitting (text columns are measured).
+COLUMN_WIDTH = {
+    "ID": 16, "ROLE": 7, "COMPONENT": 0, "STATUS": 8, "MODEL": 0, "LORAS": 0, "NODE": 0, "RUN": 3, "WAIT": 4,
+    "KV": 4, "HIT": 4, "TTFT": 5, "ITL": 5, "XFER/S": 7, "XFER50": 6, "XFER99": 6, "XFAIL": 5, "HELD": 4,
+    "CACHED": 6, "ROUTED": 6, "AGE": 4, "LOAD": SPARK_WIDTH,
+}
+MEASURED = ("COMPONENT", "MODEL", "LORAS", "NODE")
+# What is kept first when columns must go. A one-pool cluster has no use for ROLE (every row says
+# agg) or transfer columns; a disaggregated one needs the role right after the status.
+PRIORITY_AGG = ("ID", "STATUS", "RUN", "WAIT", "KV", "HIT", "TTFT", "ITL", "LOAD",
+                "COMPONENT", "MODEL", "NODE", "LORAS", "CACHED", "ROUTED", "AGE", "ROLE")
+PRIORITY_DISAGG = ("ID", "STATUS", "ROLE", "RUN", "WAIT", "KV", "XFER/S", "TTFT", "ITL", "XFER99", "HIT", "LOAD",
+                   "XFAIL", "HELD", "XFER50", "COMPONENT", "MODEL", "NODE", "LORAS", "CACHED", "ROUTED", "AGE")
+CELL_PADDING = 2  # DataTable pads each cell by one column on either side
+SCROLLBAR = 1
+
+
+TRANSFER_COLUMNS = ("XFER/S", "XFER50", "XFER99", "XFAIL", "HELD")
+
+
+def fit_columns(width: int, disaggregated: bool, measured: dict[str, int], *, transfers: bool = True) -> tuple[str, ...]:
+    """The columns that fit ``width`` terminal columns, in display order: taken by priority, a
+    column too wide for what is left is skipped (a narrower one after it may still fit). Until
+    some worker reports a KV transfer, the transfer columns (all "-") come last."""
+    room = width - SCROLLBAR
+    chosen: set[str] = set()
+    order = PRIORITY_DISAGG if disaggregated else PRIORITY_AGG
+    if not transfers:
+        order = tuple(c for c in order if c not in TRANSFER_COLUMNS) + TRANSFER_COLUMNS
+    for col in order:
+        need = max(len(col), COLUMN_WIDTH[col], measured.get(col, 0)) + CELL_PADDING
+        if need <= room:
+            chosen.add(col)
+            room -= need
+    return tuple(c for c in COLUMN_WIDTH if c in chosen)
+
+
+def pools_table(rows: tuple[tuple[str, ...], ...]) -> Table:
+    """The pool strip: one line per pool under a header (rows from ``present.pool_row``)."""
+    table = Table(box=None, padding=(0, 1, 0, 0), show_edge=False, header_style="bold", pad_edge=False)
+    for col in POOL_COLUMNS:
+        table.add_column(col, no_wrap=True)
+    for row in rows:
+        table.add_row(Text(row[0], style="bold"), *row[1:])
+    return table
 
 
 def worker_matches(w: Worker, needle: str) -> bool:
@@ -29,15 +92,34 @@ def worker_matches(w: Worker, needle: str) -> bool:
 
 
 def worker_cells(
-    w: Worker, columns: tuple[str, ...], now: float, scale: float, hot: set[int], spark: dict[int, tuple[int, float, str]] | None = None
+    w: Worker,
+    columns: tuple[str, ...],
+    now: float,
+    scale: float,
+    hot: set[int],
+    spark: dict[int, tuple[int, float, str]] | None = None,
+    transfer: TransferFigures | None = None,
 ) -> tuple[Cell, ...]:
     """The row of one worker. ``spark`` caches sparklines: they change once a second, not per refresh."""
     st = w.stats
     has_load = bool(st.loads)
+    xfer = transfer if transfer is not None and transfer.seen else None
     out: list[Cell] = []
     for col in columns:
         if col == "ID":
             out.append(Text(w.id_hex, style="bold red") if w.instance_id in hot else w.id_hex)
+        elif col == "ROLE":
+            out.append(w.role or "-")
+        elif col == "XFER/S":
+            out.append(fmt_bytes_rate(xfer.bytes_per_s) if xfer else "-")
+        elif col == "XFER50":
+            out.append(fmt_ms_value(xfer.p50_ms) if xfer else "-")
+        elif col == "XFER99":
+            out.append(fmt_ms_value(xfer.p99_ms) if xfer else "-")
+        elif col == "XFAIL":
+            out.append(Text(str(xfer.failures), style="bold red") if xfer and xfer.failures else (str(0) if xfer else "-"))
+        elif col == "HELD":
+            out.append(fmt_count(xfer.held_blocks) if xfer else "-")
         elif col == "COMPONENT":
             out.append(f"{w.namespace}/{w.component}")
         elif col == "STATUS":
@@ -81,6 +163,8 @@ def worker_cells(
 class WorkersView(Vertical, ViewMixin):
     view_name = "workers"
     DEFAULT_CSS = """
+    WorkersView #pools { height: auto; padding: 0 1; display: none; background: $boost; }
+    WorkersView #pools.shown { display: block; }
     WorkersView #imbalance { height: 1; color: $warning; padding: 0 1; display: none; }
     WorkersView #imbalance.shown { display: block; }
     WorkersView DataTable { height: 1fr; }
@@ -93,11 +177,13 @@ class WorkersView(Vertical, ViewMixin):
         super().__init__(id=id)
         self._row_cache: dict[str, tuple[Cell, ...]] = {}
         self._columns: tuple[str, ...] = ()
-        self._seen: tuple[int, int] = (-1, -1)
+        self._seen: tuple[int, int, int] = (-1, -1, -1)
         self._ids: dict[str, int] = {}
         self._spark: dict[int, tuple[int, float, str]] = {}
+        self._pool_rows: tuple[tuple[str, ...], ...] = ()
 
     def compose(self) -> ComposeResult:
+        yield Static("", id="pools")
         yield Static("", id="imbalance")
         yield Static("", id="workers-empty")
         yield LiveTable(id="workers-table", cursor_type="row", zebra_stripes=False)
@@ -106,15 +192,25 @@ class WorkersView(Vertical, ViewMixin):
     def table(self) -> DataTable:
         return self.query_one("#workers-table", DataTable)
 
-    def _wanted_columns(self) -> tuple[str, ...]:
-        return WIDE if self.app.size.width >= WIDE_MIN_COLS else COMPACT
+    def _wanted_columns(self, state: ClusterState, workers: list[Worker], disaggregated: bool) -> tuple[str, ...]:
+        measured = {
+            "COMPONENT": max((len(f"{w.namespace}/{w.component}") for w in workers), default=0),
+            "MODEL": max((len(w.model or "-") for w in workers), default=0),
+            "LORAS": max((len(",".join(sorted(w.loras)) or "-") for w in workers), default=0),
+            "NODE": max((len(w.node or "-") for w in workers), default=0),
+        }
+        transfers = any(p.transfers_seen for p in state.pools().values())
+        return fit_columns(self.app.size.width, disaggregated, measured, transfers=transfers)
 
     def refresh_from(self, state: ClusterState, *, force: bool = False) -> None:
-        seen = (state.versions.topology, state.versions.load)
-        columns = self._wanted_columns()
-        if not force and seen == self._seen and columns == self._columns:
+        seen = (state.versions.topology, state.versions.load, self.app.size.width)
+        if not force and seen == self._seen:
             return
         self._seen = seen
+        pools = state.pools()
+        disaggregated = is_disaggregated(pools)
+        workers = [w for w in state.worker_list() if worker_matches(w, self.filter_text)]
+        columns = self._wanted_columns(state, workers, disaggregated)
         table = self.table
         if columns != self._columns:
             table.clear(columns=True)
@@ -123,7 +219,6 @@ class WorkersView(Vertical, ViewMixin):
             self._columns = columns
             self._row_cache.clear()
         now = state.clock()
-        workers = [w for w in state.worker_list() if worker_matches(w, self.filter_text)]
         scale = worker_load_scale(workers)
         hot = {i.instance_id for i in state.imbalances}
         rows: list[Row] = []
@@ -131,7 +226,7 @@ class WorkersView(Vertical, ViewMixin):
         for w in workers:
             key = f"{w.namespace}/{w.component}/{w.id_hex}"
             self._ids[key] = w.instance_id
-            rows.append((key, worker_cells(w, columns, now, scale, hot, self._spark)))
+            rows.append((key, worker_cells(w, columns, now, scale, hot, self._spark, state.transfers.figures(w.instance_id))))
         sync_table(table, rows, self._row_cache)
         empty = self.query_one("#workers-empty", Static)
         if not rows:
@@ -140,6 +235,12 @@ class WorkersView(Vertical, ViewMixin):
         if len(self._spark) > 2 * len(rows) + 64:
             live = set(self._ids.values())
             self._spark = {k: v for k, v in self._spark.items() if k in live}
+        strip = self.query_one("#pools", Static)
+        pool_rows = tuple(pool_row(p) for p in pools.values()) if disaggregated else ()
+        if pool_rows != self._pool_rows:
+            self._pool_rows = pool_rows
+            strip.update(pools_table(pool_rows))
+        strip.set_class(disaggregated, "shown")
         banner = self.query_one("#imbalance", Static)
         if state.imbalances:
             count = len(state.imbalances)
