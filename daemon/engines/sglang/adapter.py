@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from dynamod.daemon.engines.common.disagg import worker_role
 from dynamod.daemon.engines.common.flags import engine_tokens
 from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER
 from dynamod.daemon.engines.sglang.engine import SglangEngine
@@ -18,11 +19,13 @@ def add_args(group: argparse._ActionsContainer) -> None:
         metavar="ARGS",
         help="SGLang server flags, shell-quoted, parsed by SGLang itself, e.g. \"--tp-size 2 --enable-lora\". "
         "dynamod sets --model-path, --skip-tokenizer-init, --stream-output, --enable-cache-report and KV events, "
-        "and defaults --page-size to 64 [env DYN_SGLANG_ARGS]",
+        "defaults --page-size to 64, and for --role prefill|decode sets --disaggregation-mode (transfer backend "
+        "nixl and a free bootstrap port unless given) [env DYN_SGLANG_ARGS]",
     )
 
 
 def create(args: argparse.Namespace, model: LocalModel, *, worker_id: int, worker_index: int = 0) -> SglangEngine:
     tokens = engine_tokens(getattr(args, "sglang_args", ""), getattr(args, "engine_args", None))
     return SglangEngine(tokens, model, worker_id, context_length=getattr(args, "context_length", None),
-                        kv_event_buffer=getattr(args, "vllm_kv_event_buffer", DEFAULT_EVENT_BUFFER))
+                        kv_event_buffer=getattr(args, "vllm_kv_event_buffer", DEFAULT_EVENT_BUFFER),
+                        role=worker_role(args), advertise_host=getattr(args, "host", None) or "127.0.0.1")

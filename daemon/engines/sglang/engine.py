@@ -13,6 +13,8 @@ payloads here (tests/unit/engines/test_sglang_adapter.py), never against a runni
   through the same subscriber, replay and gap handling as the vLLM adapter.
 - Load: SGLang's schedulers push ``KvMetrics`` (pickled) to ``port_args.metrics_ipc_name``; the
   adapter binds that PULL socket when the engine has one, as Dynamo does.
+- Disaggregation (``--role prefill|decode``): SGLang's disaggregation mode and bootstrap rooms
+  (disagg.py); a prefill leg yields its room first, then prefills; a decode leg joins the room.
 - Controls: abort -> ``tokenizer_manager.abort_request``; clear -> ``flush_cache``; sleep/wake ->
   ``release_memory_occupation``/``resume_memory_occupation`` (needs ``--enable-memory-saver``);
   LoRA -> ``load_lora_adapter``/``unload_lora_adapter`` (needs ``--enable-lora``).
@@ -37,10 +39,20 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from dynamod.daemon.engines.common import flags
+from dynamod.daemon.engines.common.disagg import (
+    ROLE_AGG,
+    ROLE_DECODE,
+    STAGE_DECODE,
+    STAGE_LOCAL,
+    STAGE_PREFILL,
+    prefill_request,
+    request_stage,
+)
 from dynamod.daemon.engines.common.kv_endpoints import plan_kv_events
 from dynamod.daemon.engines.common.kv_subscriber import NativeKvSubscriber
 from dynamod.daemon.engines.common.lora import local_adapter_dir
 from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER, NativeKvFeed
+from dynamod.daemon.engines.sglang import disagg
 from dynamod.daemon.engines.sglang.kv_format import decode_sglang_batch
 from dynamod.daemon.engines.sglang.outputs import SglangOutputTracker, sampling_params
 from dynamod.daemon.models.registry import LocalModel
@@ -79,7 +91,7 @@ class _MainThreadOnlySignals:
 
 
 def sglang_argv(tokens: list[str], *, model_path: str, kv_events_config: dict[str, object],
-                context_length: int | None) -> list[str]:
+                context_length: int | None, role: str = ROLE_AGG) -> list[str]:
     """SGLang's command line after the adapter's rewrites (see the module docstring)."""
     if flags.has_flag(tokens, "--model-path", "--model"):
         raise ConfigError("do not pass --model-path inside --sglang-args; the daemon's --model names the model")
@@ -93,6 +105,7 @@ def sglang_argv(tokens: list[str], *, model_path: str, kv_events_config: dict[st
     for flag in ("--skip-tokenizer-init", "--stream-output", "--enable-cache-report"):
         if flag not in argv:
             argv.append(flag)
+    argv += disagg.disaggregation_argv(tokens, role)
     argv += ["--kv-events-config", json.dumps(kv_events_config, separators=(",", ":"))]
     return argv
 
@@ -127,9 +140,13 @@ class SglangEngine:
     """One ``sglang.Engine`` as one worker."""
 
     def __init__(self, tokens: list[str], model: LocalModel, worker_id: int, *, context_length: int | None = None,
-                 kv_event_buffer: int = DEFAULT_EVENT_BUFFER) -> None:
+                 kv_event_buffer: int = DEFAULT_EVENT_BUFFER, role: str = ROLE_AGG,
+                 advertise_host: str = "127.0.0.1") -> None:
         self.worker_id = worker_id
         self.model = model
+        self.role = role
+        self._advertise_host = advertise_host
+        self.bootstrap: tuple[str, int] | None = None  # a prefill engine's bootstrap server, once started
         self._tokens = list(tokens)
         self._context_override = context_length
         self._dp = flags.int_flag(self._tokens, "--dp-size", "--data-parallel-size", "--dp") or 1
@@ -199,7 +216,7 @@ class SglangEngine:
         plan.resolve(self._subscriber.bound)
         config["endpoint"] = plan.config["endpoint"]
         argv = sglang_argv(self._tokens, model_path=str(self.model.path), kv_events_config=config,
-                           context_length=self._context_override)
+                           context_length=self._context_override, role=self.role)
         logger.info("sglang engine starting worker_id=%x argv=%s", self.worker_id, " ".join(argv))
         try:
             self._engine = await asyncio.to_thread(build_sglang_engine, argv)
@@ -211,6 +228,9 @@ class SglangEngine:
         self._info.kv_block_size = int(args.page_size)
         if getattr(args, "context_length", None):
             self._info.context_length = int(args.context_length)
+        if self.role != ROLE_AGG:
+            self.bootstrap = disagg.bootstrap_endpoint(self._engine.tokenizer_manager.server_args, self._advertise_host)
+            logger.info("sglang disaggregation role=%s bootstrap=%s:%d", self.role, *self.bootstrap)
         self._metrics_task = asyncio.create_task(self._read_metrics(), name=f"sglang-metrics-{self.worker_id:x}")
 
     async def _read_metrics(self) -> None:
@@ -277,6 +297,20 @@ class SglangEngine:
         rid = request.request_id
         if rid in self._active:
             raise InvalidRequestError(f"request id {rid!r} is already in flight", param="request_id")
+        stage = request_stage(self.role, request, engine="SGLang")
+        transfer: dict[str, Any] = {}
+        if stage == STAGE_PREFILL:
+            assert self.bootstrap is not None
+            request = prefill_request(request)
+            transfer = disagg.prefill_bootstrap(*self.bootstrap, request.disaggregated_params)
+        elif stage == STAGE_DECODE:
+            assert request.disaggregated_params is not None
+            transfer = disagg.decode_bootstrap(request.disaggregated_params)
+        elif stage == STAGE_LOCAL and self.role == ROLE_DECODE:
+            raise UnavailableError(
+                f"request {rid!r} reached SGLang decode worker {self.worker_id:x} without bootstrap parameters; "
+                "an engine in SGLang's decode mode cannot prefill locally: start prefill workers, or run agg workers"
+            )
         lora_path = None
         if request.lora_name:
             if request.lora_name not in self._loras:
@@ -291,6 +325,10 @@ class SglangEngine:
                 kwargs["data_parallel_rank"] = request.dp_rank
             if request.sampling.logprobs is not None:
                 kwargs["return_logprob"] = True
+            kwargs.update(transfer)
+            if stage == STAGE_PREFILL:
+                # The decode leg starts on this frame; the prefill below waits for it to join the room.
+                yield EngineOutput(disaggregated_params=dict(transfer))
             try:
                 stream = await engine.async_generate(
                     input_ids=list(request.token_ids),

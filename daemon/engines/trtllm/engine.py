@@ -13,6 +13,8 @@ with recorded event payloads here (tests/unit/engines/test_trtllm_adapter.py).
 - KV events: ``get_kv_cache_events_async`` (buffered per iteration) through ``TrtllmEventMapper``
   (kv_format.py) into the router converter; a jump in ``event_id`` is a gap.
 - Load: ``get_stats_async`` (``kvCacheStats``, active and queued requests).
+- Disaggregation (``--role prefill|decode``): context-only and generation-only requests with
+  ``DisaggregatedParams``, carried between the legs as a JSON-safe dict (disagg.py).
 - Not offered by the LLM API, so refused with a clear error: clearing the KV cache, sleep/wake.
   LoRA adapters are per request in TensorRT-LLM (``LoRARequest``, loaded on first use, evicted
   LRU): load_lora checks and registers the adapter, unload_lora stops routing to it.
@@ -29,9 +31,17 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from dynamod.daemon.engines.common.disagg import (
+    ROLE_AGG,
+    STAGE_DECODE,
+    STAGE_PREFILL,
+    prefill_request,
+    request_stage,
+)
 from dynamod.daemon.engines.common.lora import local_adapter_dir
 from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER, NativeKvFeed
 from dynamod.daemon.engines.common.sampling import stop_kwargs
+from dynamod.daemon.engines.trtllm import disagg
 from dynamod.daemon.engines.trtllm.kv_format import TrtllmEventMapper
 from dynamod.daemon.models.registry import LocalModel
 from dynamod.daemon.worker.engine import EngineInfo, LoraInfo
@@ -63,7 +73,8 @@ _POLL_MIN_S, _POLL_MAX_S = 0.005, 0.1
 _FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "cancelled": FINISH_ABORT, "abort": FINISH_ABORT}
 
 
-def llm_kwargs(text: str | None, *, model_path: str, context_length: int | None) -> dict[str, Any]:
+def llm_kwargs(text: str | None, *, model_path: str, context_length: int | None,
+               role: str = ROLE_AGG) -> dict[str, Any]:
     """``LLM(...)`` keyword arguments from ``--trtllm-args`` plus the adapter's settings."""
     text = (text or "").strip()
     options: dict[str, Any] = {}
@@ -93,16 +104,18 @@ def llm_kwargs(text: str | None, *, model_path: str, context_length: int | None)
     if context_length and "max_seq_len" not in options:
         options["max_seq_len"] = context_length
     options["model"] = model_path
-    return options
+    return disagg.disaggregation_options(options, role)
 
 
 def build_llm(options: dict[str, Any]) -> Any:
     """Builds ``tensorrt_llm.LLM`` (blocking: run in a thread)."""
     from tensorrt_llm import LLM
-    from tensorrt_llm.llmapi import KvCacheConfig
+    from tensorrt_llm.llmapi import CacheTransceiverConfig, KvCacheConfig
 
     opts = dict(options)
     opts["kv_cache_config"] = KvCacheConfig(**opts["kv_cache_config"])
+    if isinstance(opts.get("cache_transceiver_config"), dict):
+        opts["cache_transceiver_config"] = CacheTransceiverConfig(**opts["cache_transceiver_config"])
     return LLM(**opts)
 
 
@@ -135,9 +148,10 @@ class TrtllmEngine:
     """One ``tensorrt_llm.LLM`` as one worker."""
 
     def __init__(self, options: dict[str, Any], model: LocalModel, worker_id: int, *,
-                 kv_event_buffer: int = DEFAULT_EVENT_BUFFER) -> None:
+                 kv_event_buffer: int = DEFAULT_EVENT_BUFFER, role: str = ROLE_AGG) -> None:
         self.worker_id = worker_id
         self.model = model
+        self.role = role
         self._options = options
         kv = options["kv_cache_config"]
         self._block = int(kv["tokens_per_block"])
@@ -258,10 +272,19 @@ class TrtllmEngine:
         llm = self._started()
         from tensorrt_llm import SamplingParams
         from tensorrt_llm.executor import LoRARequest
+        from tensorrt_llm.llmapi import DisaggregatedParams
 
         rid = request.request_id
         if rid in self._active:
             raise InvalidRequestError(f"request id {rid!r} is already in flight", param="request_id")
+        stage = request_stage(self.role, request, engine="TensorRT-LLM")
+        disagg_params = None
+        if stage == STAGE_PREFILL:
+            request = prefill_request(request)
+            disagg_params = DisaggregatedParams(request_type=disagg.CONTEXT_ONLY)
+        elif stage == STAGE_DECODE:
+            assert request.disaggregated_params is not None
+            disagg_params = disagg.decode_params(request.disaggregated_params, DisaggregatedParams)
         lora_request = None
         if request.lora_name:
             lora = self._loras.get(request.lora_name)
@@ -273,9 +296,10 @@ class TrtllmEngine:
         except (TypeError, ValueError) as exc:
             raise InvalidRequestError(f"bad sampling parameters: {exc}") from None
         result = llm.generate_async(list(request.token_ids), sampling_params=params, streaming=True,
-                                    lora_request=lora_request)
+                                    lora_request=lora_request, disaggregated_params=disagg_params)
         self._active[rid] = result
         prompt, done, cached = len(request.token_ids), 0, 0
+        context_result = None  # a prefill leg's DisaggregatedParams, from whichever output has them
         finished = False
         try:
             try:
@@ -284,6 +308,7 @@ class TrtllmEngine:
                     new = list(completion.token_ids_diff)
                     done += len(new)
                     cached = cached_tokens(out, self._block) or cached
+                    context_result = getattr(completion, "disaggregated_params", None) or context_result
                     reason = completion.finish_reason
                     final = _FINISH.get(str(reason), FINISH_STOP) if reason is not None or out.finished else None
                     if not new and final is None:
@@ -292,6 +317,13 @@ class TrtllmEngine:
                     if final is not None:
                         msg.usage = Usage(prompt_tokens=prompt, cached_tokens=cached, completion_tokens=done)
                         finished = True
+                        if stage == STAGE_PREFILL and final in (FINISH_STOP, FINISH_LENGTH):
+                            if context_result is None:
+                                raise EngineError(
+                                    f"TensorRT-LLM finished context-only request {rid!r} without disaggregated "
+                                    "params; is cache_transceiver_config set on this worker?"
+                                )
+                            msg.disaggregated_params = disagg.encode_params(context_result)
                     yield msg
                     if finished:
                         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from dynamod.daemon.engines.common.disagg import worker_role
 from dynamod.daemon.engines.common.flags import engine_tokens
 from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER
 from dynamod.daemon.engines.vllm.engine import VllmEngine
@@ -34,7 +35,9 @@ def add_args(group: argparse._ActionsContainer) -> None:
 
 
 def create(args: argparse.Namespace, model: LocalModel, *, worker_id: int, worker_index: int = 0) -> VllmEngine:
-    """A vLLM engine for one worker; nothing heavy happens until ``start()``."""
+    """A vLLM engine for one worker; nothing heavy happens until ``start()``. The worker's
+    ``--role`` decides its KV connector (vllm/disagg.py); ``--host`` is where a prefill engine's
+    NIXL side channel is reached from other nodes."""
     tokens = engine_tokens(getattr(args, "vllm_args", ""), getattr(args, "engine_args", None))
     return VllmEngine(
         tokens,
@@ -42,4 +45,6 @@ def create(args: argparse.Namespace, model: LocalModel, *, worker_id: int, worke
         worker_id,
         context_length=getattr(args, "context_length", None),
         kv_event_buffer=getattr(args, "vllm_kv_event_buffer", DEFAULT_EVENT_BUFFER),
+        role=worker_role(args),
+        advertise_host=getattr(args, "host", None) or "127.0.0.1",
     )

@@ -10,6 +10,9 @@ says who binds), then gives vLLM the matching ``--kv-events-config``. Load comes
 scheduler stats through a stat logger. Requests go in as token ids with our sampling and stop
 settings and come back as token-id deltas; cancelling (closing the stream) aborts them in vLLM.
 
+Disaggregation (``--role prefill|decode``): vLLM's own KV connector moves the blocks; the adapter
+configures it and carries its ``kv_transfer_params`` between the legs (disagg.py).
+
 Mapped controls: ``clear_kv_blocks`` -> ``reset_prefix_cache``; ``sleep``/``wake_up`` -> vLLM's
 sleep mode (needs ``--enable-sleep-mode``, CUDA/ROCm/XPU only; elsewhere a clear error instead of
 vLLM's silent no-op); LoRA load/unload/list -> ``add_lora``/``remove_lora`` (needs
@@ -27,12 +30,19 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from dynamod.daemon.engines.common.disagg import (
+    ROLE_AGG,
+    STAGE_DECODE,
+    STAGE_PREFILL,
+    prefill_request,
+    request_stage,
+)
 from dynamod.daemon.engines.common.flags import user_kv_events_config
 from dynamod.daemon.engines.common.kv_endpoints import plan_kv_events
 from dynamod.daemon.engines.common.kv_subscriber import NativeKvSubscriber
 from dynamod.daemon.engines.common.lora import local_adapter_dir
 from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER, NativeKvFeed
-from dynamod.daemon.engines.vllm import flags
+from dynamod.daemon.engines.vllm import disagg, flags
 from dynamod.daemon.engines.vllm.outputs import OutputTracker, sampling_kwargs
 from dynamod.daemon.engines.vllm.stats import LoadTracker, make_stat_logger_factory
 from dynamod.daemon.models.registry import LocalModel
@@ -46,7 +56,7 @@ from dynamod.shared.errors import (
     UnavailableError,
 )
 from dynamod.shared.protocol.kv_events import KvCleared, RouterEvent, decode_native_batch
-from dynamod.shared.protocol.llm import EngineOutput, PreprocessedRequest
+from dynamod.shared.protocol.llm import FINISH_ABORT, FINISH_ERROR, EngineOutput, PreprocessedRequest
 from dynamod.shared.protocol.load import LoadMetrics
 from dynamod.shared.protocol.model_card import RuntimeConfig
 
@@ -114,10 +124,15 @@ class VllmEngine:
         *,
         context_length: int | None = None,
         kv_event_buffer: int = DEFAULT_EVENT_BUFFER,
+        role: str = ROLE_AGG,
+        advertise_host: str = "127.0.0.1",
     ) -> None:
         self.worker_id = worker_id
         self.model = model
+        self.role = role
+        self._advertise_host = advertise_host
         self._tokens = list(tokens)
+        self._kv_transfer = disagg.kv_transfer_config(role, self._tokens)
         self._context_override = context_length
         est = flags.estimates(self._tokens)
         self._dp = est.data_parallel_size
@@ -212,7 +227,14 @@ class VllmEngine:
             model_path=str(self.model.path),
             kv_events_config=plan.config,
             max_model_len=self._context_override,
+            kv_transfer_config=self._kv_transfer,
         )
+        if self.role != ROLE_AGG:
+            # Read by the engine's own processes, which inherit the environment when spawned below.
+            side_channel = disagg.side_channel_env(self._advertise_host, self._dp)
+            os.environ.update(side_channel)
+            logger.info("vllm kv transfer role=%s side_channel=%s:%s", self.role,
+                        side_channel[disagg.SIDE_CHANNEL_HOST_ENV], side_channel[disagg.SIDE_CHANNEL_PORT_ENV])
         logger.info("vllm engine starting worker_id=%x argv=%s", self.worker_id, " ".join(argv))
         try:
             self._llm = await asyncio.to_thread(build_async_llm, argv, self._load)
@@ -356,6 +378,14 @@ class VllmEngine:
         rid = request.request_id
         if rid in self._active:
             raise InvalidRequestError(f"request id {rid!r} is already in flight", param="request_id")
+        stage = request_stage(self.role, request, engine="vLLM")
+        extra_args: dict[str, Any] | None = None
+        if stage == STAGE_PREFILL:
+            request = prefill_request(request)
+            extra_args = {"kv_transfer_params": disagg.prefill_transfer_params()}
+        elif stage == STAGE_DECODE:
+            assert request.disaggregated_params is not None
+            extra_args = {"kv_transfer_params": disagg.decode_transfer_params(request.disaggregated_params)}
         lora_request = None
         if request.lora_name:
             lora = self._loras.get(request.lora_name)
@@ -371,6 +401,7 @@ class VllmEngine:
             params = SamplingParams(
                 **sampling_kwargs(request, context_length=self._info.context_length, model_defaults=self._model_defaults),
                 output_kind=RequestOutputKind.DELTA,
+                extra_args=extra_args,
             )
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(f"bad sampling parameters: {exc}") from None
@@ -393,6 +424,8 @@ class VllmEngine:
                     if out is None:
                         continue
                     finished = out.finish_reason is not None
+                    if finished and stage == STAGE_PREFILL:
+                        self._check_prefill_result(out, rid)
                     yield out
             except (GeneratorExit, asyncio.CancelledError):
                 raise
@@ -409,6 +442,19 @@ class VllmEngine:
                 # Closing vLLM's unfinished stream aborts the request in the engine core.
                 await stream.aclose()
                 logger.debug("vllm request aborted worker_id=%x request_id=%s", self.worker_id, rid)
+
+    def _check_prefill_result(self, out: EngineOutput, rid: str) -> None:
+        """A prefill leg that ended without transfer parameters leaves the decode leg nothing to
+        read: say why instead of letting the frontend wait for parameters that never come."""
+        if out.disaggregated_params:
+            return
+        if out.finish_reason in (FINISH_ABORT, FINISH_ERROR):
+            return  # the frontend sees the abort/error itself
+        connector = (disagg.user_kv_transfer_config(self._tokens) or {}).get("kv_connector", disagg.DEFAULT_CONNECTOR)
+        raise EngineError(
+            f"vLLM finished prefill request {rid!r} without kv_transfer_params: its KV connector ({connector}) "
+            "did not hold the blocks for a remote decode"
+        )
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._active and self._llm is not None:

@@ -16,7 +16,9 @@ seconds, and ``--help`` must stay fast). Rewrites:
 - ``--kv-events-config`` becomes the one the worker planned (kv_endpoints.py), built on the
   operator's if they gave one;
 - ``--disable-log-stats`` is added unless the operator chose: the adapter reads the engine's
-  scheduler stats through its own stat logger and vLLM's periodic log lines are noise here.
+  scheduler stats through its own stat logger and vLLM's periodic log lines are noise here;
+- ``--kv-transfer-config`` is added for prefill and decode workers unless the operator gave one
+  (disagg.py says which connector and why).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dynamod.daemon.engines.common.flags import KV_EVENTS_FLAG, has_flag, int_fl
 from dynamod.shared.errors import ConfigError
 
 DEFAULT_BLOCK_SIZE = 64
+KV_TRANSFER_FLAG = "--kv-transfer-config"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,7 @@ def engine_argv(
     model_path: str,
     kv_events_config: dict[str, object],
     max_model_len: int | None = None,
+    kv_transfer_config: dict[str, object] | None = None,
 ) -> list[str]:
     """The full vLLM command line to parse, after the rewrites in the module docstring."""
     if has_flag(tokens, "--model"):
@@ -85,4 +89,6 @@ def engine_argv(
     if not has_flag(tokens, "--disable-log-stats", "--no-disable-log-stats"):
         argv.append("--disable-log-stats")
     argv += [KV_EVENTS_FLAG, json.dumps(kv_events_config, separators=(",", ":"))]
+    if kv_transfer_config is not None and not has_flag(tokens, KV_TRANSFER_FLAG):
+        argv += [KV_TRANSFER_FLAG, json.dumps(kv_transfer_config, separators=(",", ":"))]
     return argv

@@ -2,7 +2,8 @@
 
 Plain functions over plain values (no vLLM import), so the mapping is tested without an engine:
 ``sampling_kwargs`` builds the keyword arguments for ``vllm.SamplingParams``; ``OutputTracker``
-turns the delta ``RequestOutput``s of one request into ``EngineOutput`` frames and its usage.
+turns the delta ``RequestOutput``s of one request into ``EngineOutput`` frames and its usage (and,
+on a prefill leg's final frame, the connector's ``kv_transfer_params`` as ``disaggregated_params``).
 
 The frontend tokenizes, detokenizes and applies stop strings, so the engine is asked for token ids
 only (``detokenize=False``) and in deltas; only stop *token ids* reach it. Sampling values the
@@ -116,6 +117,10 @@ class OutputTracker:
                 out.log_probs = lp
         if reason is not None:
             out.usage = self.usage()
+            # A prefill leg's final output carries its KV connector's transfer parameters.
+            params = getattr(output, "kv_transfer_params", None)
+            if params:
+                out.disaggregated_params = dict(params)
         return out
 
     def aborted(self) -> EngineOutput:
