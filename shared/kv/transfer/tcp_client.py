@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import cast
 
 import msgspec
 
@@ -60,8 +61,8 @@ class KvReadConnection(asyncio.BufferedProtocol):
     # -- asyncio protocol ---------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # Duck-typed: uvloop's TCPTransport has the Transport methods without subclassing it.
+        self._transport = cast(asyncio.Transport, transport)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         state = self._state
