@@ -1,5 +1,15 @@
 """Local model resolution: the built-in ``tiny`` model and HF-style model directories."""
 
+from .kv_layout import KvGeometry, geometry_for_bytes_per_token, kv_geometry
 from .registry import TINY_MODEL_DIR, TINY_MODEL_NAME, LocalModel, load_model_dir, resolve_model
 
-__all__ = ["TINY_MODEL_DIR", "TINY_MODEL_NAME", "LocalModel", "load_model_dir", "resolve_model"]
+__all__ = [
+    "TINY_MODEL_DIR",
+    "TINY_MODEL_NAME",
+    "KvGeometry",
+    "LocalModel",
+    "geometry_for_bytes_per_token",
+    "kv_geometry",
+    "load_model_dir",
+    "resolve_model",
+]

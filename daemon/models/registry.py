@@ -16,6 +16,7 @@ from pathlib import Path
 from dynamod.shared.errors import ConfigError, NotFoundError
 
 from . import hf_config
+from .kv_layout import KvGeometry, kv_geometry
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class LocalModel:
     bos_token: str | None = None
     eos_token: str | None = None
     chat_template: str | None = field(default=None, repr=False)
+    kv_geometry: KvGeometry | None = None  # per-token KV shape (disaggregation); None if unknown
 
 
 def resolve_model(name_or_path: str) -> LocalModel:
@@ -115,6 +117,7 @@ def load_model_dir(path: Path, *, name: str | None = None) -> LocalModel:
         bos_token=hf_config.token_content(tokenizer_config.get("bos_token")),
         eos_token=hf_config.token_content(tokenizer_config.get("eos_token")),
         chat_template=hf_config.chat_template(path, tokenizer_config),
+        kv_geometry=kv_geometry(config),
     )
     logger.info(
         "model_resolved name=%s path=%s context_length=%d vocab_size=%d eos_token_ids=%s chat_template=%s",

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from dynamod.shared.kv.transfer.memory import KvBlockMemory
 from dynamod.shared.protocol.kv_events import RouterEvent
+from dynamod.shared.protocol.kv_transfer import KvLayout
 from dynamod.shared.protocol.llm import EngineOutput, PreprocessedRequest
 from dynamod.shared.protocol.load import LoadMetrics
 from dynamod.shared.protocol.model_card import RuntimeConfig
+
+if TYPE_CHECKING:
+    from dynamod.daemon.worker.kv_transfer import KvTransferContext
 
 
 @dataclass(slots=True)
@@ -82,3 +87,23 @@ class Engine(Protocol):
     def num_active_requests(self) -> int: ...
 
     async def stop(self) -> None: ...
+
+
+@runtime_checkable
+class KvTransferEngine(Protocol):
+    """An engine whose KV blocks the worker's transfer agent moves (disaggregated serving).
+
+    Optional: the worker checks ``isinstance(engine, KvTransferEngine)``. Engines with their own
+    connector (vLLM's NixlConnector, SGLang, TensorRT-LLM) do not implement it and need no change.
+    """
+
+    @property
+    def kv_layout(self) -> KvLayout | None: ...
+
+    def kv_transfer_memory(self) -> KvBlockMemory | None:
+        """The engine's KV blocks as registered memory (None: this engine keeps none)."""
+        ...
+
+    def attach_kv_transfer(self, ctx: KvTransferContext) -> None:
+        """Called once, after ``start()`` and before ``generate`` is served."""
+        ...

@@ -16,6 +16,7 @@ import os
 from dynamod.daemon.engines.factory import ENGINES, add_engine_args, create_engine
 from dynamod.daemon.models.registry import LocalModel, resolve_model
 from dynamod.daemon.worker.engine import EngineInfo
+from dynamod.daemon.worker.kv_transfer import add_kv_transfer_args, kv_transfer_settings
 from dynamod.daemon.worker.metrics import WorkerMetrics
 from dynamod.daemon.worker.service import WorkerService
 from dynamod.shared.config import add_runtime_args, settings_from_args
@@ -31,6 +32,7 @@ from dynamod.shared.runtime.distributed import DistributedRuntime
 logger = logging.getLogger(__name__)
 
 COMPONENT_BY_ROLE = {"agg": "backend", "decode": "backend", "prefill": "prefill"}
+DISAGG_ROLES = ("prefill", "decode")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +48,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--migration-limit", type=int, default=3, help="times a frontend may migrate a broken stream [default 3]")
     g.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds to let in-flight requests finish on SIGTERM [default 30]")
+    add_kv_transfer_args(parser.add_argument_group("kv transfer (roles prefill and decode)"))
     add_runtime_args(parser)
 
 
@@ -104,6 +107,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
                 lease,
                 role=args.role,
                 metrics=metrics,
+                kv_transfer=kv_transfer_settings(args, settings.host, index) if args.role in DISAGG_ROLES else None,
             )
             await service.start()
             services.append(service)

@@ -2,10 +2,63 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from dynamod.shared.kv.transfer.base import TransferResult
 from dynamod.shared.protocol.instance import STATUSES
 from dynamod.shared.protocol.load import LoadMetrics
+
+# KV reads take from well under a millisecond (a few blocks on loopback) to seconds (a long
+# prompt of a large model over a slow link).
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class KvTransferMetrics:
+    """Disaggregated serving: what a worker pulled (decode) or served (prefill), failures, holds."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.bytes = Counter(
+            "dynamo_component_kv_transfer_bytes", "KV bytes moved between workers",
+            ("worker_id", "direction", "backend"), registry=registry,
+        )
+        self.blocks = Counter(
+            "dynamo_component_kv_transfer_blocks", "KV blocks moved between workers",
+            ("worker_id", "direction", "backend"), registry=registry,
+        )
+        self.seconds = Histogram(
+            "dynamo_component_kv_transfer_seconds", "Wall time of one KV read (decode side)",
+            ("worker_id", "backend"), buckets=TRANSFER_BUCKETS, registry=registry,
+        )
+        self.failures = Counter(
+            "dynamo_component_kv_transfer_failures", "KV reads that failed (the request was prefilled locally)",
+            ("worker_id", "reason"), registry=registry,
+        )
+        self.held_blocks = Gauge(
+            "dynamo_component_kv_held_blocks", "KV blocks held for decode workers to read (prefill)",
+            ("worker_id",), registry=registry,
+        )
+        self.hold_expired_total = Counter(
+            "dynamo_component_kv_hold_expired", "Holds freed because no decode worker read them in time",
+            ("worker_id",), registry=registry,
+        )
+
+    def pulled(self, worker_id: str, result: TransferResult) -> None:
+        self.bytes.labels(worker_id, "pulled", result.backend).inc(result.num_bytes)
+        self.blocks.labels(worker_id, "pulled", result.backend).inc(result.num_blocks)
+        self.seconds.labels(worker_id, result.backend).observe(result.seconds)
+
+    def served(self, worker_id: str, backend: str, num_blocks: int, num_bytes: int) -> None:
+        self.bytes.labels(worker_id, "served", backend).inc(num_bytes)
+        self.blocks.labels(worker_id, "served", backend).inc(num_blocks)
+
+    def failed(self, worker_id: str, reason: str) -> None:
+        self.failures.labels(worker_id, reason).inc()
+
+    def hold_expired(self, worker_id: str) -> None:
+        self.hold_expired_total.labels(worker_id).inc()
+
+    def held(self, worker_id: str, num_blocks: int) -> None:
+        self.held_blocks.labels(worker_id).set(num_blocks)
 
 
 class WorkerMetrics:
@@ -26,6 +79,7 @@ class WorkerMetrics:
         self.status_gauge = Gauge(
             "dynamo_component_worker_status", "1 for the worker's current status", ("worker_id", "status"), registry=registry
         )
+        self.kv_transfer = KvTransferMetrics(registry)
 
     def load(self, m: LoadMetrics) -> None:
         labels = (f"{m.worker_id:x}", str(m.dp_rank))

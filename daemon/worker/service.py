@@ -4,6 +4,12 @@
 one process, each with its own lease and so its own instance id). The service owns the worker's
 status (ready, draining, sleeping) and keeps the discovery records of all its endpoints in step
 with it, so routers and the console see the same thing.
+
+A prefill or decode worker whose engine keeps its KV blocks as memory (``KvTransferEngine``: the
+mocker) also runs a KV transfer agent over it: started, and its metadata published under the
+worker's lease, before ``generate`` is served (a decode worker handed a prefill worker's
+parameters must find its agent), withdrawn and closed at stop after in-flight requests finished
+and held blocks were read (or the grace ran out).
 """
 
 from __future__ import annotations
@@ -24,11 +30,14 @@ from dynamod.daemon.worker.control_types import (
     UnloadLoraRequest,
     parse_body,
 )
-from dynamod.daemon.worker.engine import Engine, EngineInfo
+from dynamod.daemon.worker.engine import Engine, EngineInfo, KvTransferEngine
+from dynamod.daemon.worker.kv_transfer import KvTransferContext, KvTransferSettings, KvTransferStats
 from dynamod.daemon.worker.metrics import WorkerMetrics
 from dynamod.shared.discovery.store import Lease
 from dynamod.shared.errors import InvalidRequestError, UnavailableError
 from dynamod.shared.events.plane import TOPIC_KV_EVENTS, TOPIC_KV_METRICS, EventPublisher
+from dynamod.shared.kv.transfer.directory import KvTransferDirectory
+from dynamod.shared.kv.transfer.factory import create_agent
 from dynamod.shared.protocol import control
 from dynamod.shared.protocol.instance import STATUS_DRAINING, STATUS_READY, STATUS_SLEEPING
 from dynamod.shared.protocol.keys import mdc_key
@@ -57,6 +66,7 @@ class WorkerService:
         *,
         role: str,
         metrics: WorkerMetrics,
+        kv_transfer: KvTransferSettings | None = None,
     ) -> None:
         self.component = component
         self.engine = engine
@@ -72,6 +82,9 @@ class WorkerService:
         self._load_pub: EventPublisher | None = None
         self._status_lock = asyncio.Lock()
         self._drained = asyncio.Event()
+        self._kv_settings = kv_transfer
+        self.kv_transfer: KvTransferContext | None = None
+        self._kv_directory: KvTransferDirectory | None = None
 
     @property
     def worker_id(self) -> int:
@@ -87,6 +100,8 @@ class WorkerService:
         await self.engine.start()
         # Real engines learn their KV geometry (blocks, block size, context) only once started.
         self.card = self._card_builder(self.engine.info)
+        if self._kv_settings is not None:
+            await self._start_kv_transfer(self._kv_settings)
         self._kv_pub = await self.component.publisher(TOPIC_KV_EVENTS)
         self._load_pub = await self.component.publisher(TOPIC_KV_METRICS)
         self._tasks.append(asyncio.create_task(self._publish_kv_events(), name=f"kv-events-{self.worker_id:x}"))
@@ -125,25 +140,85 @@ class WorkerService:
         for lora in self.engine.list_loras():
             await self.component.runtime.store.delete(self._card_key(lora.name))
         await self.component.runtime.store.delete(self._card_key(None))
+        deadline = time.monotonic() + grace_s
         if not await self._wait_idle(grace_s):
             logger.warning("stopping with requests in flight worker_id=%x count=%d", self.worker_id, self.engine.num_active_requests)
+        ctx = self.kv_transfer
+        if ctx is not None:
+            # Decode workers may still be reading the prompts this worker prefilled.
+            if not await self._wait_until(lambda: ctx.stats.held_blocks == 0, deadline - time.monotonic()):
+                logger.warning("stopping with kv blocks held worker_id=%x held_blocks=%d", self.worker_id, ctx.stats.held_blocks)
+            await self._withdraw_kv_transfer()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.engine.stop()
+        if ctx is not None:
+            await ctx.agent.close()
+        if self._kv_directory is not None:
+            await self._kv_directory.close()
         logger.info("worker stopped worker_id=%x", self.worker_id)
 
     async def _wait_idle(self, timeout_s: float) -> bool:
-        """True once the engine has no request in flight; False if ``timeout_s`` passed first.
+        """True once the engine has no request in flight; False if ``timeout_s`` passed first."""
+        return await self._wait_until(lambda: not self.engine.num_active_requests, timeout_s)
 
-        Polled: the engine interface has no idle signal, and 50 ms is far below any drain timeout.
-        """
+    @staticmethod
+    async def _wait_until(done: Callable[[], bool], timeout_s: float) -> bool:
+        """Polled: the engine interface has no idle signal, and 50 ms is far below any drain timeout."""
         deadline = time.monotonic() + timeout_s
-        while self.engine.num_active_requests:  # noqa: ASYNC110
+        while not done():  # noqa: ASYNC110
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(0.05)
         return True
+
+    # -- KV transfer (prefill/decode) --------------------------------------------------------------
+
+    async def _start_kv_transfer(self, settings: KvTransferSettings) -> None:
+        engine = self.engine
+        memory = engine.kv_transfer_memory() if isinstance(engine, KvTransferEngine) else None
+        if memory is None:
+            logger.info(
+                "kv transfer left to the engine's connector worker_id=%x role=%s engine=%s",
+                self.worker_id, self.role, type(engine).__name__,
+            )
+            return
+        assert isinstance(engine, KvTransferEngine)
+        agent = create_agent(
+            memory, worker_id=self.worker_id, backend=settings.backend, host=settings.host, port=settings.port,
+            layout=engine.kv_layout,
+        )
+        await agent.start()
+        directory = KvTransferDirectory(self.component.runtime.store, self.namespace)
+        try:
+            await directory.publish(self.component.name, agent.metadata(), self.lease)
+        except BaseException:
+            await agent.close()
+            await directory.close()
+            raise
+        ctx = KvTransferContext(
+            agent=agent,
+            directory=directory,
+            stats=KvTransferStats(self.worker_id, agent.backend, self._metrics.kv_transfer),
+            settings=settings,
+        )
+        engine.attach_kv_transfer(ctx)
+        self.kv_transfer = ctx
+        self._kv_directory = directory
+        meta = agent.metadata()
+        logger.info(
+            "kv transfer ready worker_id=%x role=%s backend=%s address=%s blocks=%d block_bytes=%d",
+            self.worker_id, self.role, agent.backend, meta.address, meta.num_blocks, meta.block_bytes,
+        )
+
+    async def _withdraw_kv_transfer(self) -> None:
+        if self._kv_directory is None:
+            return
+        try:
+            await self._kv_directory.withdraw(self.component.name, self.worker_id)
+        except Exception as exc:  # the lease ends with the process: the record goes anyway
+            logger.warning("kv transfer withdraw failed worker_id=%x error=%s", self.worker_id, exc)
 
     # -- discovery records ------------------------------------------------------------------------
 

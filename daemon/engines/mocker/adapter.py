@@ -2,7 +2,8 @@
 
 ``add_args`` puts the mocker's flags into the group the factory gives it; ``create`` builds a
 ``MockerEngine`` from the parsed flags and the resolved model, whose tokenizer sets the vocabulary,
-the EOS ids and the context length.
+the EOS ids and the context length. A prefill or decode worker's engine also keeps its KV blocks
+as bytes, sized from the model's config.json (or ``--kv-bytes-per-token``), for the transfer agent.
 """
 
 from __future__ import annotations
@@ -12,13 +13,38 @@ import logging
 
 from dynamod.daemon.engines.mocker.config import add_mocker_flags, config_from_args
 from dynamod.daemon.engines.mocker.engine import MockerEngine
+from dynamod.daemon.models.kv_layout import geometry_for_bytes_per_token
 from dynamod.daemon.models.registry import LocalModel
+from dynamod.shared.errors import ConfigError
+from dynamod.shared.protocol.kv_transfer import KvLayout
 
 logger = logging.getLogger(__name__)
+
+DISAGG_ROLES = ("prefill", "decode")
 
 
 def add_args(group: argparse._ActionsContainer) -> None:
     add_mocker_flags(group)
+    group.add_argument(
+        "--kv-bytes-per-token", type=int, default=None,
+        help="prefill/decode roles: KV bytes per token to hold and transfer, instead of the model's "
+        "(layers x kv heads x head dim x 2 x dtype bytes from config.json), e.g. 131072 for an 8B "
+        "Llama in bf16 [default: the model's]",
+    )
+
+
+def kv_layout_for(args: argparse.Namespace, model: LocalModel) -> KvLayout | None:
+    """The KV block layout a prefill/decode mocker keeps bytes for; None for other roles."""
+    if getattr(args, "role", "agg") not in DISAGG_ROLES:
+        return None
+    override = getattr(args, "kv_bytes_per_token", None)
+    geometry = geometry_for_bytes_per_token(override) if override is not None else model.kv_geometry
+    if geometry is None:
+        raise ConfigError(
+            f"model {model.name!r} has no KV geometry in config.json (num_hidden_layers, num_key_value_heads, "
+            "head_dim or hidden_size/num_attention_heads); pass --kv-bytes-per-token for a disaggregated mocker"
+        )
+    return geometry.layout(args.block_size)
 
 
 def create(args: argparse.Namespace, model: LocalModel, *, worker_id: int, worker_index: int = 0) -> MockerEngine:
@@ -38,4 +64,4 @@ def create(args: argparse.Namespace, model: LocalModel, *, worker_id: int, worke
         eos_token_ids=model.eos_token_ids,
         context_length=context_length,
     )
-    return MockerEngine(config, worker_id)
+    return MockerEngine(config, worker_id, kv_layout=kv_layout_for(args, model))

@@ -4,6 +4,14 @@ It holds the whole state (scheduler, KV cache, requests) and advances it one eng
 ``step()`` call, returning what the step produced and how long it would have taken on the GPU.
 It never sleeps, reads a clock or touches asyncio, so the async ``MockerEngine`` can pace it in
 real time while a trace replayer drives many cores on a simulated clock as fast as the CPU allows.
+
+Disaggregation (only when the core is given a ``KvBlockMemory``, i.e. on a prefill or decode
+worker; an aggregated core keeps no KV bytes and pays nothing): the core writes each block's bytes
+as it computes them (``kv_content``), so a transfer moves real, checkable bytes. A prefill request
+(``hold_kv``) ends in a ``KvHold`` that keeps its blocks until ``release_hold``; a decode request
+with ``remote`` parameters waits for its read (``StepOutput.remote_loads``, then
+``finish_remote_load``). Reads, notifications and expiry deadlines are the engine's: the core only
+keeps the state.
 """
 
 from __future__ import annotations
@@ -11,14 +19,48 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from dynamod.daemon.engines.mocker.block_pool import KVBlock
 from dynamod.daemon.engines.mocker.config import MockerConfig
+from dynamod.daemon.engines.mocker.kv_content import KvContentWriter
 from dynamod.daemon.engines.mocker.kv_manager import KVCacheManager
-from dynamod.daemon.engines.mocker.request import MockRequest
-from dynamod.daemon.engines.mocker.scheduler import Scheduler
+from dynamod.daemon.engines.mocker.request import MockRequest, RemoteKv
+from dynamod.daemon.engines.mocker.scheduler import Scheduler, SchedulerOutput
 from dynamod.daemon.engines.mocker.timing import decode_time_ms, prefill_time_ms
 from dynamod.shared.errors import ContextLengthError, InvalidRequestError
+from dynamod.shared.kv.transfer.memory import KvBlockMemory
 from dynamod.shared.protocol.kv_events import KvEvent, KvStored, StoredBlock
+from dynamod.shared.protocol.kv_transfer import KvLayout, KvTransferParams
 from dynamod.shared.protocol.llm import PreprocessedRequest, Usage
+
+
+@dataclass(slots=True)
+class KvHold:
+    """A finished prefill request's blocks, kept for a decode worker to read.
+
+    ``block_ids`` are memory rows (``row_offset + block id``: what a peer reads); ``block_hashes``
+    the router's sequence hashes of the full ones."""
+
+    transfer_id: str
+    request_id: str
+    blocks: list[KVBlock]
+    block_ids: list[int]
+    block_hashes: list[int]
+    num_tokens: int
+    cached_tokens: int
+    first_token: int
+
+
+@dataclass(slots=True)
+class RemoteLoad:
+    """A decode request admitted to wait for its prompt's KV: read ``params.block_ids[i]`` into
+    ``local_block_ids[i]`` (rows) for every ``i >= num_local_hits`` (the leading blocks this
+    worker already caches need no read)."""
+
+    request_id: str
+    params: KvTransferParams
+    num_tokens: int  # the prompt's
+    local_block_ids: list[int]
+    num_local_hits: int
 
 
 @dataclass(slots=True)
@@ -27,6 +69,7 @@ class FinishedRequest:
     finish_reason: str  # "stop" | "length"
     usage: Usage
     num_preemptions: int = 0
+    hold: KvHold | None = None  # a prefill request's blocks, held for a decode worker
 
 
 @dataclass(slots=True)
@@ -49,6 +92,7 @@ class StepOutput:
     num_preempted: int = 0
     kv_usage: float = 0.0
     kv_events: list[KvEvent] = field(default_factory=list)
+    remote_loads: list[RemoteLoad] | None = None  # reads the engine must start
 
 
 @dataclass(slots=True)
@@ -62,12 +106,21 @@ class CoreLoad:
     kv_usage: float
     active_prefill_tokens: int  # prompt tokens admitted but not yet prefilled
     prefix_hit_rate: float  # cached prompt tokens / prompt tokens, since start
+    held_blocks: int = 0  # blocks held for decode workers to read (prefill)
+    num_loading: int = 0  # requests waiting for their KV from a prefill worker (decode)
 
 
 class MockerCore:
     """One engine's state. Not thread-safe; one owner calls it."""
 
-    def __init__(self, config: MockerConfig, dp_rank: int = 0) -> None:
+    def __init__(
+        self,
+        config: MockerConfig,
+        dp_rank: int = 0,
+        *,
+        kv_memory: KvBlockMemory | None = None,
+        kv_layout: KvLayout | None = None,
+    ) -> None:
         self.config = config
         self.dp_rank = dp_rank
         self.kv_manager = KVCacheManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
@@ -81,6 +134,19 @@ class MockerCore:
         self._eos = frozenset(config.eos_token_ids)
         self.num_steps = 0
         self.simulated_ms = 0.0  # sum of step durations so far (before speedup)
+        # This rank's blocks are rows [row_offset, row_offset + num_gpu_blocks) of the memory.
+        self.row_offset = dp_rank * config.num_gpu_blocks
+        self.kv_writer: KvContentWriter | None = None
+        if kv_memory is not None:
+            if kv_layout is None or kv_layout.block_size != config.block_size:
+                raise ValueError(f"KV memory needs a layout with block_size {config.block_size}, got {kv_layout}")
+            if kv_memory.num_blocks < self.row_offset + config.num_gpu_blocks:
+                raise ValueError(f"KV memory of {kv_memory.num_blocks} blocks does not hold rank {dp_rank}'s blocks")
+            self.kv_writer = KvContentWriter(kv_memory, kv_layout, self.row_offset)
+        self.holds: dict[str, KvHold] = {}
+        self.num_held_blocks = 0
+        self.hold_id_prefix = f"dp{dp_rank}-"  # the engine makes it unique per worker
+        self._next_hold = 0
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -96,8 +162,15 @@ class MockerCore:
         seed: int | None = None,
         lora_name: str | None = None,
         kv_transferred: bool = False,
+        remote: KvTransferParams | None = None,
+        hold_kv: bool = False,
     ) -> None:
-        """Queues a request. Raises ``InvalidRequestError`` (``ContextLengthError`` for length)."""
+        """Queues a request. Raises ``InvalidRequestError`` (``ContextLengthError`` for length).
+
+        ``kv_transferred``: the prompt's KV is taken as present at no compute (trace replay, which
+        models the transfer itself). ``remote``: the prompt's KV is to be read from the prefill
+        worker these parameters name (the engine does the read). ``hold_kv``: keep the blocks
+        when the request finishes (``FinishedRequest.hold``), for a decode worker to read."""
         prompt = list(prompt_token_ids)
         max_out = self.check_request(request_id, prompt, max_tokens, min_tokens)
         stop = frozenset(stop_token_ids)
@@ -116,10 +189,17 @@ class MockerCore:
             seed=seed,
             kv_transferred=kv_transferred,
         )
+        if remote is not None:
+            request.remote = RemoteKv(remote)
+        request.hold_kv = hold_kv
         self.scheduler.add_request(request)
 
-    def add_preprocessed(self, request: PreprocessedRequest) -> None:
-        """``add_request`` from the ``generate`` endpoint's wire type."""
+    def add_preprocessed(
+        self, request: PreprocessedRequest, *, remote: KvTransferParams | None = None, hold_kv: bool = False
+    ) -> None:
+        """``add_request`` from the ``generate`` endpoint's wire type. The request's
+        ``disaggregated_params`` are the engine's to interpret: it passes ``remote`` when it will
+        read the KV they name; without it the prompt is prefilled here."""
         stop = request.stop
         max_tokens = 1 if request.prefill_only else stop.max_tokens
         self.add_request(
@@ -131,7 +211,8 @@ class MockerCore:
             ignore_eos=stop.ignore_eos or request.prefill_only,
             seed=request.sampling.seed,
             lora_name=request.lora_name,
-            kv_transferred=request.disaggregated_params is not None and not request.prefill_only,
+            remote=remote,
+            hold_kv=hold_kv,
         )
 
     def check_request(self, request_id: str, prompt: list[int], max_tokens: int | None, min_tokens: int) -> int:
@@ -205,6 +286,10 @@ class MockerCore:
         if sched.decode_reqs:
             out.decode_ms = decode_time_ms(kv_usage)
         out.duration_ms = out.prefill_ms + out.decode_ms
+        if self.kv_writer is not None:
+            self._write_kv(sched)
+        if sched.remote_loads is not None:
+            out.remote_loads = [self._remote_load(request) for request in sched.remote_loads]
         result = self.scheduler.update_from_output(sched)
         out.req_ids = result.req_ids
         out.token_ids = result.token_ids
@@ -219,6 +304,7 @@ class MockerCore:
                         completion_tokens=request.num_output_tokens,
                     ),
                     request.num_preemptions,
+                    self._hold(request) if request.hold_kv else None,
                 )
             )
         out.kv_events = self.kv_manager.take_events()
@@ -227,13 +313,87 @@ class MockerCore:
         return out
 
     def take_events(self) -> list[KvEvent]:
-        """KV events produced outside ``step()`` (``clear_kv_blocks``)."""
+        """KV events produced outside ``step()`` (``clear_kv_blocks``, ``finish_remote_load``)."""
         return self.kv_manager.take_events()
+
+    # ---- disaggregation ------------------------------------------------------------------------
+
+    def _write_kv(self, sched: SchedulerOutput) -> None:
+        """Writes the bytes of what this step computes: prefill chunks, and the blocks decode
+        tokens complete (a decode's partial tail is never read: only prompt blocks are sent)."""
+        writer = self.kv_writer
+        assert writer is not None
+        for request, num_new in zip(sched.prefill_reqs, sched.prefill_num_tokens, strict=True):
+            if not request.kv_transferred:
+                start = request.num_computed_tokens
+                writer.write(request, start, start + num_new)
+        bs = self.config.block_size
+        for request in sched.decode_reqs:
+            pos = request.num_computed_tokens
+            if (pos + 1) % bs == 0:
+                writer.write(request, pos, pos + 1)
+
+    def _hold(self, request: MockRequest) -> KvHold:
+        """Moves a finished prefill request's blocks to a hold (they stay referenced)."""
+        bs = self.config.block_size
+        n = request.num_prompt_tokens
+        request.ensure_block_hashes(n // bs, bs)
+        blocks, request.blocks = request.blocks, []
+        request.num_cached_blocks = 0
+        transfer_id = f"{self.hold_id_prefix}{self._next_hold}"
+        self._next_hold += 1
+        offset = self.row_offset
+        hold = KvHold(
+            transfer_id=transfer_id,
+            request_id=request.request_id,
+            blocks=blocks,
+            block_ids=[offset + b.block_id for b in blocks],
+            block_hashes=request.block_hashes[: n // bs],
+            num_tokens=n,
+            cached_tokens=max(request.num_cached_tokens, 0),
+            first_token=request.token_ids[n],
+        )
+        self.holds[transfer_id] = hold
+        self.num_held_blocks += len(blocks)
+        return hold
+
+    def release_hold(self, transfer_id: str) -> KvHold | None:
+        """Frees a hold's blocks (the decode worker read them, or the hold expired); None if
+        there is no such hold (already released)."""
+        hold = self.holds.pop(transfer_id, None)
+        if hold is None:
+            return None
+        self.kv_manager.block_pool.free_blocks(reversed(hold.blocks))
+        self.num_held_blocks -= len(hold.blocks)
+        hold.blocks = []
+        return hold
+
+    def release_all_holds(self) -> list[KvHold]:
+        return [h for h in (self.release_hold(tid) for tid in list(self.holds)) if h is not None]
+
+    def _remote_load(self, request: MockRequest) -> RemoteLoad:
+        remote = request.remote
+        assert remote is not None
+        offset = self.row_offset
+        return RemoteLoad(
+            request_id=request.request_id,
+            params=remote.params,
+            num_tokens=request.num_tokens,
+            local_block_ids=[offset + b.block_id for b in request.blocks],
+            num_local_hits=remote.local_hit_blocks,
+        )
+
+    def finish_remote_load(self, request_id: str, ok: bool) -> bool:
+        """Ends a request's wait for its KV (``ok``: every block arrived intact; else it is
+        prefilled here). False if it was aborted meanwhile (its blocks are freed now)."""
+        return self.scheduler.finish_remote_load(request_id, ok)
 
     # ---- cache ---------------------------------------------------------------------------------
 
     def clear_kv_blocks(self) -> int:
-        """Forgets every cached block (queues ``KvCleared``); returns how many were cached."""
+        """Releases every hold and forgets every cached block (queues ``KvCleared``); returns how
+        many were cached."""
+        self.release_all_holds()
         return self.scheduler.reset_prefix_cache()
 
     def kv_dump(self) -> list[KvStored]:
@@ -267,4 +427,6 @@ class MockerCore:
             kv_usage=pool.get_usage(),
             active_prefill_tokens=pending,
             prefix_hit_rate=(sched.cached_tokens_seen / seen) if seen else 0.0,
+            held_blocks=self.num_held_blocks,
+            num_loading=sched.num_loading,
         )

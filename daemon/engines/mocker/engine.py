@@ -10,6 +10,12 @@ simulated clock tracks the wall clock. Steps due within the event loop's timer r
 to back without sleeping (their tokens reach a client together). If the loop ever falls more than
 ``_MAX_LAG_S`` behind it restarts its clock instead of bursting, and records the lag
 (``loop_stats()``), so an overloaded host shows up as lag rather than as silent slowdown.
+
+Given a ``kv_layout`` (a prefill or decode worker), the engine keeps its KV blocks as bytes in one
+``KvBlockMemory`` for all ranks (rank r's block b is row ``r * num_gpu_blocks + b``, so one
+transfer agent serves every rank) and, once the worker attaches its transfer agent
+(``attach_kv_transfer``), holds prefill results and reads decode requests' KV (``transfer.py``).
+Without a layout it keeps no bytes and pays nothing.
 """
 
 from __future__ import annotations
@@ -23,9 +29,19 @@ from dataclasses import dataclass
 from dynamod.daemon.engines.mocker.config import MockerConfig
 from dynamod.daemon.engines.mocker.core import MockerCore, StepOutput
 from dynamod.daemon.engines.mocker.streams import RequestStream
+from dynamod.daemon.engines.mocker.transfer import REPORT_KEY, MockerKvTransfer, parse_transfer_params
 from dynamod.daemon.worker.engine import EngineInfo, LoraInfo
-from dynamod.shared.errors import EngineError, InvalidRequestError, NotFoundError, UnavailableError
+from dynamod.daemon.worker.kv_transfer import KvTransferContext
+from dynamod.shared.errors import (
+    ConfigError,
+    EngineError,
+    InvalidRequestError,
+    NotFoundError,
+    UnavailableError,
+)
+from dynamod.shared.kv.transfer.memory import KvBlockMemory
 from dynamod.shared.protocol.kv_events import KvEvent, RouterEvent
+from dynamod.shared.protocol.kv_transfer import KvLayout, KvTransferParams
 from dynamod.shared.protocol.llm import FINISH_ABORT, EngineOutput, PreprocessedRequest, Usage
 from dynamod.shared.protocol.load import LoadMetrics
 from dynamod.shared.protocol.model_card import RuntimeConfig
@@ -62,10 +78,24 @@ class LoopStats:
 class MockerEngine:
     """A simulated vLLM worker: real KV block management and scheduling, modelled step times."""
 
-    def __init__(self, config: MockerConfig, worker_id: int, *, kv_event_buffer: int = DEFAULT_KV_EVENT_BUFFER) -> None:
+    def __init__(
+        self,
+        config: MockerConfig,
+        worker_id: int,
+        *,
+        kv_event_buffer: int = DEFAULT_KV_EVENT_BUFFER,
+        kv_layout: KvLayout | None = None,
+    ) -> None:
         self.config = config
         self.worker_id = worker_id
-        self.cores = [MockerCore(config, rank) for rank in range(config.data_parallel_size)]
+        self._kv_layout = kv_layout
+        self._kv_memory = self._make_kv_memory(config, kv_layout) if kv_layout is not None else None
+        self.cores = [
+            MockerCore(config, rank, kv_memory=self._kv_memory, kv_layout=kv_layout)
+            for rank in range(config.data_parallel_size)
+        ]
+        self._kv: MockerKvTransfer | None = None
+        self._no_agent_logged = False
         self._info = EngineInfo(
             kv_block_size=config.block_size,
             context_length=config.context_length,
@@ -134,12 +164,64 @@ class MockerEngine:
         self._end_all(UnavailableError("mocker engine stopped"))
         for core in self.cores:
             core.abort_all()
+        if self._kv is not None:
+            await self._kv.close()
         # End kv_events(): make room for the end marker if the buffer is full.
         if self._events.full():
             self._events.get_nowait()
             self.events_dropped += 1
         self._events.put_nowait(None)
         logger.info("mocker stopped worker_id=%x", self.worker_id)
+
+    # ---- disaggregation -------------------------------------------------------------------------
+
+    @staticmethod
+    def _make_kv_memory(config: MockerConfig, layout: KvLayout) -> KvBlockMemory:
+        if layout.block_size != config.block_size:
+            raise ConfigError(f"KV layout block size {layout.block_size} is not --block-size {config.block_size}")
+        rows = config.num_gpu_blocks * config.data_parallel_size
+        try:
+            return KvBlockMemory(rows, layout.block_bytes)
+        except (MemoryError, ValueError) as exc:
+            gib = rows * layout.block_bytes / 2**30
+            raise ConfigError(
+                f"cannot reserve {gib:.1f} GiB of KV block memory ({rows} blocks of {layout.block_bytes} bytes: "
+                f"--num-gpu-blocks x --data-parallel-size, {layout.bytes_per_token} bytes per token x "
+                f"--block-size {layout.block_size}): {exc}; lower --num-gpu-blocks or --kv-bytes-per-token"
+            ) from exc
+
+    @property
+    def kv_layout(self) -> KvLayout | None:
+        return self._kv_layout
+
+    def kv_transfer_memory(self) -> KvBlockMemory | None:
+        return self._kv_memory
+
+    def attach_kv_transfer(self, ctx: KvTransferContext) -> None:
+        """Starts holding prefill results and reading decode requests' KV through ``ctx``."""
+        if self._kv_memory is None:
+            raise ConfigError("this mocker engine keeps no KV memory (built without a KV layout); it cannot transfer KV")
+        if self._kv is not None:
+            raise EngineError("a KV transfer agent is already attached")
+        self._kv = MockerKvTransfer(
+            self.worker_id, self.cores, self._kv_memory, ctx, self._load_done, lambda rank: self._wake[rank].set()
+        )
+        logger.info(
+            "mocker kv transfer attached worker_id=%x backend=%s block_bytes=%d blocks=%d hold_timeout_s=%g "
+            "transfer_timeout_s=%g",
+            self.worker_id, ctx.agent.backend, self._kv_memory.block_bytes, self._kv_memory.num_blocks,
+            ctx.settings.hold_timeout_s, ctx.settings.transfer_timeout_s,
+        )
+
+    def _load_done(self, rank: int, request_id: str, ok: bool, report: dict) -> None:
+        """A decode request's read ended: it runs with its KV in place, or prefills here."""
+        core = self.cores[rank]
+        if core.finish_remote_load(request_id, ok):
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.final_params = {REPORT_KEY: report}
+        self._publish(rank, core.take_events())
+        self._wake[rank].set()
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -160,18 +242,18 @@ class MockerEngine:
             )
         if request.request_id in self._streams:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight", param="request_id")
+        remote = self._remote_params(request)
         rank = self._pick_rank(request)
         core = self.cores[rank]
-        core.add_preprocessed(request)
+        # A prefill worker holds the KV for a decode worker; one without a transfer agent has no
+        # way to hand it over, so its final output carries no parameters (the frontend then
+        # prefills on the decode worker).
+        hold = request.prefill_only and self._kv is not None
+        core.add_preprocessed(request, remote=remote, hold_kv=hold)
         request_id = request.request_id
         stream = RequestStream(request_id, rank, len(request.token_ids))
-        if request.prefill_only:
-            stream.final_params = {
-                "worker_id": self.worker_id,
-                "dp_rank": rank,
-                "prompt_tokens": len(request.token_ids),
-                "block_size": self.config.block_size,
-            }
+        if request.disaggregated_params is not None and remote is None and not request.prefill_only:
+            stream.final_params = {REPORT_KEY: {"ok": False, "reason": "this worker has no KV transfer agent"}}
         self._streams[request_id] = stream
         self._wake[rank].set()
         done = False
@@ -189,6 +271,8 @@ class MockerEngine:
                     del self._streams[request_id]
                 if core.abort(request_id):
                     self._wake[rank].set()
+                    if self._kv is not None:
+                        self._kv.cancel_load(request_id)
                     logger.debug("mocker request aborted request_id=%s dp_rank=%d", request_id, rank)
 
     async def abort(self, request_id: str) -> None:
@@ -196,6 +280,8 @@ class MockerEngine:
         if stream is None:
             return
         self.cores[stream.dp_rank].abort(request_id)
+        if self._kv is not None:
+            self._kv.cancel_load(request_id)
         self._wake[stream.dp_rank].set()
         stream.finish(FINISH_ABORT, Usage(prompt_tokens=stream.prompt_tokens, completion_tokens=stream.num_tokens))
 
@@ -207,6 +293,23 @@ class MockerEngine:
         if self._status == STATUS_STOPPED:
             raise UnavailableError(f"worker {self.worker_id:x} is stopped")
         raise UnavailableError(f"worker {self.worker_id:x} is not started")
+
+    def _remote_params(self, request: PreprocessedRequest) -> KvTransferParams | None:
+        """The decode request's transfer parameters when this engine will read their KV."""
+        raw = request.disaggregated_params
+        if raw is None or request.prefill_only:
+            return None
+        params = parse_transfer_params(raw)
+        if self._kv is None:
+            if not self._no_agent_logged:
+                self._no_agent_logged = True
+                logger.warning(
+                    "mocker got transfer params without a transfer agent, prefilling locally worker_id=%x "
+                    "request_id=%s hint=run_decode_workers_with_role_decode",
+                    self.worker_id, request.request_id,
+                )
+            return None
+        return params
 
     def _pick_rank(self, request: PreprocessedRequest) -> int:
         n = len(self.cores)
@@ -254,9 +357,12 @@ class MockerEngine:
                 continue
             if out.kv_events:
                 self._publish(rank, out.kv_events)
+            if out.remote_loads is not None and self._kv is not None:
+                self._kv.start_loads(rank, out.remote_loads)
             if not out.req_ids and not out.duration_ms:
-                # Nothing could run (should not happen: an idle rank always admits its head
-                # request); wait for an arrival or an abort instead of spinning.
+                # Nothing could run: every request waits for its KV from a prefill worker, or
+                # held blocks leave no room for the head request. Wait for a read to end, a hold
+                # to be released, an arrival or an abort instead of spinning.
                 wake.clear()
                 await wake.wait()
                 deadline = last_yield = loop.time()
@@ -281,9 +387,9 @@ class MockerEngine:
             stats.lag_sum_s += lag
             if lag > stats.lag_max_s:
                 stats.lag_max_s = lag
-            self._deliver(out)
+            self._deliver(rank, out)
 
-    def _deliver(self, out: StepOutput) -> None:
+    def _deliver(self, rank: int, out: StepOutput) -> None:
         streams = self._streams
         for request_id, token in zip(out.req_ids, out.token_ids, strict=True):
             stream = streams.get(request_id)
@@ -291,6 +397,14 @@ class MockerEngine:
                 stream.push(token)
         for fin in out.finished:
             stream = streams.pop(fin.request_id, None)
+            if fin.hold is not None:
+                kv = self._kv
+                assert kv is not None, "a held request without a transfer agent"
+                params = kv.hold_created(rank, fin.hold)
+                if stream is None:  # nobody will hand the parameters to a decode worker
+                    kv.release(params["transfer_id"])
+                else:
+                    stream.final_params = params
             if stream is not None:
                 stream.finish(fin.finish_reason, fin.usage)
 
@@ -355,10 +469,14 @@ class MockerEngine:
         return out
 
     async def clear_kv_blocks(self) -> int:
+        """Drops the prefix cache and every hold (a decode worker still to read one finds other
+        bytes, fails its checksum and prefills locally)."""
         dropped = 0
         for rank, core in enumerate(self.cores):
             dropped += core.clear_kv_blocks()
             self._publish(rank, core.take_events())
+        if self._kv is not None:
+            self._kv.forget_released()
         logger.info("mocker kv cleared worker_id=%x blocks=%d", self.worker_id, dropped)
         return dropped
 
@@ -383,8 +501,19 @@ class MockerEngine:
                     prefix_hit_rate=load.prefix_hit_rate,
                     status=status,
                     ts=now,
+                    kv_held_blocks=load.held_blocks,
                 )
             )
+        if self._kv is not None:
+            # Worker-wide figures go on rank 0 only, so a reader summing the ranks counts them once.
+            stats = self._kv.ctx.stats
+            p50, p99 = stats.percentiles_ms()
+            first = out[0]
+            first.kv_transfer_bytes = stats.bytes_total
+            first.kv_transfers = stats.transfers
+            first.kv_transfer_failures = stats.failures
+            first.kv_transfer_ms_p50 = round(p50, 3)
+            first.kv_transfer_ms_p99 = round(p99, 3)
         return out
 
     # ---- sleep / wake --------------------------------------------------------------------------
@@ -404,10 +533,15 @@ class MockerEngine:
         aborted = len(self._streams)
         self._end_all(None)
         dropped = 0
-        for rank, core in enumerate(self.cores):
+        for core in self.cores:
             core.abort_all()
+        if self._kv is not None:
+            await self._kv.abort_loads()
+        for rank, core in enumerate(self.cores):
             dropped += core.clear_kv_blocks()
             self._publish(rank, core.take_events())
+        if self._kv is not None:
+            self._kv.forget_released()
         logger.info(
             "mocker asleep worker_id=%x level=%d aborted=%d kv_blocks_dropped=%d",
             self.worker_id, level, aborted, dropped,

@@ -66,6 +66,7 @@ class KVCacheManager:
         new_computed_blocks: Sequence[KVBlock] = _NO_BLOCKS,
         num_new_computed_tokens: int = 0,
         watermark_blocks: int = 0,
+        delay_caching: bool = False,
     ) -> list[KVBlock] | None:
         """Makes room for ``num_new_tokens`` more tokens of ``request``; None if they do not fit.
 
@@ -76,6 +77,8 @@ class KVCacheManager:
 
         ``watermark_blocks`` free blocks must remain afterwards (the scheduler asks for it when
         admitting a request while others run, so running requests keep room to grow).
+        ``delay_caching`` keeps the new blocks out of the prefix cache (their KV is still to
+        arrive from another worker, as vLLM's ``delay_cache_blocks``): ``cache_blocks`` later.
         """
         bs = self.block_size
         pool = self.block_pool
@@ -96,9 +99,16 @@ class KVCacheManager:
             request.blocks.extend(new_blocks)
         else:
             new_blocks = _NO_BLOCKS
-        if self.enable_caching and num_tokens >= (request.num_cached_blocks + 1) * bs:
+        if self.enable_caching and not delay_caching and num_tokens >= (request.num_cached_blocks + 1) * bs:
             self._cache_full_blocks(request, num_tokens // bs)
         return new_blocks
+
+    def cache_blocks(self, request: MockRequest, num_tokens: int) -> None:
+        """Offers the full blocks of the first ``num_tokens`` tokens to the prefix cache (after a
+        delayed allocation, once their KV is in place)."""
+        num_full = num_tokens // self.block_size
+        if self.enable_caching and num_full > request.num_cached_blocks:
+            self._cache_full_blocks(request, num_full)
 
     def _cache_full_blocks(self, request: MockRequest, num_full_blocks: int) -> None:
         """Offers blocks [num_cached_blocks, num_full_blocks) to the prefix cache and queues one

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import enum
 from array import array
+from dataclasses import dataclass
 
 import xxhash
 
 from dynamod.shared.kv.hashing import chain_hash, compute_block_hashes, hash_tokens
+from dynamod.shared.protocol.kv_transfer import KvTransferParams
 
 _MASK64 = (1 << 64) - 1
 _LCG_MUL = 6364136223846793005  # Knuth's MMIX constants
@@ -26,6 +28,7 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     PREEMPTED = 2
     FINISHED = 3
+    WAITING_FOR_REMOTE_KVS = 4  # blocks allocated, the prompt's KV still being read from a prefill worker
 
 
 def request_seed(request_id: str, prompt_token_ids: list[int], seed: int | None) -> int:
@@ -37,6 +40,16 @@ def request_seed(request_id: str, prompt_token_ids: list[int], seed: int | None)
     return xxhash.xxh3_64_intdigest(tail.tobytes(), seed=base)
 
 
+@dataclass(slots=True)
+class RemoteKv:
+    """Where a decode request's prompt KV comes from: the prefill worker's transfer parameters.
+    ``local_hit_blocks`` is set at admission: the leading blocks this worker already caches, which
+    are not read."""
+
+    params: KvTransferParams
+    local_hit_blocks: int = 0
+
+
 class MockRequest:
     """A sequence being served. ``token_ids`` is the prompt followed by the outputs so far."""
 
@@ -44,7 +57,7 @@ class MockRequest:
         "request_id", "token_ids", "num_prompt_tokens", "max_output_tokens", "min_tokens", "stop_ids",
         "lora_name", "kv_transferred", "status", "num_computed_tokens", "prefill_target",
         "num_cached_tokens", "blocks", "num_cached_blocks", "block_hashes", "local_hashes",
-        "num_preemptions", "rng_state", "vocab_size", "finish_reason",
+        "num_preemptions", "rng_state", "vocab_size", "finish_reason", "remote", "hold_kv",
     )
 
     def __init__(
@@ -84,6 +97,11 @@ class MockRequest:
         self.rng_state = request_seed(request_id, self.token_ids, seed)
         self.vocab_size = vocab_size
         self.finish_reason: str | None = None
+        # Disaggregation. ``remote``: where the prompt's KV is to be read from (a decode worker's
+        # request, until the read ended); ``hold_kv``: keep the blocks after finishing, for a
+        # decode worker to read (a prefill worker's request).
+        self.remote: RemoteKv | None = None
+        self.hold_kv = False
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,16 @@ and the budget ``max_num_batched_tokens`` is spent on running requests first (in
 admitting waiting ones. When a running request cannot grow, the newest running request (the tail)
 is preempted: its blocks are freed and it goes back to the front of the waiting queue to be
 recomputed later, keeping the tokens it already produced.
+
+Disaggregation follows vLLM's connector states. A decode request whose prompt KV lives on a prefill
+worker (``request.remote``) is admitted like any other, but its blocks are allocated for the whole
+prompt at once (leading prefix-cache hits included, the rest kept out of the prefix cache) and it
+moves to ``WAITING_FOR_REMOTE_KVS``: not schedulable, listed in ``SchedulerOutput.remote_loads`` for
+the engine to read. ``finish_remote_load`` puts it back at the head of the waiting queue: with its
+KV in place (only the last prompt token is computed here, as vLLM recomputes it to sample the first
+token; that costs a decode slot, not a prefill) or, when the read failed, with no blocks, to be
+prefilled locally. A prefill worker's request (``hold_kv``) keeps its blocks when it finishes; the
+core hands them to a hold.
 """
 
 from __future__ import annotations
@@ -17,11 +27,14 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from dynamod.daemon.engines.mocker.block_pool import KVBlock
 from dynamod.daemon.engines.mocker.kv_manager import KVCacheManager
 from dynamod.daemon.engines.mocker.request import MockRequest, RequestStatus
 from dynamod.shared.protocol.llm import FINISH_LENGTH, FINISH_STOP
 
 logger = logging.getLogger(__name__)
+
+_NO_BLOCKS: list[KVBlock] = []
 
 
 @dataclass(slots=True)
@@ -33,6 +46,7 @@ class SchedulerOutput:
     decode_reqs: list[MockRequest] = field(default_factory=list)
     preempted_reqs: list[MockRequest] = field(default_factory=list)
     num_prefill_tokens: int = 0  # new (uncached) prefill tokens that cost compute this step
+    remote_loads: list[MockRequest] | None = None  # admitted this step to wait for remote KV
 
     @property
     def is_empty(self) -> bool:
@@ -68,6 +82,10 @@ class Scheduler:
         self.requests: dict[str, MockRequest] = {}
         self.waiting: deque[MockRequest] = deque()
         self.running: list[MockRequest] = []
+        self.waiting_for_remote: dict[str, MockRequest] = {}
+        # Aborted while their KV was being read: the read may still write into their blocks, so
+        # the blocks are freed when it ends (``finish_remote_load``), not at the abort.
+        self._aborted_loads: dict[str, MockRequest] = {}
         self.num_preemptions = 0
         # Prefix-cache statistics over first schedulings (what usage reports as cached tokens).
         self.prompt_tokens_seen = 0
@@ -90,11 +108,44 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            del self.waiting_for_remote[request_id]
+            self._aborted_loads[request_id] = request
+            request.status = RequestStatus.FINISHED
+            return request
         else:
             self.waiting.remove(request)
         self.kv_manager.free(request)
         request.status = RequestStatus.FINISHED
         return request
+
+    def finish_remote_load(self, request_id: str, ok: bool) -> bool:
+        """Ends a request's wait for remote KV: ``ok`` when every block not cached here arrived
+        (intact), else it will be prefilled locally. False when the request was aborted meanwhile
+        (its blocks are freed now) or is unknown."""
+        request = self.waiting_for_remote.pop(request_id, None)
+        kv = self.kv_manager
+        if request is None:
+            aborted = self._aborted_loads.pop(request_id, None)
+            if aborted is not None:
+                kv.free(aborted)
+            return False
+        request.remote = None
+        if ok:
+            kv.cache_blocks(request, request.num_tokens)
+            request.num_computed_tokens = request.num_tokens - 1
+            request.kv_transferred = True
+        else:
+            kv.free(request)
+            request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        return True
+
+    @property
+    def num_loading(self) -> int:
+        """Requests whose KV is being read from another worker (aborted ones included)."""
+        return len(self.waiting_for_remote) + len(self._aborted_loads)
 
     @property
     def num_waiting(self) -> int:
@@ -163,13 +214,27 @@ class Scheduler:
             waiting = self.waiting
             while waiting and budget > 0 and len(running) < self.max_num_seqs:
                 request = waiting[0]
-                hits, num_hit_tokens = kv.get_computed_blocks(request)
+                # Keep the watermark only while others run: alone, a request may use every block.
+                watermark = self.watermark_blocks if running else 0
+                if request.remote is not None:
+                    if not self._admit_remote(request, watermark):
+                        break
+                    waiting.popleft()
+                    if out.remote_loads is None:
+                        out.remote_loads = []
+                    out.remote_loads.append(request)
+                    continue
+                arrived = bool(request.blocks)
+                if arrived:
+                    # Its prompt's KV arrived from a prefill worker: the blocks are in place.
+                    hits, num_hit_tokens, num_new_hit = _NO_BLOCKS, request.num_computed_tokens, 0
+                else:
+                    hits, num_hit_tokens = kv.get_computed_blocks(request)
+                    num_new_hit = num_hit_tokens
                 num_new = request.num_tokens - num_hit_tokens
                 if num_new > budget:
                     num_new = budget  # chunked prefill
-                # Keep the watermark only while others run: alone, a request may use every block.
-                watermark = self.watermark_blocks if running else 0
-                if kv.allocate_slots(request, num_new, hits, num_hit_tokens, watermark) is None:
+                if kv.allocate_slots(request, num_new, hits, num_new_hit, watermark) is None:
                     break
                 waiting.popleft()
                 request.num_computed_tokens = num_hit_tokens
@@ -180,11 +245,33 @@ class Scheduler:
                     self.cached_tokens_seen += num_hit_tokens
                 running.append(request)
                 budget -= num_new
+                if arrived:
+                    # The last prompt token after a transfer: one token in the batch, a decode slot.
+                    decode_reqs.append(request)
+                    continue
                 prefill_reqs.append(request)
                 prefill_tokens.append(num_new)
                 if not request.kv_transferred:
                     out.num_prefill_tokens += num_new
         return out
+
+    def _admit_remote(self, request: MockRequest, watermark: int) -> bool:
+        """Allocates the whole prompt for a remote read; False if it does not fit now."""
+        kv = self.kv_manager
+        remote = request.remote
+        assert remote is not None
+        hits, num_hit_tokens = kv.get_computed_blocks(request)
+        num_new = request.num_tokens - num_hit_tokens
+        if kv.allocate_slots(request, num_new, hits, num_hit_tokens, watermark, delay_caching=True) is None:
+            return False
+        remote.local_hit_blocks = len(hits)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+            self.prompt_tokens_seen += request.num_prompt_tokens
+            self.cached_tokens_seen += num_hit_tokens
+        self.waiting_for_remote[request.request_id] = request
+        return True
 
     def _preempt(self, request: MockRequest) -> None:
         self.kv_manager.free(request)
@@ -192,6 +279,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.prefill_target = request.num_tokens
         request.kv_transferred = False  # the transferred KV is gone; recompute it here
+        request.remote = None
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -231,7 +319,8 @@ class Scheduler:
             return
         request.finish_reason = reason
         request.status = RequestStatus.FINISHED
-        self.kv_manager.free(request)
+        if not request.hold_kv:  # else the core moves the blocks to a hold for a decode worker
+            self.kv_manager.free(request)
         del self.requests[request.request_id]
         result.finished.append(request)
 

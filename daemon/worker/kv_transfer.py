@@ -1,0 +1,153 @@
+"""The worker's part of disaggregated serving: transfer settings, the context an engine is handed,
+and the transfer statistics behind the load metrics and the Prometheus counters.
+
+A worker of role ``prefill`` or ``decode`` whose engine keeps its own KV block memory (the mocker;
+``KvTransferEngine`` in ``engine.py``) gets a transfer agent over that memory, publishes the
+agent's metadata in discovery before it serves ``generate``, and hands the engine a
+``KvTransferContext``: the agent, the directory to find peers in, the deadlines and the stats.
+Engines with their own connector (vLLM's NixlConnector, SGLang's bootstrap) do not implement the
+protocol and move KV themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from dynamod.daemon.worker.metrics import KvTransferMetrics
+from dynamod.shared.errors import ConfigError
+from dynamod.shared.kv.transfer.base import KvTransferAgent, TransferResult
+from dynamod.shared.protocol.kv_transfer import KvTransferMetadata
+
+DEFAULT_HOLD_TIMEOUT_S = 60.0
+DEFAULT_TRANSFER_TIMEOUT_S = 10.0
+TRANSFER_BACKENDS = ("auto", "nixl", "tcp")
+_WINDOW = 512  # transfers the p50/p99 figures are taken over
+
+# Failure reasons (dynamo_component_kv_transfer_failures_total{reason}).
+REASON_TIMEOUT = "timeout"
+REASON_PEER_LOST = "peer_lost"  # no agent record, connection refused or broken
+REASON_CHECKSUM = "checksum"
+REASON_ERROR = "error"  # anything else: layout mismatch, a refusal, a bug
+
+
+@dataclass(frozen=True, slots=True)
+class KvTransferSettings:
+    """``--kv-transfer-*`` and ``--kv-hold-timeout``: how a prefill/decode worker moves KV."""
+
+    backend: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 0
+    hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S
+    transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
+    peer_component: str = "prefill"  # where decode workers look prefill workers' agents up
+
+
+def add_kv_transfer_args(group: argparse._ActionsContainer) -> None:
+    group.add_argument(
+        "--kv-transfer-backend", choices=TRANSFER_BACKENDS, default=os.environ.get("DYN_KV_TRANSFER_BACKEND", "auto"),
+        help="how prefill/decode workers move KV blocks: nixl (UCX), tcp, or auto (nixl when installed) "
+        "[env DYN_KV_TRANSFER_BACKEND, default auto]",
+    )
+    group.add_argument(
+        "--kv-transfer-port", type=int, default=0,
+        help="TCP port of the KV block server (worker i of --num-workers uses port+i; 0: any free port) [default 0]",
+    )
+    group.add_argument(
+        "--kv-hold-timeout", type=float, default=DEFAULT_HOLD_TIMEOUT_S,
+        help="prefill: seconds a computed prompt's KV blocks wait for the decode worker to read them "
+        "[default %(default)s]",
+    )
+    group.add_argument(
+        "--kv-transfer-timeout", type=float, default=DEFAULT_TRANSFER_TIMEOUT_S,
+        help="decode: seconds to read a prompt's KV blocks before prefilling locally instead [default %(default)s]",
+    )
+
+
+def kv_transfer_settings(args: argparse.Namespace, host: str, index: int = 0) -> KvTransferSettings:
+    """Settings of worker ``index`` of this process; the agent binds the runtime's ``host``."""
+    for flag, value in (("--kv-hold-timeout", args.kv_hold_timeout), ("--kv-transfer-timeout", args.kv_transfer_timeout)):
+        if not value > 0:
+            raise ConfigError(f"{flag} must be > 0 seconds, got {value}")
+    return KvTransferSettings(
+        backend=args.kv_transfer_backend,
+        host=host,
+        port=args.kv_transfer_port + index if args.kv_transfer_port else 0,
+        hold_timeout_s=args.kv_hold_timeout,
+        transfer_timeout_s=args.kv_transfer_timeout,
+    )
+
+
+class TransferDirectory(Protocol):
+    """What an engine needs of ``KvTransferDirectory``: finding a peer's agent."""
+
+    async def lookup(self, worker_id: int, component: str = "prefill", *, timeout_s: float = 5.0) -> KvTransferMetadata: ...
+
+
+class KvTransferStats:
+    """Cumulative transfer figures of one worker, a bounded window of transfer times, and the
+    Prometheus series they feed. A decode worker counts what it pulled; a prefill worker counts
+    as served the blocks a decode worker's notification released."""
+
+    def __init__(self, worker_id: int, backend: str, metrics: KvTransferMetrics | None = None) -> None:
+        self.worker_id = worker_id
+        self.backend = backend
+        self._metrics = metrics
+        self._wid = f"{worker_id:x}"
+        self.bytes_total = 0
+        self.transfers = 0
+        self.failures = 0
+        self.failures_by_reason: dict[str, int] = {}
+        self.holds_expired = 0
+        self.held_blocks = 0
+        self._ms: deque[float] = deque(maxlen=_WINDOW)
+
+    def pulled(self, result: TransferResult) -> None:
+        self.bytes_total += result.num_bytes
+        self.transfers += 1
+        self._ms.append(result.seconds * 1000.0)
+        if self._metrics is not None:
+            self._metrics.pulled(self._wid, result)
+
+    def served(self, num_blocks: int, num_bytes: int) -> None:
+        self.bytes_total += num_bytes
+        self.transfers += 1
+        if self._metrics is not None:
+            self._metrics.served(self._wid, self.backend, num_blocks, num_bytes)
+
+    def failed(self, reason: str) -> None:
+        self.failures += 1
+        self.failures_by_reason[reason] = self.failures_by_reason.get(reason, 0) + 1
+        if self._metrics is not None:
+            self._metrics.failed(self._wid, reason)
+
+    def hold_expired(self) -> None:
+        self.holds_expired += 1
+        if self._metrics is not None:
+            self._metrics.hold_expired(self._wid)
+
+    def set_held_blocks(self, n: int) -> None:
+        self.held_blocks = n
+        if self._metrics is not None:
+            self._metrics.held(self._wid, n)
+
+    def percentiles_ms(self) -> tuple[float, float]:
+        """(p50, p99) of the transfer times in the window; zeros before the first transfer."""
+        if not self._ms:
+            return 0.0, 0.0
+        ordered = sorted(self._ms)
+        last = len(ordered) - 1
+        return ordered[round(0.5 * last)], ordered[round(0.99 * last)]
+
+
+@dataclass(slots=True)
+class KvTransferContext:
+    """What a ``KvTransferEngine`` is handed once its agent serves and is published."""
+
+    agent: KvTransferAgent
+    directory: TransferDirectory
+    stats: KvTransferStats
+    settings: KvTransferSettings
