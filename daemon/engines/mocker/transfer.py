@@ -58,6 +58,20 @@ _LOOKUP_TIMEOUT_S = 2.0  # a prefill worker that handed out params has published
 LoadDone = Callable[[int, str, bool, dict[str, Any]], None]  # rank, request id, ok, report
 
 
+def notify_message(transfer_id: str, blocks_read: int) -> str:
+    """The read's completion notification: the transfer id and how many blocks were read (a
+    one-sided NIXL read is invisible to the serving side, so the reader tells it)."""
+    return f"{transfer_id}|{blocks_read}"
+
+
+def parse_notify_message(message: str) -> tuple[str, int]:
+    """``(transfer_id, blocks_read)``; a bare transfer id counts as nothing read."""
+    tid, sep, count = message.rpartition("|")
+    if not sep or not count.isdigit():
+        return message, 0
+    return tid, int(count)
+
+
 def parse_transfer_params(raw: object) -> KvTransferParams:
     """The mocker's ``disaggregated_params``; ``InvalidRequestError`` naming the field otherwise."""
     if not isinstance(raw, dict):
@@ -129,12 +143,17 @@ class MockerKvTransfer:
         return self._release(transfer_id)
 
     def _on_notify(self, message: str) -> None:
-        hold = self._release(message)
+        transfer_id, blocks_read = parse_notify_message(message)
+        hold = self._release(transfer_id)
         if hold is None:
-            logger.debug("kv notify for no hold worker_id=%x transfer_id=%s", self.worker_id, message)
+            logger.debug("kv notify for no hold worker_id=%x transfer_id=%s", self.worker_id, transfer_id)
             return
-        self.ctx.stats.served(len(hold.block_ids), len(hold.block_ids) * self.memory.block_bytes)
-        logger.debug("kv hold released worker_id=%x transfer_id=%s blocks=%d", self.worker_id, message, len(hold.block_ids))
+        if blocks_read:
+            self.ctx.stats.served(blocks_read, blocks_read * self.memory.block_bytes)
+        logger.debug(
+            "kv hold released worker_id=%x transfer_id=%s blocks=%d read=%d",
+            self.worker_id, transfer_id, len(hold.block_ids), blocks_read,
+        )
 
     def _expire(self, transfer_id: str) -> None:
         self._expiry.pop(transfer_id, None)
@@ -215,7 +234,8 @@ class MockerKvTransfer:
             if remaining <= 0:
                 raise KvTransferTimeout(f"no time left to read after finding agent {meta.agent_name}")
             result = await self.ctx.agent.read_blocks(
-                meta, params.block_ids[k:], load.local_block_ids[k:], timeout_s=remaining, notify=params.transfer_id
+                meta, params.block_ids[k:], load.local_block_ids[k:], timeout_s=remaining,
+                notify=notify_message(params.transfer_id, len(params.block_ids) - k),
             )
             checksum = self.memory.checksum(load.local_block_ids)
             report.update(
@@ -269,7 +289,7 @@ class MockerKvTransfer:
 
     async def _notify(self, meta: KvTransferMetadata, transfer_id: str) -> None:
         try:
-            await self.ctx.agent.notify(meta, transfer_id, timeout_s=_NOTIFY_TIMEOUT_S)
+            await self.ctx.agent.notify(meta, notify_message(transfer_id, 0), timeout_s=_NOTIFY_TIMEOUT_S)
         except Exception as exc:  # the peer is gone: its hold dies with it
             logger.debug("kv notify failed worker_id=%x transfer_id=%s error=%s", self.worker_id, transfer_id, exc)
 
