@@ -49,74 +49,75 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DisaggCluster]
 
 
 async def test_chat_and_completions_remote_prefill(cluster: DisaggCluster) -> None:
-    api = _api(cluster)
-    # Unary chat.
-    raw = await api.chat.completions.with_raw_response.create(
-        model="tiny", messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=12,
-        extra_body={"ignore_eos": True}, extra_headers=_explain_on(),
-    )
-    chat = raw.parse()
-    assert chat.choices[0].finish_reason == "length"
-    assert chat.usage.completion_tokens == 12
-    route = explain(raw.headers)
-    assert route["disagg"]["mode"] == "remote", route
-    assert route["stage"] == "decode" and route["prefill"]["stage"] == "prefill", route
-    # Streaming chat: every token arrives, and usage at the end.
-    pieces, usage = [], None
-    stream = await api.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": LONG_PROMPT + " again"}], max_tokens=20, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-    )
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            pieces.append(chunk.choices[0].delta.content)
-        if chunk.usage is not None:
-            usage = chunk.usage
-    assert usage is not None and usage.completion_tokens == 20 and pieces
-    # Unary and streaming completions.
-    comp = await api.completions.create(model="tiny", prompt=LONG_PROMPT, max_tokens=8, extra_body={"ignore_eos": True})
-    assert comp.usage.completion_tokens == 8 and comp.choices[0].text
-    tokens = 0
-    async for chunk in await api.completions.create(
-        model="tiny", prompt=LONG_PROMPT + " twice", max_tokens=16, stream=True,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
-    ):
-        if chunk.choices:
-            tokens += len(getattr(chunk.choices[0], "token_ids", None) or [])
-    assert tokens == 16
+    async with _api(cluster) as api:
+        # Unary chat.
+        raw = await api.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=12,
+            extra_body={"ignore_eos": True}, extra_headers=_explain_on(),
+        )
+        chat = raw.parse()
+        assert chat.choices[0].finish_reason == "length"
+        assert chat.usage.completion_tokens == 12
+        route = explain(raw.headers)
+        assert route["disagg"]["mode"] == "remote", route
+        assert route["stage"] == "decode" and route["prefill"]["stage"] == "prefill", route
+        # Streaming chat: every token arrives, and usage at the end.
+        pieces, usage = [], None
+        stream = await api.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": LONG_PROMPT + " again"}], max_tokens=20, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+            if chunk.usage is not None:
+                usage = chunk.usage
+        assert usage is not None and usage.completion_tokens == 20 and pieces
+        # Unary and streaming completions.
+        comp = await api.completions.create(model="tiny", prompt=LONG_PROMPT, max_tokens=8, extra_body={"ignore_eos": True})
+        assert comp.usage.completion_tokens == 8 and comp.choices[0].text
+        tokens = 0
+        async for chunk in await api.completions.create(
+            model="tiny", prompt=LONG_PROMPT + " twice", max_tokens=16, stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        ):
+            if chunk.choices:
+                tokens += len(getattr(chunk.choices[0], "token_ids", None) or [])
+        assert tokens == 16
 
 
 async def test_cached_tokens_reported_and_bytes_match(cluster: DisaggCluster) -> None:
-    api = _api(cluster)
-    prompt = "Cache me first. " + LONG_PROMPT  # a new first block: nothing of it is cached yet
-    first = await api.completions.create(model="tiny", prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True})
-    second = await api.completions.create(model="tiny", prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True})
-    details = second.usage.prompt_tokens_details
-    assert details is not None and details.cached_tokens >= 64, second.usage
-    assert (first.usage.prompt_tokens_details is None or first.usage.prompt_tokens_details.cached_tokens < details.cached_tokens)
-    prefill, decode = cluster.by_role("prefill")[0], cluster.by_role("decode")[0]
+    async with _api(cluster) as api:
+        prompt = "Cache me first. " + LONG_PROMPT  # a new first block: nothing of it is cached yet
+        first = await api.completions.create(model="tiny", prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True})
+        second = await api.completions.create(model="tiny", prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True})
+        details = second.usage.prompt_tokens_details
+        assert details is not None and details.cached_tokens >= 64, second.usage
+        assert (first.usage.prompt_tokens_details is None or first.usage.prompt_tokens_details.cached_tokens < details.cached_tokens)
+        prefill, decode = cluster.by_role("prefill")[0], cluster.by_role("decode")[0]
 
-    def settled() -> tuple[float, float] | None:
-        served = metric_sum(cluster.metrics(prefill), "dynamo_component_kv_transfer_bytes_total", direction="served")
-        pulled = metric_sum(cluster.metrics(decode), "dynamo_component_kv_transfer_bytes_total", direction="pulled")
-        return (served, pulled) if served > 0 and served == pulled else None
+        def settled() -> tuple[float, float] | None:
+            served = metric_sum(cluster.metrics(prefill), "dynamo_component_kv_transfer_bytes_total", direction="served")
+            pulled = metric_sum(cluster.metrics(decode), "dynamo_component_kv_transfer_bytes_total", direction="pulled")
+            return (served, pulled) if served > 0 and served == pulled else None
 
-    served, pulled = wait_until(settled, 10, what="decode pulled exactly what prefill served")
-    decode_metrics = cluster.metrics(decode)
-    # The decode worker verifies every transfer's checksum against the one the prefill worker
-    # computed; a mismatch would be counted here (and the request prefilled locally).
-    assert metric_sum(decode_metrics, "dynamo_component_kv_transfer_failures_total") == 0
-    assert metric_sum(decode_metrics, "dynamo_component_kv_transfer_blocks_total", direction="pulled") > 0
-    # Held blocks are released once the decode worker confirms.
-    wait_until(lambda: metric_sum(cluster.metrics(prefill), "dynamo_component_kv_held_blocks") == 0, 10,
-               what="prefill worker released its held blocks")
-    assert served == pulled
+        served, pulled = wait_until(settled, 10, what="decode pulled exactly what prefill served")
+        decode_metrics = cluster.metrics(decode)
+        # The decode worker verifies every transfer's checksum against the one the prefill worker
+        # computed; a mismatch would be counted here (and the request prefilled locally).
+        assert metric_sum(decode_metrics, "dynamo_component_kv_transfer_failures_total") == 0
+        assert metric_sum(decode_metrics, "dynamo_component_kv_transfer_blocks_total", direction="pulled") > 0
+        # Held blocks are released once the decode worker confirms.
+        wait_until(lambda: metric_sum(cluster.metrics(prefill), "dynamo_component_kv_held_blocks") == 0, 10,
+                   what="prefill worker released its held blocks")
+        assert served == pulled
 
 
 async def _stream_tokens(api: openai.AsyncOpenAI, index: int, max_tokens: int, progress: list[int]) -> tuple[int, str]:
     received, finish = 0, ""
     async for chunk in await api.completions.create(
-        model="tiny", prompt=f"{LONG_PROMPT} stream {index}", max_tokens=max_tokens, stream=True,
+        # Each prompt new from its first block: nothing cached anywhere pins them to one worker.
+        model="tiny", prompt=f"Stream {index} begins. {LONG_PROMPT}", max_tokens=max_tokens, stream=True,
         extra_body={"ignore_eos": True, "return_token_ids": True},
     ):
         if chunk.choices:
@@ -130,17 +131,17 @@ async def _run_streams(cluster: DisaggCluster, n: int, max_tokens: int, fault, *
     """``n`` streams started ``gap_s`` apart, so prefills and transfers are under way at any
     moment; ``fault()`` runs once a quarter of them started. All must end complete (exactly
     ``max_tokens`` tokens, finish ``length``): no stream lost or silently truncated."""
-    api = _api(cluster)
-    progress = [0] * n
-    tasks: list[asyncio.Task[tuple[int, str]]] = []
-    for i in range(n):
-        tasks.append(asyncio.create_task(_stream_tokens(api, i, max_tokens, progress)))
-        if i == n // 4:
-            await asyncio.to_thread(fault)
-        await asyncio.sleep(gap_s)
-    results = await asyncio.wait_for(asyncio.gather(*tasks), 180)
-    for i, (received, finish) in enumerate(results):
-        assert (received, finish) == (max_tokens, "length"), f"stream {i}: {received} tokens, finish {finish!r}"
+    async with _api(cluster) as api:
+        progress = [0] * n
+        tasks: list[asyncio.Task[tuple[int, str]]] = []
+        for i in range(n):
+            tasks.append(asyncio.create_task(_stream_tokens(api, i, max_tokens, progress)))
+            if i == n // 4:
+                await asyncio.to_thread(fault)
+            await asyncio.sleep(gap_s)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 180)
+        for i, (received, finish) in enumerate(results):
+            assert (received, finish) == (max_tokens, "length"), f"stream {i}: {received} tokens, finish {finish!r}"
 
 
 def _recoveries(cluster: DisaggCluster) -> float:
@@ -203,13 +204,13 @@ async def test_local_fallback_without_prefill_pool(tmp_path) -> None:
         c.wait_pools(prefill=1, decode=1)
         prefill.stop()
         wait_until(lambda: int(c.model_entry().get("prefill_ready", 0)) == 0, 20, what="prefill pool gone")
-        api = _api(c)
-        raw = await api.completions.with_raw_response.create(
-            model="tiny", prompt=LONG_PROMPT, max_tokens=8, extra_body={"ignore_eos": True}, extra_headers=_explain_on(),
-        )
-        assert raw.parse().usage.completion_tokens == 8
-        route = explain(raw.headers)
-        assert route["disagg"]["mode"] == "local" and route["disagg"]["reason"] == "no_prefill_workers", route
+        async with _api(c) as api:
+            raw = await api.completions.with_raw_response.create(
+                model="tiny", prompt=LONG_PROMPT, max_tokens=8, extra_body={"ignore_eos": True}, extra_headers=_explain_on(),
+            )
+            assert raw.parse().usage.completion_tokens == 8
+            route = explain(raw.headers)
+            assert route["disagg"]["mode"] == "local" and route["disagg"]["reason"] == "no_prefill_workers", route
     finally:
         c.stop()
 
@@ -224,30 +225,30 @@ async def test_conditional_disagg_follows_thresholds(tmp_path) -> None:
             "--router-conditional-disagg-config", '{"policy": "isl_bounding", "eff_isl_threshold": 256, "eff_isl_ratio_threshold": 0.7}',
         )
         c.wait_pools(prefill=1, decode=1)
-        api = _api(c)
+        async with _api(c) as api:
 
-        async def route(prompt: str) -> dict:
-            raw = await api.completions.with_raw_response.create(
-                model="tiny", prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True}, extra_headers=_explain_on(),
-            )
-            assert raw.parse().usage.completion_tokens == 4
-            return explain(raw.headers)["disagg"]
+            async def route(prompt: str) -> dict:
+                raw = await api.completions.with_raw_response.create(
+                    model="tiny", prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True}, extra_headers=_explain_on(),
+                )
+                assert raw.parse().usage.completion_tokens == 4
+                return explain(raw.headers)["disagg"]
 
-        # Short prompt: effective ISL below 256 but nothing cached, ratio 1.0 -> not below 0.7: remote.
-        short = await route("a short question")
-        assert short["mode"] == "remote" and short["reason"] == "isl_above_threshold", short
-        # Long and new: effective ISL above the threshold: remote.
-        first = await route(LONG_PROMPT)
-        assert first["mode"] == "remote", first
-        assert first["effective_isl"] == first["isl"] > 256
-        # The decode worker now caches the long prompt's blocks (its own KV events say so): the
-        # same prompt plus a short tail has a small effective ISL and a low ratio: local.
-        def cached_local() -> dict | None:
-            info = asyncio.run_coroutine_threadsafe(route(LONG_PROMPT + " and one more line"), loop).result(30)
-            return info if info["mode"] == "local" else None
+            # Short prompt: effective ISL below 256 but nothing cached, ratio 1.0 -> not below 0.7: remote.
+            short = await route("a short question")
+            assert short["mode"] == "remote" and short["reason"] == "isl_above_threshold", short
+            # Long and new: effective ISL above the threshold: remote.
+            first = await route(LONG_PROMPT)
+            assert first["mode"] == "remote", first
+            assert first["effective_isl"] == first["isl"] > 256
+            # The decode worker now caches the long prompt's blocks (its own KV events say so): the
+            # same prompt plus a short tail has a small effective ISL and a low ratio: local.
+            def cached_local() -> dict | None:
+                info = asyncio.run_coroutine_threadsafe(route(LONG_PROMPT + " and one more line"), loop).result(30)
+                return info if info["mode"] == "local" else None
 
-        loop = asyncio.get_running_loop()
-        again = await asyncio.to_thread(wait_until, cached_local, 20, 0.2, "a cached prompt prefilled locally")
-        assert again["reason"] == "isl_bounding" and again["effective_isl"] < 256, again
+            loop = asyncio.get_running_loop()
+            again = await asyncio.to_thread(wait_until, cached_local, 20, 0.2, "a cached prompt prefilled locally")
+            assert again["reason"] == "isl_bounding" and again["effective_isl"] < 256, again
     finally:
         c.stop()
