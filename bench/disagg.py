@@ -11,6 +11,12 @@ and the block size. Every configuration's first read is verified against the byt
 (``checksum_ok``). The default block is a Llama-3-8B-like one: 32 layers x 8 KV heads x 128 head
 dim x 2 (K and V) x 2 bytes x 16 tokens = 2 MiB. NIXL runs only where it is usable (else its
 entry says why); UCX transports follow ``UCX_TLS`` (defaults: shared memory and TCP on one host).
+
+``serving`` (``bench/disagg_serving.py``): aggregated vs disaggregated clusters of real processes
+at the same total worker count under a mixed load (long prompts among short-prompt, long-output
+streams), TTFT and ITL p50/p99 per request class:
+
+    python bench/disagg.py --sections serving [--topologies agg:4,disagg:1:3,disagg:2:2]
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ from dynamod.shared.kv.transfer.factory import create_agent, nixl_unavailable_re
 from dynamod.shared.kv.transfer.memory import KvBlockMemory  # noqa: E402
 from dynamod.shared.kv.transfer.peer import block_pattern, parse_ready_line  # noqa: E402
 from dynamod.shared.protocol.kv_transfer import KvLayout  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from disagg_serving import add_serving_args, serving_section  # noqa: E402
 
 LLAMA3_8B_BLOCK = KvLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2, block_size=16)
 
@@ -150,6 +159,7 @@ async def transfer_section(args: argparse.Namespace) -> dict[str, Any]:
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, dict[str, Any]]]] = {
     "transfer": transfer_section,
+    "serving": serving_section,
 }
 
 
@@ -172,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"bytes per block [default {LLAMA3_8B_BLOCK.block_bytes}: Llama-3-8B, 16 tokens, bf16]",
     )
     g.add_argument("--iterations", type=int, default=20, help="timed reads per configuration [default 20]")
+    add_serving_args(parser)
     return parser
 
 

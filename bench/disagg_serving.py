@@ -1,0 +1,249 @@
+"""The ``serving`` section of ``bench/disagg.py``: aggregated vs disaggregated at the same total
+worker count, under a mixed load.
+
+Each topology runs as real processes (a frontend in kv mode and mocker workers on file discovery
+and ZMQ events, like ``dynamod up``). The load mixes two classes, as the issue asks:
+
+- ``short``: many streams with short prompts and long outputs, kept at a fixed concurrency for the
+  whole run (the running decodes whose inter-token latency disaggregation is meant to protect);
+- ``long``: long prompts (4-8k tokens by default) with short outputs, arriving at a fixed rate
+  among them.
+
+For each class it reports TTFT and ITL p50/p99 in wall milliseconds (the mocker runs at
+``--serving-speedup``; multiply by it for model time). In an aggregated worker a long prompt's
+prefill step is also the step of every decode running there, so those decodes' ITL jumps by the
+prefill time; in a disaggregated cluster the decode workers only receive finished KV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from frontend_load import Connection, HttpError, make_prompts, stream_request
+
+CLI = [sys.executable, "-m", "dynamod.daemon.cli"]
+
+
+def add_serving_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("serving")
+    g.add_argument("--topologies", default="agg:4,disagg:1:3,disagg:1:3:cond,disagg:2:2",
+                   help="agg:N and disagg:P:D[:cond] (cond: --router-conditional-disagg), comma-separated "
+                   "[default agg:4,disagg:1:3,disagg:1:3:cond,disagg:2:2]")
+    g.add_argument("--serving-duration", type=float, default=30.0, help="seconds of load per topology [default 30]")
+    g.add_argument("--serving-speedup", type=float, default=1.0, help="mocker --speedup-ratio [default 1]")
+    g.add_argument("--short-concurrency", type=int, default=24, help="short streams kept running [default 24]")
+    g.add_argument("--short-prompt-tokens", type=int, default=100, help="[default 100]")
+    g.add_argument("--short-max-tokens", type=int, default=200, help="[default 200]")
+    g.add_argument("--long-rate", type=float, default=4.0, help="long-prompt requests per second [default 4]")
+    g.add_argument("--long-prompt-tokens", default="4096,8000", help="range of long prompts [default 4096,8000]")
+    g.add_argument("--long-max-tokens", type=int, default=16, help="[default 16]")
+    g.add_argument("--serving-worker-args", default="", help="extra flags for every worker")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get_json(url: str) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as resp:
+            return json.loads(resp.read())
+    except (OSError, ValueError):
+        return None
+
+
+class Cluster:
+    """One topology's processes; ``close()`` stops them."""
+
+    def __init__(self, topology: str, args: argparse.Namespace) -> None:
+        self.topology = topology
+        self.root = Path(tempfile.mkdtemp(prefix="dynamod-bench-disagg-"))
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
+        self.env["DYN_FILE_KV"] = str(self.root / "kv")
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.port = _free_port()
+        parts = topology.split(":")
+        frontend_extra: list[str] = []
+        if parts[0] == "agg" and len(parts) == 2:
+            self.pools = {"agg": int(parts[1])}
+        elif parts[0] == "disagg" and len(parts) in (3, 4) and parts[3:] in ([], ["cond"]):
+            self.pools = {"prefill": int(parts[1]), "decode": int(parts[2])}
+            if parts[3:] == ["cond"]:
+                frontend_extra = ["--router-conditional-disagg"]
+        else:
+            raise SystemExit(f"bad topology {topology!r}: use agg:N or disagg:P:D[:cond]")
+        runtime = ["--discovery-backend", "file", "--event-plane", "zmq", "--file-kv", str(self.root / "kv")]
+        worker_extra = args.serving_worker_args.split()
+        for role, count in self.pools.items():
+            for i in range(count):
+                self._spawn(f"{role}-{i}", [*CLI, "--role", role, "--engine", "mocker", "--model", "tiny", *runtime,
+                                            "--speedup-ratio", str(args.serving_speedup), *worker_extra])
+        self._spawn("frontend", [*CLI, "--role", "frontend", *runtime, "--http-port", str(self.port),
+                                 "--router-mode", "kv", *frontend_extra])
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = open(self.root / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the process
+        self.procs.append(subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float = 90.0) -> None:
+        want_decode = self.pools.get("agg", 0) + self.pools.get("decode", 0)
+        want_prefill = self.pools.get("prefill", 0)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            body = _get_json(self.url + "/health") or {}
+            for m in body.get("models", []):
+                ready = sum(1 for w in m.get("workers", []) if w.get("status") == "ready")
+                if m.get("model") == "tiny" and ready >= want_decode and m.get("prefill_ready", 0) >= want_prefill:
+                    return
+            time.sleep(0.2)
+        raise SystemExit(f"{self.topology}: cluster not ready after {timeout_s}s; logs in {self.root}")
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q / 100.0 * len(s)))]
+
+
+class ClassStats:
+    def __init__(self) -> None:
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+        self.done = 0
+        self.errors = 0
+        self.last_error = ""
+
+    def summary(self) -> dict[str, Any]:
+        ms = 1000.0
+        return {
+            "requests": self.done, "errors": self.errors,
+            "ttft_ms_p50": round(_pct(self.ttft, 50) * ms, 2), "ttft_ms_p99": round(_pct(self.ttft, 99) * ms, 2),
+            "itl_ms_p50": round(_pct(self.itl, 50) * ms, 2), "itl_ms_p99": round(_pct(self.itl, 99) * ms, 2),
+            "itl_ms_p999": round(_pct(self.itl, 99.9) * ms, 2), "itl_ms_max": round(max(self.itl, default=0.0) * ms, 2),
+            # Gaps longer than a long prompt's prefill would cause: decodes stalled behind one.
+            "itl_over_50ms": sum(1 for x in self.itl if x > 0.05),
+            **({"last_error": self.last_error} if self.last_error else {}),
+        }
+
+
+def _body(prompt: str, max_tokens: int) -> bytes:
+    return json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                       "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()
+
+
+async def _one(conn: Connection, body: bytes, stats: ClassStats) -> None:
+    try:
+        result = await stream_request(conn, "/v1/completions", body, keep_alive=True)
+    except (HttpError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
+        stats.errors += 1
+        stats.last_error = str(exc)[:200]
+        conn.close()
+        return
+    stats.done += 1
+    stats.ttft.append(result.ttft)
+    stats.itl.extend(result.itls)
+
+
+async def run_load(url: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    host, port = url.removeprefix("http://").split(":")
+    rng = random.Random(seed)
+    lo, hi = (int(x) for x in args.long_prompt_tokens.split(","))
+    short_prompts = make_prompts(512, args.short_prompt_tokens, seed)
+    long_lengths = sorted({rng.randint(lo, hi) // 256 * 256 for _ in range(16)})
+    long_prompts = {n: make_prompts(64, n, seed + n) for n in long_lengths}
+    short, long_ = ClassStats(), ClassStats()
+    stop_at = time.monotonic() + args.serving_duration
+
+    async def short_loop(i: int) -> None:
+        conn = Connection(host, int(port))
+        k = i
+        while time.monotonic() < stop_at:
+            await _one(conn, _body(short_prompts[k % len(short_prompts)], args.short_max_tokens), short)
+            k += args.short_concurrency
+        conn.close()
+
+    async def long_arrivals() -> None:
+        tasks = []
+        k = 0
+        # Let the short streams reach their steady state first.
+        await asyncio.sleep(min(3.0, args.serving_duration / 5))
+        while time.monotonic() < stop_at - 2.0:
+            n = rng.choice(long_lengths)
+            conn = Connection(host, int(port))
+            tasks.append(asyncio.create_task(_one(conn, _body(long_prompts[n][k % 64], args.long_max_tokens), long_)))
+            k += 1
+            await asyncio.sleep(rng.expovariate(args.long_rate))
+        await asyncio.gather(*tasks)
+
+    await asyncio.gather(long_arrivals(), *(short_loop(i) for i in range(args.short_concurrency)))
+    return {"short": short.summary(), "long": long_.summary()}
+
+
+def _frontend_disagg_counts(url: str) -> dict[str, float]:
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("dynamo_frontend_disagg_decisions_total{"):
+            labels, value = line.rsplit(" ", 1)
+            mode = labels.split('mode="', 1)[1].split('"', 1)[0]
+            out[mode] = out.get(mode, 0.0) + float(value)
+    return out
+
+
+async def serving_section(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "speedup": args.serving_speedup, "duration_s": args.serving_duration,
+        "short": {"concurrency": args.short_concurrency, "prompt_tokens": args.short_prompt_tokens,
+                  "max_tokens": args.short_max_tokens},
+        "long": {"rate_per_s": args.long_rate, "prompt_tokens": args.long_prompt_tokens,
+                 "max_tokens": args.long_max_tokens},
+        "topologies": {},
+    }
+    for topology in args.topologies.split(","):
+        cluster = Cluster(topology.strip(), args)
+        try:
+            await asyncio.to_thread(cluster.wait_ready)
+            result = await run_load(cluster.url, args, seed=1)
+            decisions = _frontend_disagg_counts(cluster.url)
+            if decisions:
+                result["prefill_decisions"] = decisions
+            out["topologies"][topology] = result
+            print(f"serving {topology}: {json.dumps(result)}", file=sys.stderr, flush=True)
+        finally:
+            await asyncio.to_thread(cluster.close)
+    return out
