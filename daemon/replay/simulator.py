@@ -12,13 +12,16 @@ Aggregated (``replay``): one pool; each worker prefills and decodes its own requ
 Disaggregated (``replay_disagg``): a prefill pool and a decode pool, each with its own router
 over its own cores' KV events. Per request, at arrival:
 
-1. the decode worker is chosen (the KvRouter over the decode pool, or round-robin / random);
+1. the decode worker normal KV routing would choose is estimated (counting nothing), for its
+   cached prefix; round-robin / random simply choose it;
 2. the prefill worker is chosen (a second KvRouter over the prefill pool; the request counts on
    it only while it prefills, as Dynamo's prefill router keeps no decode-block load);
 3. ``disagg_policy.decide`` says remote or local, from the prompt length minus the prefix the
    chosen decode worker caches (its router's overlap) and the chosen prefill core's queued prefill
    tokens (see ``_Pool.prefill_load_tokens``);
-4. remote: the prefill core runs the prompt with ``max_tokens=1``; when that step ends, the KV
+4. the decode stage is routed for real, as the frontend does: with no overlap credit for prefix
+   blocks when the prompt goes remote (Dynamo's decode stage), with the usual weight when local;
+5. remote: the prefill core runs the prompt with ``max_tokens=1``; when that step ends, the KV
    blocks the decode worker lacks travel in ``TransferModel.time_ms``; then the decode core takes
    the request with ``kv_transferred=True`` (its prompt occupies the decode cache at no compute)
    and decodes. Local: the decode core prefills it itself, exactly as in agg mode.
@@ -57,7 +60,7 @@ from dynamod.daemon.router.kv_router import KvRouter
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.kv.hashing import hash_tokens
 from dynamod.shared.protocol.kv_events import RouterEvent
-from dynamod.shared.protocol.routing import DISAGG_REMOTE
+from dynamod.shared.protocol.routing import DISAGG_REMOTE, DisaggInfo
 
 MODES = ("kv", "round-robin", "random")
 
@@ -121,15 +124,25 @@ class _Picker:
             self.router.update_workers([(w, 0) for w in range(n_workers)])
         self._event_ids = [0] * n_workers
 
-    def pick(self, req: TraceRequest) -> tuple[int, int | None]:
-        """The worker for ``req`` and, in kv mode, the prompt blocks it caches (else None)."""
+    def pick(self, req: TraceRequest, overlap_weight: float | None = None) -> tuple[int, int | None]:
+        """The worker for ``req`` and, in kv mode, the prompt blocks it caches (else None).
+        ``overlap_weight`` overrides the router's (0 for a decode stage after remote prefill)."""
         if self._routes:
             assert self.router is not None
-            decision = self.router.select_worker(str(req.index), req.prompt)
+            decision = self.router.select_worker(str(req.index), req.prompt, overlap_weight=overlap_weight)
             return decision.worker_id, decision.overlap_blocks
         if self.mode == "random":
             return self._rng.randrange(self._n), None
         return next(self._rr) % self._n, None
+
+    def estimate(self, req: TraceRequest) -> tuple[int, int] | None:
+        """kv mode: the worker ``pick`` would choose and the blocks it caches, counting nothing
+        (what the live router's decode estimate gives the disaggregation policy); else None."""
+        if not self._routes:
+            return None
+        assert self.router is not None
+        decision = self.router.best_worker(str(req.index), req.prompt)
+        return decision.worker_id, decision.overlap_blocks
 
     def cached_blocks(self, worker: int, prompt: list[int]) -> int:
         """Leading prompt blocks ``worker`` caches now, by the pool's KV index (0 without one)."""
@@ -262,15 +275,45 @@ class _Simulation:
 
     def _arrive(self, req: TraceRequest) -> None:
         rid = str(req.index)
-        dw, overlap = self.decode_picker.pick(req)
-        st = self.stats[rid] = RequestStats(arrival_ms=self.now, prompt_tokens=len(req.prompt), worker=dw)
-        if self.policy is not None and self._prefill_remotely(req, rid, dw, overlap, st):
+        if self.policy is None:
+            dw, _ = self.decode_picker.pick(req)
+            self.stats[rid] = RequestStats(arrival_ms=self.now, prompt_tokens=len(req.prompt), worker=dw)
+            self._start_local(req, rid, dw)
             return
+        # As the live frontend: the decode worker normal KV routing would pick (counting nothing)
+        # gives the effective ISL; after the decision the decode stage is routed for real, with no
+        # overlap credit when the prompt is prefilled remotely. Round-robin and random choose the
+        # same worker either way, so they choose once.
+        estimate = self.decode_picker.estimate(req)
+        chosen = estimate is None
+        dw, overlap = self.decode_picker.pick(req) if estimate is None else estimate
+        st = self.stats[rid] = RequestStats(arrival_ms=self.now, prompt_tokens=len(req.prompt), worker=dw)
+        info, pw = self._decide(req, rid, dw, overlap)
+        st.reason = info.reason
+        self.reasons[info.reason] = self.reasons.get(info.reason, 0) + 1
+        remote = info.mode == DISAGG_REMOTE
+        if not chosen:
+            dw, _ = self.decode_picker.pick(req, overlap_weight=0.0 if remote else None)
+            st.worker = dw
+        if not remote:
+            self._start_local(req, rid, dw)
+            return
+        st.remote = True
+        st.prefill_worker = pw
+        # The decode worker will not compute this prompt: its router stops counting it as prefill
+        # load now and keeps only its blocks as decode load.
+        self.decode_picker.on_first_token(rid)
+        self._requests[rid] = req
+        self.prefill.cores[pw].add_request(rid, req.prompt, max_tokens=1, ignore_eos=True, seed=req.index)
+        self._wake(self.prefill, pw)
+
+    def _start_local(self, req: TraceRequest, rid: str, dw: int) -> None:
         self.decode.cores[dw].add_request(rid, req.prompt, max_tokens=req.output_length, ignore_eos=True, seed=req.index)
         self._wake(self.decode, dw)
 
-    def _prefill_remotely(self, req: TraceRequest, rid: str, dw: int, overlap: int | None, st: RequestStats) -> bool:
-        """Decides remote or local prefill; on remote, queues the prompt on a prefill core."""
+    def _decide(self, req: TraceRequest, rid: str, dw: int, overlap: int | None) -> tuple[DisaggInfo, int]:
+        """Remote or local prefill for ``req`` with decode candidate ``dw``; the prefill worker
+        (-1 without one). A prefill worker routed to but not used hears at once it will not be."""
         assert self.policy is not None
         bs = self.mocker.block_size
         isl = len(req.prompt)
@@ -295,21 +338,9 @@ class _Simulation:
                 decode_kv_fraction=inputs.decode_kv_fraction, prefill_worker_id=pw,
             )
         info = decide(self.policy, inputs)
-        st.reason = info.reason
-        self.reasons[info.reason] = self.reasons.get(info.reason, 0) + 1
-        if info.mode != DISAGG_REMOTE:
-            if self.prefill_picker is not None:
-                self.prefill_picker.on_finish(rid)  # routed there, but it will not prefill there
-            return False
-        st.remote = True
-        st.prefill_worker = pw
-        # The decode worker will not compute this prompt: its router stops counting it as prefill
-        # load now and keeps only its blocks as decode load.
-        self.decode_picker.on_first_token(rid)
-        self._requests[rid] = req
-        self.prefill.cores[pw].add_request(rid, req.prompt, max_tokens=1, ignore_eos=True, seed=req.index)
-        self._wake(self.prefill, pw)
-        return True
+        if info.mode != DISAGG_REMOTE and self.prefill_picker is not None:
+            self.prefill_picker.on_finish(rid)  # routed there, but it will not prefill there
+        return info, pw
 
     def _prefill_step_done(self, w: int, out: StepOutput) -> None:
         picker = self.prefill_picker
