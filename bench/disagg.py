@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dynamod.shared.kv.transfer.factory import create_agent, nixl_unavailable_reason  # noqa: E402
 from dynamod.shared.kv.transfer.memory import KvBlockMemory  # noqa: E402
-from dynamod.shared.kv.transfer.peer import block_pattern, parse_ready_line  # noqa: E402
+from dynamod.shared.kv.transfer.peer import block_pattern, parse_ready_line, spawn_peer  # noqa: E402
 from dynamod.shared.protocol.kv_transfer import KvLayout  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -56,25 +56,7 @@ class _Peer:
     """The serving agent's process; closing its stdin ends it."""
 
     def __init__(self, backend: str, blocks: int, block_bytes: int, seed: int) -> None:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "dynamod.shared.kv.transfer.peer",
-                "--backend",
-                backend,
-                "--blocks",
-                str(blocks),
-                "--block-bytes",
-                str(block_bytes),
-                "--seed",
-                str(seed),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
+        self.proc = spawn_peer(backend, blocks, block_bytes, seed)
 
     def ready(self):
         line = self.proc.stdout.readline()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import socket
 import time
 import uuid
 from typing import Any
@@ -30,6 +29,7 @@ from dynamod.shared.errors import (
     TransportError,
     error_to_wire,
 )
+from dynamod.shared.transport.address import advertised_host
 from dynamod.shared.transport.framing import (
     CONNECTION_STREAM_ID,
     DEFAULT_WINDOW_FRAMES,
@@ -51,7 +51,6 @@ from dynamod.shared.transport.tcp_connection import FrameConnection
 
 logger = logging.getLogger(__name__)
 
-_WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 DEFAULT_MAX_STREAMS_PER_CONNECTION = 16384
 
 
@@ -276,7 +275,7 @@ class TcpRequestServer:
         except OSError as exc:
             raise TransportError(f"cannot listen on {self.host}:{self.port}: {exc}") from exc
         port = self._server.sockets[0].getsockname()[1]
-        host = self._advertise_host or _advertised_host(self.host)
+        host = self._advertise_host or advertised_host(self.host)
         self._address = ServerAddress("tcp", f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         logger.info(
             "request_plane.tcp.listening bind=%s:%d address=%s", self.host, port, self._address.address
@@ -339,16 +338,3 @@ class TcpRequestServer:
         )
 
 
-def _advertised_host(bind_host: str) -> str:
-    """The address peers should dial: the bind address, or this host's primary address when the
-    server binds every interface."""
-    if bind_host not in _WILDCARD_HOSTS:
-        return bind_host
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect(("10.255.255.255", 1))  # UDP connect sends nothing; it only picks a route
-        return str(probe.getsockname()[0])
-    except OSError:
-        return socket.gethostname()
-    finally:
-        probe.close()

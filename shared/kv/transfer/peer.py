@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -25,6 +26,19 @@ from dynamod.shared.protocol.kv_transfer import (
     decode_transfer_metadata,
     encode_transfer_metadata,
 )
+
+
+def spawn_peer(
+    backend: str, blocks: int, block_bytes: int, seed: int = 0, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """Starts a peer process (stdin, stdout: text pipes; stderr discarded). Read its ready line
+    with ``parse_ready_line(proc.stdout.readline())``; close its stdin to end it."""
+    argv = [sys.executable, "-m", "dynamod.shared.kv.transfer.peer", "--backend", backend, "--blocks", str(blocks),
+            "--block-bytes", str(block_bytes), "--seed", str(seed)]
+    return subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})}, text=True,
+    )
 
 
 def block_pattern(seed: int, block_id: int, block_bytes: int) -> np.ndarray:

@@ -30,12 +30,12 @@ from dynamod.shared.kv.transfer.tcp_wire import (
     OkReply,
     ReadRequest,
     Reply,
-    advertised_host,
     contiguous_runs,
     encode_frame,
     join_address,
 )
 from dynamod.shared.protocol.kv_transfer import BACKEND_TCP, KvLayout, KvTransferMetadata
+from dynamod.shared.transport.address import advertised_host
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ reader that wants parallel reads opens more connections.
 
 from __future__ import annotations
 
-import socket
 import struct
 
 import msgspec
@@ -99,19 +98,5 @@ def join_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-_WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
 
-def advertised_host(bind_host: str) -> str:
-    """The host peers should dial: the bind address, or this host's primary address when the
-    server binds every interface (a wildcard is not an address another machine can use)."""
-    if bind_host not in _WILDCARD_HOSTS:
-        return bind_host
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect(("10.255.255.255", 1))  # UDP connect sends nothing; it only picks a route
-        return str(probe.getsockname()[0])
-    except OSError:
-        return socket.gethostname()
-    finally:
-        probe.close()

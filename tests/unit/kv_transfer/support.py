@@ -8,8 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 
@@ -19,7 +17,7 @@ import pytest
 from dynamod.shared.kv.transfer.base import KvTransferAgent
 from dynamod.shared.kv.transfer.factory import create_agent, nixl_unavailable_reason
 from dynamod.shared.kv.transfer.memory import KvBlockMemory
-from dynamod.shared.kv.transfer.peer import block_pattern, parse_ready_line
+from dynamod.shared.kv.transfer.peer import block_pattern, parse_ready_line, spawn_peer
 from dynamod.shared.protocol.kv_transfer import KvTransferMetadata
 
 
@@ -61,26 +59,7 @@ class PeerProcess:
     ) -> None:
         self.seed = seed
         self.block_bytes = block_bytes
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "dynamod.shared.kv.transfer.peer",
-                "--backend",
-                backend,
-                "--blocks",
-                str(blocks),
-                "--block-bytes",
-                str(block_bytes),
-                "--seed",
-                str(seed),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
-            text=True,
-        )
+        self.proc = spawn_peer(backend, blocks, block_bytes, seed, env)
         self.metadata: KvTransferMetadata | None = None
 
     async def ready(self, timeout: float = 30.0) -> KvTransferMetadata:
