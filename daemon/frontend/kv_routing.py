@@ -37,6 +37,7 @@ from dynamod.shared.protocol.routing import STAGE_AGG, STAGE_PREFILL, RoutingDec
 if TYPE_CHECKING:
     from dynamod.daemon.frontend.models import ModelRegistry, PrefillPool, ServedModel
     from dynamod.daemon.frontend.sync import RoutingSync
+    from dynamod.shared.protocol.model_card import ModelCard
     from dynamod.shared.runtime.distributed import DistributedRuntime
 
 logger = logging.getLogger(__name__)
@@ -210,30 +211,27 @@ class KvRouting:
     # -- routers ------------------------------------------------------------------------------
 
     def router_for(self, model: ServedModel) -> KvModelRouter:
-        card = model.card
-        base = card.base_model or model.name
-        group = self.groups.get(base)
-        if group is None:
-            if card.kv_block_size <= 0:
-                raise DynamoError(f"model {model.name!r} publishes no kv_block_size; the kv router needs it")
-            kv = KvRouter(self.config, card.kv_block_size, registry=self._rt.registry, on_resync=self.feed.request_resync)
-            group = KvGroup(base, kv, card.runtime_config.data_parallel_size)
-            self.groups[base] = group
-            self.feed.add_router(base, kv)
-        return KvModelRouter(group, card.lora, model.name, self.decisions)
+        group = self._group(self.groups, self.config, model.card, model.name, "")
+        return KvModelRouter(group, model.card.lora, model.name, self.decisions)
 
     def prefill_router_for(self, pool: PrefillPool) -> KvPrefillRouter:
-        card = pool.card
-        base = card.base_model or pool.name
-        group = self.prefill_groups.get(base)
+        group = self._group(self.prefill_groups, self.prefill_config, pool.card, pool.name, PREFILL_KEY_PREFIX)
+        return KvPrefillRouter(group, pool.card.lora, self.decisions)
+
+    def _group(
+        self, groups: dict[str, KvGroup], config: KvRouterConfig, card: ModelCard, name: str, feed_prefix: str
+    ) -> KvGroup:
+        """The KV router of ``card``'s base model in ``groups`` (decode or prefill), made on first use."""
+        base = card.base_model or name
+        group = groups.get(base)
         if group is None:
             if card.kv_block_size <= 0:
-                raise DynamoError(f"model {pool.name!r} publishes no kv_block_size; the kv prefill router needs it")
-            kv = KvRouter(self.prefill_config, card.kv_block_size, registry=self._rt.registry, on_resync=self.feed.request_resync)
+                raise DynamoError(f"model {name!r} publishes no kv_block_size; the kv router needs it")
+            kv = KvRouter(config, card.kv_block_size, registry=self._rt.registry, on_resync=self.feed.request_resync)
             group = KvGroup(base, kv, card.runtime_config.data_parallel_size)
-            self.prefill_groups[base] = group
-            self.feed.add_router(PREFILL_KEY_PREFIX + base, kv)
-        return KvPrefillRouter(group, card.lora, self.decisions)
+            groups[base] = group
+            self.feed.add_router(feed_prefix + base, kv)
+        return group
 
     def _on_prefill_worker(self, pool: PrefillPool, worker_id: int, added: bool) -> None:
         group = self.prefill_groups.get(pool.card.base_model or pool.name)
