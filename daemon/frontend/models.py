@@ -1,13 +1,13 @@
 """The models this frontend serves, kept in step with discovery.
 
-A watch on ``v1/mdc/{namespace}/`` sees every model card: a model appears with the first worker
+A ``ModelCardSet`` on ``v1/mdc/{namespace}/`` sees every model card: a model appears with the first worker
 that publishes its card and disappears with the last one's (cards live under the worker's lease,
 so a dead worker's cards vanish within one TTL). A LoRA adapter is a card with ``lora`` set: it is
 served as its own model name and routed only to the workers holding that card, with the adapter's
 name on the engine request.
 
 Workers are reached through one ``EndpointClient`` per (component, endpoint) the cards point at;
-its instance watch tells which workers are ready (draining and sleeping ones get no new requests).
+its instance set tells which workers are ready (draining and sleeping ones get no new requests).
 
 Prefill cards (model type ``prefill``, component ``prefill``, the decode cards' served name) are
 not models of their own: they form the ``PrefillPool`` of the model with that name, and a model
@@ -23,26 +23,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-import msgspec
 
 from dynamod.daemon.frontend.metrics import FrontendMetrics, ModelMetrics
 from dynamod.daemon.frontend.preprocessor import ModelPreprocessor, PreprocessorCache
 from dynamod.daemon.frontend.routing import Quarantine, RoundRobinRouter, Router
-from dynamod.shared.discovery.store import WatchEventKind
-from dynamod.shared.errors import DynamoError, NotFoundError
+from dynamod.shared.errors import NotFoundError
 from dynamod.shared.protocol.instance import Instance
-from dynamod.shared.protocol.keys import MDC_ROOT, mdc_prefix, parse_key
+from dynamod.shared.protocol.keys import mdc_prefix, parse_key
 from dynamod.shared.protocol.model_card import (
     MODEL_TYPE_CHAT,
     MODEL_TYPE_COMPLETIONS,
     MODEL_TYPE_PREFILL,
     ModelCard,
-    decode_card,
 )
+from dynamod.shared.runtime.model_cards import ModelCardSet
 
 if TYPE_CHECKING:
     from dynamod.shared.runtime.client import EndpointClient
@@ -56,7 +53,9 @@ DECODE_ROLE = "decode"
 
 
 class EndpointPool:
-    """The live instances of one (component, endpoint), indexed by id for the hot path."""
+    """The live instances of one (component, endpoint): its client's instance set, which indexes
+    them by id for the hot path. A worker that restarts under the same id (new address or start
+    time) leaves the quarantine: it gets a fresh chance."""
 
     def __init__(
         self,
@@ -68,26 +67,27 @@ class EndpointPool:
         self.client = client
         self.component = client.component
         self.endpoint = client.endpoint
-        self.instances: dict[int, Instance] = {}
+        self.instances: Mapping[int, Instance] = client.instance_set.by_id  # the set's own index, not a copy
         self._on_change = on_change
         self._quarantine = quarantine
         self._on_instance = on_instance
-        for inst in client.instances:
-            self.instances[inst.instance_id] = inst
+        # Which run of each worker we saw last: the instance set keeps only the current record,
+        # and a restart is told by comparing the two.
+        self._runs: dict[int, tuple[str, float]] = {i.instance_id: (i.address, i.started_at) for i in client.instances}
         client.instance_set.add_listener(self._listen)
 
     def _listen(self, key: str, inst: Instance | None) -> None:
         if inst is not None:
-            old = self.instances.get(inst.instance_id)
-            if old is not None and (old.address != inst.address or old.started_at != inst.started_at):
+            run = (inst.address, inst.started_at)
+            if self._runs.get(inst.instance_id, run) != run:
                 self._quarantine.discard(inst.instance_id)  # restarted: give it a fresh chance
-            self.instances[inst.instance_id] = inst
+            self._runs[inst.instance_id] = run
             if self._on_instance is not None:
                 self._on_instance(inst)
         else:
             parsed = parse_key(key)
             if parsed is not None:
-                self.instances.pop(parsed.instance_id, None)
+                self._runs.pop(parsed.instance_id, None)
                 self._quarantine.discard(parsed.instance_id)
         self._on_change()
 
@@ -96,7 +96,7 @@ def _ready(workers: dict[int, EndpointPool], quarantine: Quarantine, exclude: se
     out = []
     for wid, pool in workers.items():
         inst = pool.instances.get(wid)
-        if inst is not None and inst.status == "ready" and wid not in exclude and wid not in quarantine:
+        if inst is not None and inst.routable and wid not in exclude and wid not in quarantine:
             out.append(inst)
     return out
 
@@ -183,8 +183,8 @@ class ModelRegistry:
         self._pool_lock = asyncio.Lock()
         self._preprocessors = PreprocessorCache()
         self._changed = asyncio.Event()
-        self._synced = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self.card_set = ModelCardSet(runtime.store, mdc_prefix(self._namespace))
+        self.card_set.add_listener(self._on_card)
         self.model_listeners: list[Callable[[ServedModel, bool], None]] = []
         # (model, worker id, added): the KV router starts or stops tracking a worker.
         self.worker_listeners: list[Callable[[ServedModel, int, bool], None]] = []
@@ -192,18 +192,12 @@ class ModelRegistry:
         self.prefill_listeners: list[Callable[[PrefillPool, int, bool], None]] = []
 
     async def start(self) -> None:
-        prefix = mdc_prefix(self._namespace)
-        # Seed before serving so the first request after startup already sees current models.
-        for key, value in sorted((await self._rt.store.get_prefix(prefix)).items()):
-            await self._apply_put(key, value)
-        self._synced.set()
-        self._task = asyncio.create_task(self._watch(prefix), name="frontend-model-watch")
+        # The card set seeds before it returns, so the first request after startup already sees
+        # the current models.
+        await self.card_set.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await self.card_set.close()
         for pool in self._pools.values():
             await pool.client.close()
         self._pools.clear()
@@ -234,20 +228,13 @@ class ModelRegistry:
         event, self._changed = self._changed, asyncio.Event()
         event.set()
 
-    async def _watch(self, prefix: str) -> None:
-        while True:
-            try:
-                async for ev in self._rt.store.watch_prefix(prefix):
-                    if ev.kind is WatchEventKind.PUT and ev.value is not None:
-                        await self._apply_put(ev.key, ev.value)
-                    else:
-                        self._apply_delete(ev.key)
-                return
-            except asyncio.CancelledError:
-                raise
-            except DynamoError as exc:
-                logger.warning("model watch failed error=%s action=retry_in_1s", exc)
-                await asyncio.sleep(1.0)
+    async def _on_card(self, key: str, card: ModelCard | None) -> None:
+        """The card set's listener. A ``DynamoError`` here (opening the endpoint's client) makes
+        the card set watch again, and so put this card again."""
+        if card is None:
+            self._apply_delete(key)
+        else:
+            await self._apply_put(key, card)
 
     async def _pool(self, component: str, endpoint: str) -> EndpointPool:
         key = (component, endpoint)
@@ -263,14 +250,9 @@ class ModelRegistry:
                 logger.info("watching endpoint component=%s endpoint=%s instances=%d", component, endpoint, len(pool.instances))
             return pool
 
-    async def _apply_put(self, key: str, value: bytes) -> None:
+    async def _apply_put(self, key: str, card: ModelCard) -> None:
         parsed = parse_key(key)
-        if parsed is None or parsed.root != MDC_ROOT:
-            return
-        try:
-            card = decode_card(value)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            logger.warning("ignoring malformed model card key=%s error=%s", key, exc)
+        if parsed is None:
             return
         if not ({MODEL_TYPE_CHAT, MODEL_TYPE_COMPLETIONS} & set(card.model_types)):
             if MODEL_TYPE_PREFILL in card.model_types:

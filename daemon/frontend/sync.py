@@ -5,8 +5,8 @@ workers. When one of them finds a worker unreachable, every frontend quarantines
 walks into the dead worker while its discovery record waits for the lease to expire. (The KV
 router's own state, its active sequences, travels separately: see ``kv_routing.py``.)
 
-Notices travel on ``namespace/frontend/frontend_worker_health`` as msgpack structs; a frontend
-ignores its own.
+Notices travel on ``namespace/frontend/frontend_worker_health`` as msgpack ``RoutingNotice``s
+(``shared/protocol/worker_health.py``); a frontend ignores its own.
 """
 
 from __future__ import annotations
@@ -20,6 +20,13 @@ import msgspec
 from dynamod.daemon.frontend.routing import Quarantine
 from dynamod.shared.errors import DynamoError
 from dynamod.shared.events.plane import EventPublisher, EventSubscriber
+from dynamod.shared.protocol.worker_health import (
+    KIND_WORKER_DOWN,
+    TOPIC_WORKER_HEALTH,
+    RoutingNotice,
+    routing_notice_decoder,
+    routing_notice_encoder,
+)
 
 if TYPE_CHECKING:
     from dynamod.shared.runtime.distributed import DistributedRuntime
@@ -27,19 +34,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FRONTEND_COMPONENT = "frontend"
-
-TOPIC_WORKER_HEALTH = "frontend_worker_health"
-KIND_WORKER_DOWN = "worker_down"
-
-
-class RoutingNotice(msgspec.Struct, kw_only=True, omit_defaults=True):
-    sender: int
-    kind: str
-    worker_id: int = 0
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(RoutingNotice)
 
 
 class RoutingSync:
@@ -82,7 +76,7 @@ class RoutingSync:
         pub = self._pub
         if pub is None:
             return
-        task = asyncio.get_running_loop().create_task(pub.publish(TOPIC_WORKER_HEALTH, _encoder.encode(notice)))
+        task = asyncio.get_running_loop().create_task(pub.publish(TOPIC_WORKER_HEALTH, routing_notice_encoder.encode(notice)))
         self._pending.add(task)
         task.add_done_callback(self._published)
 
@@ -100,7 +94,7 @@ class RoutingSync:
         assert self._sub is not None
         async for msg in self._sub:
             try:
-                notice = _decoder.decode(msg.payload)
+                notice = routing_notice_decoder.decode(msg.payload)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 logger.warning("ignoring malformed routing notice error=%s", exc)
                 continue

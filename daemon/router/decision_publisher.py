@@ -2,8 +2,8 @@
 
 Every KV routing decision (frontend ``--router-mode kv`` and the standalone router) is offered
 here; ``offer`` is a constant-time append to a bounded drop-oldest queue, and one background task
-encodes (``RoutingDecision.to_dict()`` plus a timestamp and where it came from, msgpack) and
-publishes. When the event plane is slower than the request rate the oldest decisions are dropped
+encodes (a ``PublishedDecision``: the decision plus a timestamp and where it came from, msgpack)
+and publishes. When the event plane is slower than the request rate the oldest decisions are dropped
 and counted: an operator view must never slow a request down. ``--router-decision-sample-rate``
 publishes only a share of them on very busy routers.
 
@@ -23,13 +23,12 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-import msgspec
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
 from dynamod.shared.errors import ConfigError, DynamoError
 from dynamod.shared.events.dropqueue import DropOldestQueue, QueueClosed
 from dynamod.shared.events.plane import TOPIC_ROUTER_DECISIONS, EventPublisher
-from dynamod.shared.protocol.routing import RoutingDecision
+from dynamod.shared.protocol.routing import PublishedDecision, RoutingDecision, published_decision_encoder
 
 if TYPE_CHECKING:
     from dynamod.shared.runtime.distributed import DistributedRuntime
@@ -38,8 +37,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_QUEUE_SIZE = 1024
 ENV_SAMPLE_RATE = "DYN_ROUTER_DECISION_SAMPLE_RATE"
-
-_encoder = msgspec.msgpack.Encoder()
 
 
 def add_decision_args(parser: argparse.ArgumentParser) -> None:
@@ -164,14 +161,9 @@ class DecisionPublisher:
                 decision, ts, model = await self._queue.get()
             except QueueClosed:
                 return
-            body = decision.to_dict()
-            body["ts"] = ts
-            body["source"] = self.component
-            body["router_instance_id"] = self._source
-            if model:
-                body["model"] = model
+            body = PublishedDecision.of(decision, ts=ts, source=self.component, router_instance_id=self._source, model=model)
             try:
-                await pub.publish(TOPIC_ROUTER_DECISIONS, _encoder.encode(body))
+                await pub.publish(TOPIC_ROUTER_DECISIONS, published_decision_encoder.encode(body))
             except DynamoError as exc:
                 self.metrics.dropped.inc()
                 logger.debug("router decision not published error=%s", exc)

@@ -46,6 +46,7 @@ from dynamod.shared.kv.router_sync import decode_sequence_event, encode_sequence
 from dynamod.shared.protocol import control
 from dynamod.shared.protocol.kv_events import RouterEvent, router_event_decoder
 from dynamod.shared.protocol.load import load_decoder
+from dynamod.shared.protocol.replica_sync import SyncEnvelope, sync_envelope_decoder, sync_envelope_encoder
 
 if TYPE_CHECKING:
     from dynamod.shared.runtime.client import EndpointClient
@@ -60,18 +61,6 @@ RESYNC_RETRY_MIN_S = 0.5
 RESYNC_RETRY_MAX_S = 10.0
 SUBSCRIBE_RETRY_MIN_S = 0.2
 SUBSCRIBE_RETRY_MAX_S = 5.0
-
-
-class SyncEnvelope(msgspec.Struct, kw_only=True):
-    """One router's active-sequence changes, as ``shared/kv/router_sync`` encodes them. ``model``
-    is the replica key (the name is kept from the first frontends that sent these)."""
-
-    model: str
-    events: list[bytes]
-
-
-_envelope_encoder = msgspec.msgpack.Encoder()
-_envelope_decoder = msgspec.msgpack.Decoder(SyncEnvelope)
 
 
 class FeedMetrics:
@@ -325,10 +314,9 @@ class KvFeed:
             self.metrics.resyncs.labels("failed").inc()
             logger.warning("kv resync failed worker_id=%x component=%s error=%s", worker_id, component, exc)
             return False
-        last = max((e.event_id for e in events), default=None)
         for kv in list(self._by_worker.get(worker_id, ())):
             if kv.needs_resync(worker_id):  # the others are in step; a dump could only set them back
-                kv.replace_worker_blocks(worker_id, events, last)
+                kv.replace_worker_blocks(worker_id, events)  # the dump's last event id read from its stamps
         self.metrics.resyncs.labels("ok").inc()
         return True
 
@@ -353,7 +341,7 @@ class KvFeed:
             events = await kv.next_sync_events()
             envelope = SyncEnvelope(model=key, events=[encode_sequence_event(e) for e in events])
             try:
-                await pub.publish(TOPIC_ACTIVE_SEQUENCES, _envelope_encoder.encode(envelope))
+                await pub.publish(TOPIC_ACTIVE_SEQUENCES, sync_envelope_encoder.encode(envelope))
             except DynamoError as exc:
                 # Replicas then undercount this router's load until its requests end: degraded, not broken.
                 logger.warning("replica sync publish failed key=%s events=%d error=%s", key, len(events), exc)
@@ -362,7 +350,7 @@ class KvFeed:
 
     def _on_remote(self, payload: bytes) -> None:
         try:
-            envelope = _envelope_decoder.decode(payload)
+            envelope = sync_envelope_decoder.decode(payload)
             kv = self._routers.get(envelope.model)
             if kv is None:
                 return

@@ -7,12 +7,12 @@ requests (active_sequences.py), busy detection (busy.py), the cost-based schedul
 events, load metrics and worker lists in and gets decisions out, so a trace replay with a
 simulated clock drives the very same code.
 
-Event streams: every worker numbers its KV events from 0 without gaps. A gap (or a first event
-that is not number 0, or a number going backwards after a worker restart) means the index missed
-something, so the worker is flagged: ``needs_resync(worker_id)`` turns true, ``on_resync`` is
-called once, and events keep being applied and are also buffered (bounded) until the caller
-fetches the worker's ``kv_dump`` and hands it to ``replace_worker_blocks``, which replays the
-buffered events newer than the dump.
+Event streams: every worker numbers its KV events from 0 without gaps (one ``EventSequence`` per
+worker, shared/events/seq.py). A gap (or a first event that is not number 0, or a number going
+backwards after a worker restart) means the index missed something, so the worker is flagged:
+``needs_resync(worker_id)`` turns true, ``on_resync`` is called once, and events keep being
+applied and are also buffered (bounded) until the caller fetches the worker's ``kv_dump`` and
+hands it to ``replace_worker_blocks``, which replays the buffered events newer than the dump.
 
 Replica sync (``--router-replica-sync``): every add / prefill-done / free is also queued as a small
 struct (shared/kv/router_sync.py) for the caller to publish; ``apply_remote`` applies other
@@ -39,6 +39,7 @@ from dynamod.daemon.router.metrics import RouterMetrics, router_metrics
 from dynamod.daemon.router.scheduler import KvScheduler
 from dynamod.daemon.router.wait_queue import WaitQueue
 from dynamod.shared.errors import InvalidRequestError, NoInstancesError, OverloadedError
+from dynamod.shared.events.seq import Arrival, EventSequences
 from dynamod.shared.kv.approx import ApproxKvIndexer
 from dynamod.shared.kv.hashing import compute_block_hashes, compute_sequence_hashes
 from dynamod.shared.kv.indexer import APPLIED, KvIndexer, WorkerKey
@@ -106,8 +107,8 @@ class KvRouter:
         self.metrics = metrics if metrics is not None else router_metrics(registry)
         self._event_counters: dict[tuple[str, str], Counter] = {}
         self._workers: list[WorkerKey] = []
-        self._last_event_id: dict[int, int] = {}
-        self._baseline_next: set[int] = set()  # workers whose next event id starts a new baseline
+        # Per worker; only its last event can arrive twice, so any other id going back is a restart.
+        self._sequences: EventSequences[int] = EventSequences(first=0)
         self._resync: set[int] = set()
         self._resync_buffer: dict[int, deque[RouterEvent]] = {}
         self._on_resync = on_resync
@@ -139,8 +140,7 @@ class KvRouter:
             self.indexer.remove_worker(worker_id)
         self.active.remove_worker(worker_id)
         self.busy.remove_worker(worker_id)
-        self._last_event_id.pop(worker_id, None)
-        self._baseline_next.discard(worker_id)
+        self._sequences.forget(worker_id)
         self._resync.discard(worker_id)
         self._resync_buffer.pop(worker_id, None)
         self.update_workers(w for w in self._workers if w[0] != worker_id)
@@ -168,20 +168,20 @@ class KvRouter:
             return False
         wid = ev.worker_id
         eid = ev.event_id
-        last = self._last_event_id.get(wid)
-        if last is not None and eid == last:
+        sequence = self._sequences.of(wid)
+        last = sequence.last
+        # A stream starts at 0: a later first event means history was missed, unless an empty
+        # dump just made this event the baseline (``rebase`` in ``replace_worker_blocks``).
+        arrival = sequence.observe(eid)
+        if arrival is Arrival.DUPLICATE:
             self._count_event(kind, OUTCOME_DUPLICATE)
             return wid in self._resync
-        if last is None:
-            # A stream starts at 0; a later first event means history was missed, unless a dump
-            # without an id just made this event the baseline.
-            gap = eid != 0 and wid not in self._baseline_next
-            self._baseline_next.discard(wid)
-        else:
-            gap = eid != last + 1
-        self._last_event_id[wid] = eid
+        gap = arrival is not Arrival.IN_ORDER  # a gap, or a restarted worker: both need its dump
         if gap:
-            logger.warning("kv event gap worker_id=%x last_event_id=%s event_id=%d", wid, last, eid)
+            logger.warning(
+                "kv event gap worker_id=%x last_event_id=%s event_id=%d arrival=%s",
+                wid, last, eid, arrival.value,
+            )
             self.request_resync(wid)
         if wid in self._resync:
             self._resync_buffer.setdefault(wid, deque(maxlen=RESYNC_BUFFER_EVENTS)).append(ev)
@@ -231,16 +231,16 @@ class KvRouter:
         for ev in dump:
             self.indexer.apply_event(ev)
         buffered = self._resync_buffer.pop(worker_id, ())
+        sequence = self._sequences.of(worker_id)
         if last_event_id is None:
-            self._last_event_id.pop(worker_id, None)
-            self._baseline_next.add(worker_id)
+            sequence.rebase()
         else:
             newest = last_event_id
             for ev in buffered:
                 if ev.event_id > last_event_id:
                     self.indexer.apply_event(ev)
                     newest = max(newest, ev.event_id)
-            self._last_event_id[worker_id] = newest
+            sequence.resume_after(newest)
         self._resync.discard(worker_id)
         logger.info(
             "router worker resynced worker_id=%x dump_events=%d blocks=%d last_event_id=%s",
@@ -255,7 +255,8 @@ class KvRouter:
         per worker), stamped, like a worker's ``kv_dump``, with the last event id applied."""
         out = self.indexer.dump_events()
         for ev in out:
-            ev.event_id = self._last_event_id.get(ev.worker_id, -1)
+            last = self._sequences.last(ev.worker_id)
+            ev.event_id = -1 if last is None else last
         return out
 
     # ------------------------------------------------------------------------------------------

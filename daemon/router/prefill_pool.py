@@ -14,8 +14,6 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from dynamod.daemon.router.config import KvRouterConfig, prefill_router_config
 from dynamod.daemon.router.decision_publisher import DecisionPublisher
 from dynamod.daemon.router.feed import KvFeed
@@ -25,7 +23,7 @@ from dynamod.shared.errors import NoInstancesError
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.keys import parse_key
 from dynamod.shared.protocol.llm import PreprocessedRequest
-from dynamod.shared.protocol.model_card import ModelCard, decode_card
+from dynamod.shared.protocol.model_card import ModelCard
 from dynamod.shared.protocol.routing import STAGE_PREFILL, RoutingDecision
 
 if TYPE_CHECKING:
@@ -65,15 +63,10 @@ class RouterPrefillPool:
         if self.client is not None:
             await self.client.close()
 
-    # -- workers (cards come from the service's card watch) ---------------------------------------
+    # -- workers (cards come from the service's ModelCardSet, decoded) ----------------------------
 
-    def card_put(self, wid: int, lora: str | None, value: bytes) -> None:
+    def card_put(self, wid: int, lora: str | None, card: ModelCard) -> None:
         if lora is not None:
-            return
-        try:
-            card = decode_card(value)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            logger.warning("router ignores malformed prefill card worker_id=%x error=%s", wid, exc)
             return
         if self.kv is None:
             self.kv = KvRouter(self.kv_config, card.kv_block_size, registry=self._rt.registry, on_resync=self._feed.request_resync)

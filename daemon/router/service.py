@@ -7,8 +7,9 @@ done at the first output; freed at the end, on an error, or when the caller canc
 cancels the worker's stream). The first output frame carries ``worker_id`` and ``dp_rank`` so the
 caller learns where the request went (extra keys; ``EngineOutput`` decoders ignore them).
 
-``best_worker_id`` takes ``{token_ids, lora_name?, overlap_weight?, temperature?, stage?}`` and
-answers ``{worker_id, dp_rank, overlap_blocks, explain}`` (``explain``: ``RoutingDecision.to_dict()``)
+``best_worker_id`` takes a ``BestWorkerRequest`` (``{token_ids, lora_name?, overlap_weight?,
+temperature?, stage?}``) and answers a ``BestWorkerAnswer`` (``{worker_id, dp_rank, overlap_blocks,
+explain}``, ``explain`` the whole ``RoutingDecision``; both in ``shared/protocol/best_worker.py``)
 without counting anything: for callers that send the request themselves. ``stage`` ``prefill``
 asks the prefill pool; ``decode`` the decode pool as a remotely prefilled request sees it
 (overlap weight 0 unless given).
@@ -21,7 +22,8 @@ forwards the request with the prefill worker's ``disaggregated_params``. The fir
 then also carries ``disagg`` (the decision) and ``prefill_worker_id``.
 
 Workers: the ready instances of ``{namespace}/{worker_component}/generate``. A worker's model card
-(same key layout under ``v1/mdc``, watched) gives the block size, data-parallel size and KV
+(same key layout under ``v1/mdc``, followed by one ``ModelCardSet`` for the namespace, which also
+hands the prefill workers' cards to the prefill pool) gives the block size, data-parallel size and KV
 capacity, and its LoRA cards the adapters it serves: a request naming an adapter is routed only
 among the workers holding it. The router's block size is ``--kv-block-size`` or the first card's;
 a worker with another block size cannot share this index and is not routed to (logged).
@@ -34,7 +36,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,13 +54,14 @@ from dynamod.daemon.router.prefill_stage import (
     close_drains,
     decode_body,
 )
-from dynamod.shared.discovery.store import WatchEventKind
 from dynamod.shared.errors import DynamoError, InvalidRequestError, NoInstancesError, NotFoundError
+from dynamod.shared.protocol.best_worker import BestWorkerAnswer, BestWorkerRequest
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.keys import mdc_prefix, parse_key
 from dynamod.shared.protocol.llm import PreprocessedRequest
-from dynamod.shared.protocol.model_card import ModelCard, decode_card
+from dynamod.shared.protocol.model_card import ModelCard
 from dynamod.shared.protocol.routing import STAGE_DECODE, STAGE_PREFILL, RoutingDecision
+from dynamod.shared.runtime.model_cards import ModelCardSet
 from dynamod.shared.transport.plane import RequestContext
 
 if TYPE_CHECKING:
@@ -71,15 +74,6 @@ GENERATE = "generate"
 BEST_WORKER_ID = "best_worker_id"
 ROLE = "router"
 DECODE_ROLE = "decode"
-
-
-class BestWorkerRequest(msgspec.Struct, kw_only=True):
-    token_ids: list[int]
-    lora_name: str | None = None
-    overlap_weight: float | None = None
-    temperature: float | None = None
-    request_id: str | None = None
-    stage: str | None = None  # None: the plain decision; "prefill" | "decode": that stage's
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +108,12 @@ class RouterService:
         self._decode_role = False  # a decode-role worker: disaggregated even before any prefill card
         self.kv: KvRouter | None = None
         self._client: EndpointClient | None = None
+        self.card_set = ModelCardSet(runtime.store, mdc_prefix(runtime.settings.namespace))
+        self.card_set.add_listener(self._on_card)
         self._cards: dict[int, ModelCard] = {}  # worker id -> its base model card
         self._loras: dict[int, set[str]] = {}  # worker id -> LoRA adapters it serves
         self._dp_size: dict[int, int] = {}  # workers in the router (routed to while ready) -> dp ranks
         self._rejected: set[int] = set()  # workers whose block size differs from the router's
-        self._tasks: set[asyncio.Task[None]] = set()
         self._changed = asyncio.Event()
         self._served: list[ServedInstance] = []
         self._ids = itertools.count()
@@ -141,13 +136,9 @@ class RouterService:
         client = await component.endpoint(GENERATE).client()
         self._client = client
         client.instance_set.add_listener(self._on_instance)
-        self._spawn(self._watch_cards(self.config.worker_component, self._card_put, self._card_deleted), "router-card-watch")
         if self.prefill is not None:
             await self.prefill.start()
-            self._spawn(
-                self._watch_cards(self.prefill.component, self.prefill.card_put, self.prefill.card_deleted),
-                "router-prefill-card-watch",
-            )
+        await self.card_set.start()  # after the clients: a card's worker is looked up in them
         router = self._rt.namespace().component(self.config.router_component)
         self._served.append(await router.endpoint(GENERATE).serve(self._generate, role=ROLE))
         self._served.append(await router.endpoint(BEST_WORKER_ID).serve(self._best_worker_id, role=ROLE))
@@ -170,25 +161,13 @@ class RouterService:
                 await asyncio.wait_for(self._idle.wait(), grace_s)
             except TimeoutError:
                 logger.warning("router stopping with requests in flight count=%d", self.inflight)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.card_set.close()
         if self._client is not None:
             await self._client.close()
         if self.prefill is not None:
             await self.prefill.close()
         await self.decisions.close()
         await self.feed.close()
-
-    def _spawn(self, coro: Any, name: str) -> None:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("router task failed task=%s error=%r", task.get_name(), task.exception())
 
     # -- workers ----------------------------------------------------------------------------------
     #
@@ -213,34 +192,27 @@ class RouterService:
         """Decode workers with a prefill pool (or declared as decode workers) get the prefill stage."""
         return self.prefill is not None and (self.prefill.seen or self._decode_role)
 
-    async def _watch_cards(
-        self, component: str, put: Callable[[int, str | None, bytes], None], deleted: Callable[[int, str | None], None]
-    ) -> None:
-        """Follows one component's model cards (the decode workers', the prefill workers')."""
-        prefix = f"{mdc_prefix(self.namespace)}{component}/{GENERATE}/"
-        while True:
-            try:
-                async for ev in self._rt.store.watch_prefix(prefix):
-                    parsed = parse_key(ev.key)
-                    if parsed is None:
-                        continue
-                    if ev.kind is WatchEventKind.PUT and ev.value is not None:
-                        put(parsed.instance_id, parsed.lora, ev.value)
-                    else:
-                        deleted(parsed.instance_id, parsed.lora)
-                return
-            except DynamoError as exc:
-                logger.warning("router card watch failed error=%s action=retry_in_1s", exc)
-                await asyncio.sleep(1.0)
+    def _on_card(self, key: str, card: ModelCard | None) -> None:
+        """The namespace's cards: the worker component's are ours, the prefill component's the
+        prefill pool's; the others (other components, other endpoints) are not routed to here."""
+        parsed = parse_key(key)
+        if parsed is None or parsed.name != GENERATE:
+            return
+        wid, lora = parsed.instance_id, parsed.lora
+        if parsed.component == self.config.worker_component:
+            if card is None:
+                self._card_deleted(wid, lora)
+            else:
+                self._card_put(wid, lora, card)
+        if self.prefill is not None and parsed.component == self.prefill.component:
+            if card is None:
+                self.prefill.card_deleted(wid, lora)
+            else:
+                self.prefill.card_put(wid, lora, card)
 
-    def _card_put(self, wid: int, lora: str | None, value: bytes) -> None:
+    def _card_put(self, wid: int, lora: str | None, card: ModelCard) -> None:
         if lora is not None:
             self._loras.setdefault(wid, set()).add(lora)
-            return
-        try:
-            card = decode_card(value)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            logger.warning("router ignores malformed model card worker_id=%x error=%s", wid, exc)
             return
         kv = self.kv if self.kv is not None else self._make_router(card.kv_block_size)
         if card.kv_block_size != kv.block_size:
@@ -451,9 +423,4 @@ class RouterService:
             )
             if req.stage == STAGE_DECODE:
                 decision.stage = STAGE_DECODE
-        yield {
-            "worker_id": decision.worker_id,
-            "dp_rank": decision.dp_rank,
-            "overlap_blocks": decision.overlap_blocks,
-            "explain": decision.to_dict(),
-        }
+        yield BestWorkerAnswer.of(decision)

@@ -21,7 +21,7 @@ from dynamod.shared.discovery.store import DiscoveryStore, WatchEvent, WatchEven
 from dynamod.shared.errors import DiscoveryError
 from dynamod.shared.events.dropqueue import DropOldestQueue, QueueClosed
 from dynamod.shared.events.plane import EventMessage
-from dynamod.shared.events.seq import SeqTracker
+from dynamod.shared.events.seq import Arrival, EventSequences
 from dynamod.shared.protocol.keys import EVENT_CHANNELS_ROOT, event_channels_prefix, parse_key
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,9 @@ class ZmqEventSubscriber:
         )
         self._queue: DropOldestQueue[EventMessage] = DropOldestQueue(queue_size)
         self._conns: dict[str, _Connection] = {}
-        self._seqs = SeqTracker()
+        # Publishers number from 1, but a subscriber joins running ones: the first frame seen is
+        # the baseline (the slow-joiner window is not a loss).
+        self._seqs: EventSequences[str] = EventSequences(first=None)
         self._watcher: asyncio.Task[None] | None = None
         self._closed = False
         self.malformed = 0
@@ -81,12 +83,12 @@ class ZmqEventSubscriber:
     @property
     def gaps(self) -> int:
         """Sequence discontinuities seen across publishers (each one is at least one lost event)."""
-        return self._seqs.gaps
+        return self._seqs.counts.gaps
 
     @property
     def missed(self) -> int:
         """Events known lost: the sum of the holes in every publisher's ``seq``."""
-        return self._seqs.missed
+        return self._seqs.counts.missed
 
     @property
     def dropped(self) -> int:
@@ -265,7 +267,8 @@ class ZmqEventSubscriber:
         if topic != self._topic_bytes:
             return  # SUBSCRIBE filters by prefix; "kv-events" must not take "kv-events-x"
         seq = int.from_bytes(raw_seq, "big")
-        missing = self._seqs.observe(conn.key, seq)
-        if missing:
-            logger.debug("event gap key=%s seq=%d missing=%d", conn.key, seq, missing)
+        sequence = self._seqs.of(conn.key)
+        expected = sequence.expected
+        if sequence.observe(seq) is Arrival.GAP and expected is not None:
+            logger.debug("event gap key=%s seq=%d missing=%d", conn.key, seq, seq - expected)
         self._queue.put_nowait(EventMessage(self.topic, payload, publisher_id=conn.publisher_id, seq=seq))

@@ -1,9 +1,9 @@
 """What the router decided and why: the per-candidate costs behind every routing decision.
 
 Returned by every selection; the frontend can put ``to_header()`` in an ``x-dynamo-route-explain``
-response header (compact: the winner and the best few candidates) and publish ``to_dict()`` on the
-``router_decisions`` topic (everything) for the console, which decodes it with
-``msgspec.convert(data, RoutingDecision)``.
+response header (compact: the winner and the best few candidates), and the decision publisher
+sends it on the ``router_decisions`` topic as a ``PublishedDecision`` (everything, plus when and
+where it was made) for the console.
 
 With disaggregated serving one request gives up to two decisions, told apart by ``stage``:
 ``prefill`` (the prefill pool, KV-aware, no active-block tracking) and ``decode`` (the decode pool,
@@ -122,3 +122,28 @@ class RoutingDecision(msgspec.Struct, kw_only=True):
         if self.disagg is not None:
             body["disagg"] = msgspec.to_builtins(self.disagg)
         return _json.encode(body).decode("ascii")
+
+
+class PublishedDecision(RoutingDecision, kw_only=True):
+    """A decision as published on ``router_decisions``: the decision's own fields, flat (a reader
+    that knows only ``RoutingDecision`` decodes it too), then when and by whom it was made.
+    ``model`` is left out when the publisher does not know it."""
+
+    ts: float = 0.0  # unix time the publisher queued it
+    source: str = ""  # the publisher's component (``frontend``, the router's)
+    router_instance_id: str = ""  # the publisher's instance id, hex
+    model: str | msgspec.UnsetType = msgspec.UNSET
+
+    @classmethod
+    def of(cls, decision: RoutingDecision, *, ts: float, source: str, router_instance_id: str, model: str = "") -> PublishedDecision:
+        return cls(
+            **msgspec.structs.asdict(decision),
+            ts=ts,
+            source=source,
+            router_instance_id=router_instance_id,
+            model=model or msgspec.UNSET,
+        )
+
+
+published_decision_encoder = msgspec.msgpack.Encoder()
+published_decision_decoder = msgspec.msgpack.Decoder(PublishedDecision)

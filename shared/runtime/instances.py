@@ -2,14 +2,17 @@
 
 Clients, routers and the console all need "which instances serve X right now"; this is the one
 place that turns the watch stream into that set, so a new instance shows up within the backend's
-watch latency and a removed one is dropped the moment its DELETE arrives.
+watch latency and a removed one is dropped the moment its DELETE arrives. Instances are indexed by
+key and by instance id: the request path looks workers up by id, so that lookup is a dict hit and
+callers need no copy of their own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import msgspec
 
@@ -27,10 +30,12 @@ class InstanceSet:
         self._store = store
         self._prefix = prefix
         self._by_key: dict[str, Instance] = {}
+        self._by_id: dict[int, Instance] = {}
+        self._key_of: dict[int, str] = {}  # instance id -> the key its index entry came from
+        self._by_id_view: Mapping[int, Instance] = MappingProxyType(self._by_id)
         self._listeners: list[Listener] = []
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
-        self._synced = asyncio.Event()
 
     async def start(self) -> None:
         if self._task is None:
@@ -55,11 +60,14 @@ class InstanceSet:
     def instances(self) -> list[Instance]:
         return list(self._by_key.values())
 
+    @property
+    def by_id(self) -> Mapping[int, Instance]:
+        """The live instances by instance id: a read-only view that follows the watch (the same
+        object every time, so a caller may keep it)."""
+        return self._by_id_view
+
     def get(self, instance_id: int) -> Instance | None:
-        for inst in self._by_key.values():
-            if inst.instance_id == instance_id:
-                return inst
-        return None
+        return self._by_id.get(instance_id)
 
     async def wait_for(self, predicate: Callable[[list[Instance]], bool], timeout: float) -> list[Instance]:
         """Waits until ``predicate(instances)`` holds; raises TimeoutError after ``timeout``."""
@@ -73,14 +81,34 @@ class InstanceSet:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             logger.warning("ignoring malformed instance record key=%s error=%s", key, exc)
             return
+        previous = self._by_key.get(key)
+        if previous is not None and previous.instance_id != inst.instance_id:
+            self._unindex(key, previous.instance_id)
         self._by_key[key] = inst
+        self._by_id[inst.instance_id] = inst
+        self._key_of[inst.instance_id] = key
         for listener in self._listeners:
             listener(key, inst)
 
     def _apply_delete(self, key: str) -> None:
-        if self._by_key.pop(key, None) is not None:
+        inst = self._by_key.pop(key, None)
+        if inst is not None:
+            self._unindex(key, inst.instance_id)
             for listener in self._listeners:
                 listener(key, None)
+
+    def _unindex(self, key: str, instance_id: int) -> None:
+        """Drops the id entry ``key`` put there; another key holding the same id (a wider prefix:
+        one worker on several endpoints) takes its place."""
+        if self._key_of.get(instance_id) != key:
+            return
+        del self._key_of[instance_id]
+        del self._by_id[instance_id]
+        for other_key, other in self._by_key.items():
+            if other.instance_id == instance_id:
+                self._by_id[instance_id] = other
+                self._key_of[instance_id] = other_key
+                return
 
     async def _watch(self) -> None:
         async for ev in self._store.watch_prefix(self._prefix):

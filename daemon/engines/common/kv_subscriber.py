@@ -1,11 +1,12 @@
 """Receives an engine's native KV event batches over ZMQ, in order, and notices what it missed.
 
 Frames are ``[topic, seq (u64 big-endian), payload]``; each data-parallel rank's publisher numbers
-its batches from 0. The subscriber expects exactly the next number per rank. When a batch arrives
-early it asks the publisher's replay socket (a ROUTER that keeps the last batches) for the missing
-ones; what cannot be replayed is reported as a gap, so the owner can make the router re-read the
-worker. A batch numbered lower than expected is a duplicate (replay overlapping the live stream)
-unless it is 0, which means the publisher restarted.
+its batches from 0. The subscriber expects exactly the next number per rank (one replayed
+``EventSequence`` per rank, shared/events/seq.py). When a batch arrives early it asks the
+publisher's replay socket (a ROUTER that keeps the last batches) for the missing ones; what cannot
+be replayed is reported as a gap, so the owner can make the router re-read the worker. A batch
+numbered lower than expected is a duplicate (replay overlapping the live stream) unless it is 0,
+which means the publisher restarted.
 
 A bound SUB socket learns of a connecting publisher only when the application touches the socket
 (libzmq runs the attach command in the socket's thread), and until its subscription reaches the
@@ -23,6 +24,7 @@ import zmq
 import zmq.asyncio
 
 from dynamod.daemon.engines.common.kv_endpoints import SubscriberEndpoint
+from dynamod.shared.events.seq import Arrival, EventSequences
 from dynamod.shared.protocol.kv_events import KvEventBatch
 
 logger = logging.getLogger(__name__)
@@ -66,17 +68,15 @@ class NativeKvSubscriber:
         self._replay_timeout_s = replay_timeout_s
         self._sub: zmq.asyncio.Socket | None = None
         self._dealers: dict[int, zmq.asyncio.Socket] = {}
-        self._next_seq: dict[int, int] = {}
+        self._seqs: EventSequences[int] = EventSequences(first=0, replays=True)
         self._task: asyncio.Task[None] | None = None
         self.bound: list[str] = []  # the addresses bound, ports resolved ("tcp://127.0.0.1:*" -> real)
         # Counters for logs, metrics and tests.
         self.batches = 0
         self.replayed = 0
-        self.gaps = 0
+        self.gaps = 0  # reported to the owner: batches lost for good, or a publisher restart
         self.missed = 0
-        self.duplicates = 0
         self.malformed = 0
-        self.restarts = 0
 
     def open(self) -> None:
         """Binds/connects the SUB socket and starts receiving (call before the engine starts)."""
@@ -117,8 +117,18 @@ class NativeKvSubscriber:
         if self._own_ctx:
             self._ctx.term()
 
+    @property
+    def duplicates(self) -> int:
+        return self._seqs.counts.duplicates
+
+    @property
+    def restarts(self) -> int:
+        return self._seqs.counts.restarts
+
     def expected_seq(self, rank: int) -> int:
-        return self._next_seq.get(rank, 0)
+        expected = self._seqs.of(rank).expected
+        assert expected is not None  # a sequence with a first id always expects one
+        return expected
 
     # -- receiving -------------------------------------------------------------------------------
 
@@ -143,20 +153,21 @@ class NativeKvSubscriber:
         seq = int.from_bytes(frames[1], "big")
         batch = self._decode(frames[2])
         rank = batch.data_parallel_rank or 0
-        expected = self._next_seq.get(rank, 0)
-        if seq < expected:
-            if seq != 0:
-                self.duplicates += 1
-                return
-            self.restarts += 1
+        expected = self.expected_seq(rank)
+        if seq > expected:
+            await self._recover(rank, expected, seq)
+        resumed = self.expected_seq(rank)  # after what the replay still held
+        arrival = self._seqs.observe(rank, seq)
+        if arrival is Arrival.DUPLICATE:
+            return
+        if arrival is Arrival.RESTART:
             logger.warning("kv publisher restarted dp_rank=%d expected_seq=%d", rank, expected)
             self._report_gap(rank, 1)
-        elif seq > expected:
-            await self._recover(rank, expected, seq)
-        self._deliver(rank, seq, batch)
+        elif arrival is Arrival.GAP:
+            self._report_gap(rank, seq - resumed)
+        self._deliver(rank, batch)
 
-    def _deliver(self, rank: int, seq: int, batch: KvEventBatch) -> None:
-        self._next_seq[rank] = seq + 1
+    def _deliver(self, rank: int, batch: KvEventBatch) -> None:
         self.batches += 1
         self._on_batch(rank, batch)
 
@@ -166,15 +177,18 @@ class NativeKvSubscriber:
         self._on_gap(rank, missing)
 
     async def _recover(self, rank: int, start: int, stop: int) -> None:
-        """Fetches batches ``start .. stop-1`` from the replay socket; reports what stays lost."""
+        """Delivers batches ``start .. stop-1`` from the replay socket, as far as it still holds them."""
         replayed = await self._replay(rank, start, stop)
+        sequence = self._seqs.of(rank)
         nxt = start
         for seq, payload in replayed:
             if seq < nxt:
                 continue
             if seq > nxt:
                 break  # the replay buffer no longer holds nxt
-            self._deliver(rank, seq, self._decode(payload))
+            batch = self._decode(payload)
+            sequence.observe(seq)  # in order: seq is the one expected
+            self._deliver(rank, batch)
             self.replayed += 1
             nxt += 1
         if nxt < stop:
@@ -182,7 +196,6 @@ class NativeKvSubscriber:
                 "kv events lost dp_rank=%d first_missing_seq=%d next_seq=%d replayed=%d",
                 rank, nxt, stop, nxt - start,
             )
-            self._report_gap(rank, stop - nxt)
         else:
             logger.info("kv events replayed dp_rank=%d from_seq=%d count=%d", rank, start, stop - start)
 

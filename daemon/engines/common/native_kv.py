@@ -1,8 +1,8 @@
 """An engine's native KV events as the worker's numbered ``RouterEvent`` stream, plus its dump.
 
 The glue between ``NativeKvSubscriber`` (ordered native batches, gaps reported) and the worker
-daemon (which publishes ``kv_events()`` and answers ``kv_dump``). Batches are converted with the
-router's own converter (shared/kv/native_events.py: token ids rehashed, engine hashes kept to match
+daemon (which publishes ``kv_events()`` and answers ``kv_dump``). Batches are converted by
+``native_events`` (token ids rehashed with the router's hash, engine hashes kept to match
 removals), recorded in a ``KvBlockTable`` and queued.
 
 ``event_id`` is the worker's, consecutive over all ranks. Whenever events are known to be lost (a
@@ -17,7 +17,7 @@ import logging
 from collections.abc import AsyncIterator, Iterable
 
 from dynamod.daemon.engines.common.kv_table import KvBlockTable
-from dynamod.shared.kv.native_events import NativeEventConverter
+from dynamod.daemon.engines.common.native_events import NativeEventConverter
 from dynamod.shared.protocol.kv_events import KvEvent, KvEventBatch, RouterEvent
 
 logger = logging.getLogger(__name__)
@@ -61,16 +61,15 @@ class NativeKvFeed:
     def on_gap(self, rank: int, missing: int) -> None:
         """Native batches were lost for good: skip an id so the router resyncs from the dump."""
         self.gaps += 1
-        self._converter.next_event_id += 1
+        skipped = self._converter.skip()
         logger.warning(
             "kv events gap worker_id=%x dp_rank=%d missing_batches=%d skipped_event_id=%d",
-            self.worker_id, rank, missing, self._converter.next_event_id - 1,
+            self.worker_id, rank, missing, skipped,
         )
 
     def emit(self, rank: int, event: KvEvent) -> RouterEvent:
         """An event the adapter knows of before the engine publishes it (a cleared cache)."""
-        ev = RouterEvent(worker_id=self.worker_id, dp_rank=rank, event_id=self._converter.next_event_id, event=event)
-        self._converter.next_event_id += 1
+        ev = self._converter.stamp(rank, event)
         self.table.apply(rank, event)
         self._enqueue(ev)
         return ev

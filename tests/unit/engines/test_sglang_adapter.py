@@ -15,6 +15,7 @@ import zmq.asyncio
 from dynamod.daemon.engines.common.flags import flag_value
 from dynamod.daemon.engines.common.kv_endpoints import SubscriberEndpoint
 from dynamod.daemon.engines.common.kv_subscriber import NativeKvSubscriber
+from dynamod.daemon.engines.common.native_events import engine_hash_to_int
 from dynamod.daemon.engines.common.native_kv import NativeKvFeed
 from dynamod.daemon.engines.sglang.engine import SglangEngine, sglang_argv
 from dynamod.daemon.engines.sglang.kv_format import SglangFormatError, decode_sglang_batch
@@ -23,7 +24,6 @@ from dynamod.daemon.models.registry import load_model_dir
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.kv.hashing import compute_block_hashes
 from dynamod.shared.kv.indexer import KvIndexer
-from dynamod.shared.kv.native_events import engine_hash_to_int
 from dynamod.shared.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvCleared, KvStored
 from dynamod.shared.protocol.llm import PreprocessedRequest, SamplingOptions, StopConditions
 from tests.integration.test_vllm_support import build_tiny_model

@@ -10,13 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from dynamod.daemon.engines.common.native_events import engine_hash_to_int
 from dynamod.daemon.engines.trtllm.engine import TrtllmEngine, cached_tokens, llm_kwargs, sampling_params
 from dynamod.daemon.engines.trtllm.kv_format import TrtllmEventMapper
 from dynamod.daemon.models.registry import load_model_dir, resolve_model
 from dynamod.shared.errors import ConfigError, InvalidRequestError
 from dynamod.shared.kv.hashing import compute_block_hashes
 from dynamod.shared.kv.indexer import KvIndexer
-from dynamod.shared.kv.native_events import engine_hash_to_int
 from dynamod.shared.protocol.kv_events import BlockRemoved, BlockStored, KvStored
 from dynamod.shared.protocol.llm import PreprocessedRequest, SamplingOptions, StopConditions
 from tests.integration.test_vllm_support import build_tiny_model

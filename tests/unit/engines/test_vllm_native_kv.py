@@ -11,10 +11,10 @@ import zmq.asyncio
 
 from dynamod.daemon.engines.common.kv_endpoints import SubscriberEndpoint
 from dynamod.daemon.engines.common.kv_subscriber import NativeKvSubscriber
+from dynamod.daemon.engines.common.native_events import engine_hash_to_int
 from dynamod.daemon.engines.common.native_kv import NativeKvFeed
 from dynamod.shared.kv.hashing import compute_block_hashes
 from dynamod.shared.kv.indexer import KvIndexer
-from dynamod.shared.kv.native_events import engine_hash_to_int
 from dynamod.shared.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,

@@ -32,7 +32,7 @@ from dynamod.shared.protocol.keys import mdc_key
 from dynamod.shared.protocol.model_card import MODEL_TYPE_PREFILL, ModelCard, encode_card
 from dynamod.shared.runtime.distributed import DistributedRuntime, ServedInstance
 from dynamod.shared.transport.plane import RequestContext
-from tests.unit.test_frontend_app import CONTEXT, FakeWorker
+from tests.unit.frontend.test_app import CONTEXT, FakeWorker
 
 BLOCK = 16
 

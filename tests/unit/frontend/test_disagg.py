@@ -14,7 +14,7 @@ import pytest
 
 from dynamod.shared.protocol.routing import STAGE_DECODE, STAGE_PREFILL, RoutingDecision
 from tests.unit.frontend.disagg_cluster import DisaggCluster
-from tests.unit.test_frontend_app import expected_text
+from tests.unit.frontend.test_app import expected_text
 
 EXPLAIN = {"x-dynamo-route-explain": "1"}
 PROMPT = list(range(1, 101))  # 100 tokens: 6 full blocks of 16 and a partial one

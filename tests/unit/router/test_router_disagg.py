@@ -22,7 +22,7 @@ from dynamod.shared.protocol.model_card import MODEL_TYPE_PREFILL, ModelCard, en
 from dynamod.shared.protocol.routing import STAGE_DECODE, STAGE_PREFILL, RoutingDecision
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from tests.unit.frontend.disagg_cluster import BLOCK, FakePrefill
-from tests.unit.test_frontend_app import FakeWorker
+from tests.unit.frontend.test_app import FakeWorker
 
 PROMPT = list(range(1, 70))
 

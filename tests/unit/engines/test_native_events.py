@@ -7,9 +7,9 @@ import random
 
 import msgspec
 
+from dynamod.daemon.engines.common.native_events import NativeEventConverter, engine_hash_to_int
 from dynamod.shared.kv.hashing import compute_block_hashes
 from dynamod.shared.kv.indexer import KvIndexer
-from dynamod.shared.kv.native_events import NativeEventConverter, engine_hash_to_int
 from dynamod.shared.protocol.kv_events import KvCleared, KvRemoved, KvStored, decode_native_batch
 
 BS = 16

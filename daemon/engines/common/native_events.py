@@ -1,10 +1,12 @@
 """vLLM/SGLang native KV event batches -> the router's internal events.
 
-Engines publish ``KvEventBatch``es (shared/protocol/kv_events.py) whose block hashes are the
-engine's own: vLLM's are Python ints or sha256 bytes seeded per process, SGLang's are ints. The
-router cannot compute them, so a stored block is rehashed from its ``token_ids`` with the router's
-local hash (shared/kv/hashing.py; the event's ``block_size``, the LoRA name salting the seed); the
-engine hash is kept, as a stable u64, only to match later removals and parent references.
+Engine knowledge, kept beside its only user (``native_kv.NativeKvFeed``): the router itself only
+ever sees the converted events. Engines publish ``KvEventBatch``es (shared/protocol/kv_events.py)
+whose block hashes are the engine's own: vLLM's are Python ints or sha256 bytes seeded per
+process, SGLang's are ints. The router cannot compute them, so a stored block is rehashed from its
+``token_ids`` with the router's local hash (shared/kv/hashing.py; the event's ``block_size``, the
+LoRA name salting the seed); the engine hash is kept, as a stable u64, only to match later
+removals and parent references.
 
 Only one cache tier is indexed (``GPU`` by default): with CPU offloading vLLM reports the same
 block hash on several media, and a CPU-tier removal must not erase the GPU copy from the index.
@@ -90,7 +92,8 @@ class NativeEventConverter:
     """Turns one engine's native batches into numbered router events.
 
     One converter per worker process: it owns the worker's ``event_id`` sequence (monotonic, no
-    gaps, so a router that sees a gap knows it lost events and re-reads ``kv_dump``).
+    gaps, so a router that sees a gap knows it lost events and re-reads ``kv_dump``). Ids are only
+    left unused on purpose (``skip``), to make a router notice events the worker lost.
     """
 
     def __init__(self, worker_id: int, *, first_event_id: int = 0, mediums: Iterable[str] = ("GPU",)) -> None:
@@ -105,6 +108,16 @@ class NativeEventConverter:
             event = convert_native_event(native, mediums=self._mediums)
             if event is None or (isinstance(event, KvStored) and not event.blocks):
                 continue
-            out.append(RouterEvent(worker_id=self.worker_id, dp_rank=dp_rank, event_id=self.next_event_id, event=event))
-            self.next_event_id += 1
+            out.append(self.stamp(dp_rank, event))
         return out
+
+    def stamp(self, dp_rank: int, event: KvEvent) -> RouterEvent:
+        """``event`` as the worker's next router event (also for events not from a native batch)."""
+        ev = RouterEvent(worker_id=self.worker_id, dp_rank=dp_rank, event_id=self.next_event_id, event=event)
+        self.next_event_id += 1
+        return ev
+
+    def skip(self) -> int:
+        """Leaves the next id unused, so routers see a gap and re-read ``kv_dump``; returns it."""
+        self.next_event_id += 1
+        return self.next_event_id - 1
