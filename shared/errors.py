@@ -20,16 +20,32 @@ error bodies with the right status, and CLIs can print one line and exit non-zer
     │   ├── NoInstancesError         no live instance serves the endpoint
     │   └── RemoteError              the handler raised; carries its type and message
     └── EngineError                  the engine failed a request
+
+Each class carries its HTTP status (``http_status``); the frontend's boundary
+(``daemon/frontend/errors.py``) reads it from the class and never restates it. Subclasses defined in
+other modules (``KvTransferError`` in ``shared/kv/transfer/base.py``, ``BodyTooLargeError`` in the
+frontend, ...) register their ``code`` when their class is created, so ``error_from_wire`` knows every
+class imported in the process, not only those that existed when this module was imported.
 """
 
 from __future__ import annotations
 
+# code -> the first class that named it; filled as classes are created (``__init_subclass__``).
+_BY_CODE: dict[str, type[DynamoError]] = {}
+
 
 class DynamoError(Exception):
-    """Base of all dynamod errors. ``code`` is a short machine-readable name."""
+    """Base of all dynamod errors. ``code`` is a short machine-readable name.
+
+    ``http_status`` is the one source of the status a client gets for this class. ``param`` names
+    the request parameter at fault (OpenAI's ``param``), and ``retry_after_s`` is the hint a client
+    gets with a 503.
+    """
 
     code: str = "internal_error"
     http_status: int = 500
+    param: str | None = None
+    retry_after_s: float = 1.0
 
     def __init__(self, message: str = "", *, code: str | None = None) -> None:
         super().__init__(message)
@@ -37,8 +53,22 @@ class DynamoError(Exception):
         if code is not None:
             self.code = code
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        # Only a class that names its own code; one that inherits it would shadow nothing.
+        if "code" in cls.__dict__:
+            _BY_CODE.setdefault(cls.code, cls)
+
     def __str__(self) -> str:
         return self.message or self.__class__.__name__
+
+    @property
+    def public_code(self) -> str:
+        """The code a client sees: this error's own, or the remote one it relays."""
+        return self.code
+
+
+_BY_CODE[DynamoError.code] = DynamoError
 
 
 class ConfigError(DynamoError):
@@ -131,22 +161,14 @@ class RemoteError(RequestPlaneError):
         self.remote_code = remote_code
         self.http_status = http_status
 
+    @property
+    def public_code(self) -> str:
+        return self.remote_code
+
 
 class EngineError(DynamoError):
     code = "engine_error"
     http_status = 500
-
-
-_BY_CODE: dict[str, type[DynamoError]] = {}
-
-
-def _index(cls: type[DynamoError]) -> None:
-    _BY_CODE.setdefault(cls.code, cls)
-    for sub in cls.__subclasses__():
-        _index(sub)
-
-
-_index(DynamoError)
 
 
 def error_to_wire(exc: BaseException) -> dict[str, object]:

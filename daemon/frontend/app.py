@@ -3,14 +3,15 @@
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
     GET  /health (503 while shutting down)   GET /live   GET /metrics
 
-Unknown paths and methods get OpenAI-shaped 404/405 bodies; an unexpected exception gets a 500
-body without a traceback (it is logged).
+Unknown paths and methods get OpenAI-shaped 404/405 bodies; an exception goes through the error
+boundary (``errors.to_http_error``) like the generation routes': its class's status, never a
+traceback (a bug is logged and answered with a 500).
 """
 
 from __future__ import annotations
 
 import json
-import logging
+import uuid
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -26,8 +27,6 @@ from dynamod.daemon.frontend.errors import error_body, to_http_error
 from dynamod.daemon.frontend.protocol import ModelList, ModelObject, encoder
 from dynamod.daemon.frontend.state import FrontendState
 from dynamod.shared.errors import NotFoundError
-
-logger = logging.getLogger(__name__)
 
 
 def _model_object(model: Any) -> ModelObject:
@@ -137,8 +136,10 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
-    logger.error("unhandled error path=%s error=%s", request.url.path, type(exc).__name__, exc_info=exc)
-    return Response(error_body(500, "internal error; see the frontend log"), status_code=500, media_type="application/json")
+    """Whatever a Starlette-served route raised, through the same boundary as the hot endpoints."""
+    error = to_http_error(exc, request_id=uuid.uuid4().hex)
+    headers = {key.decode("latin-1"): value.decode("latin-1") for key, value in error.headers}
+    return Response(error.body, status_code=error.status, headers=headers, media_type="application/json")
 
 
 def _route(path: str, endpoint: Any, methods: list[str]) -> Route:

@@ -1,24 +1,30 @@
-"""Maps exceptions to OpenAI-shaped error bodies with the right HTTP status.
+"""The frontend's error boundary: any exception -> an OpenAI-shaped error body with the right status.
 
 The body is always ``{"error": {"message", "type", "param", "code"}}``, which the official client
-turns into ``BadRequestError``, ``NotFoundError``, ``InternalServerError`` and so on. Only an
-exception outside the ``DynamoError`` tree is a bug: it is logged with its traceback and the client
-gets a 500 with the request id, never the traceback itself.
+turns into ``BadRequestError``, ``NotFoundError``, ``InternalServerError`` and so on.
+
+The mapping is done once, here, and read from the class (httpx's ``map_httpcore_exceptions`` is
+the model): a ``DynamoError`` brings its own ``http_status``, ``public_code``, ``param`` and
+``retry_after_s`` (``shared/errors.py`` is the one source of statuses). A foreign exception that
+reaches a handler (msgspec rejecting a body, bytes that are not UTF-8, a library's ``ValueError``,
+a timeout, a dropped connection) is first translated to the ``DynamoError`` class that names what
+went wrong, by the most specific entry of ``FOREIGN_ERRORS`` in its MRO. Anything else is a bug:
+it is logged with its traceback and the client gets a 500 with the request id, never the traceback.
 """
 
 from __future__ import annotations
 
 import logging
 
+import msgspec
+
 from dynamod.daemon.frontend.protocol import ErrorBody, ErrorDetail, encoder
 from dynamod.shared.errors import (
+    DeadlineExceededError,
     DynamoError,
     InvalidRequestError,
-    NoInstancesError,
     NotFoundError,
-    OverloadedError,
-    RemoteError,
-    UnavailableError,
+    TransportError,
 )
 
 logger = logging.getLogger(__name__)
@@ -34,7 +40,21 @@ _TYPE_BY_STATUS = {
     504: "timeout",
 }
 
-DEFAULT_RETRY_AFTER_S = 1
+# OpenAI's name for an unknown model; inside dynamod (and on the wire) it stays ``not_found``.
+_OPENAI_CODES = {NotFoundError.code: "model_not_found"}
+
+FOREIGN_ERRORS: dict[type[BaseException], tuple[type[DynamoError], str]] = {
+    # foreign class: (our class, what the client is told before the foreign message)
+    msgspec.ValidationError: (InvalidRequestError, "invalid parameter"),
+    msgspec.DecodeError: (InvalidRequestError, "the request body is not valid JSON"),
+    UnicodeError: (InvalidRequestError, "the request is not valid UTF-8 text"),
+    # A library refusing a value it was handed from the request (vLLM's server maps it to 400 too).
+    ValueError: (InvalidRequestError, "invalid value"),
+    TimeoutError: (DeadlineExceededError, "the request timed out"),  # asyncio.TimeoutError is TimeoutError
+    ConnectionError: (TransportError, "a connection to a worker failed"),
+}
+"""Foreign exceptions the frontend's handlers can meet, each mapped to the class that says what
+went wrong. Looked up along the exception's MRO, so the most specific entry wins."""
 
 
 class HttpError:
@@ -53,30 +73,36 @@ def error_body(status: int, message: str, *, code: str | None = None, param: str
     return encoder.encode(ErrorBody(error=detail))
 
 
+def as_dynamo_error(exc: BaseException) -> DynamoError | None:
+    """``exc`` itself, its translation from ``FOREIGN_ERRORS``, or None for a bug."""
+    if isinstance(exc, DynamoError):
+        return exc
+    for cls in type(exc).__mro__:
+        entry = FOREIGN_ERRORS.get(cls)
+        if entry is not None:
+            ours, lead = entry
+            detail = str(exc)
+            mapped = ours(f"{lead}: {detail}" if detail else lead)
+            mapped.__cause__ = exc
+            return mapped
+    return None
+
+
 def to_http_error(exc: BaseException, *, request_id: str = "") -> HttpError:
     """The response for ``exc``; logs bugs with their traceback."""
-    headers: list[tuple[bytes, bytes]] = []
-    param: str | None = None
-    if isinstance(exc, NotFoundError):
-        status, code, message = 404, exc.code if exc.code != "not_found" else "model_not_found", exc.message
-    elif isinstance(exc, InvalidRequestError):
-        status, code, message, param = 400, exc.code, exc.message, exc.param
-    elif isinstance(exc, OverloadedError):
-        status, code, message = 503, exc.code, exc.message
-        headers.append((b"retry-after", str(max(1, round(exc.retry_after_s))).encode()))
-    elif isinstance(exc, UnavailableError | NoInstancesError):
-        status, code, message = 503, exc.code, exc.message
-        headers.append((b"retry-after", str(DEFAULT_RETRY_AFTER_S).encode()))
-    elif isinstance(exc, RemoteError):
-        status, code, message = exc.http_status, exc.remote_code, exc.message
-        if status == 503:
-            headers.append((b"retry-after", str(DEFAULT_RETRY_AFTER_S).encode()))
-    elif isinstance(exc, DynamoError):
-        status, code, message = exc.http_status, exc.code, exc.message or str(exc)
-        if status == 503:
-            headers.append((b"retry-after", str(DEFAULT_RETRY_AFTER_S).encode()))
-    else:
+    err = as_dynamo_error(exc)
+    if err is None:
         logger.error("request failed with a bug request_id=%s error=%s", request_id, type(exc).__name__, exc_info=exc)
-        status, code = 500, "internal_error"
         message = f"internal error; the frontend log has the details under request_id={request_id}"
-    return HttpError(status, error_body(status, message, code=code, param=param), headers)
+        return HttpError(500, error_body(500, message, code="internal_error"), [])
+    if err is not exc:
+        logger.info(
+            "request failed request_id=%s error=%s mapped=%s", request_id, type(exc).__name__, type(err).__name__
+        )
+    status = err.http_status
+    code = err.public_code
+    headers: list[tuple[bytes, bytes]] = []
+    if status == 503:
+        headers.append((b"retry-after", str(max(1, round(err.retry_after_s))).encode()))
+    message = err.message or str(err)
+    return HttpError(status, error_body(status, message, code=_OPENAI_CODES.get(code, code), param=err.param), headers)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from dynamod.shared.kv.transfer.memory import KvBlockMemory
@@ -20,6 +21,28 @@ from dynamod.shared.protocol.model_card import RuntimeConfig
 
 if TYPE_CHECKING:
     from dynamod.daemon.worker.kv_transfer import KvTransferContext
+
+
+class EngineState(StrEnum):
+    """Where an engine adapter is in its lifecycle; every adapter walks (a part of) this one::
+
+        CREATED --start()--> STARTING --> READY <--sleep() / wake_up()--> SLEEPING
+        STARTING, READY, SLEEPING --the engine died--> FAILED
+        any state --stop()--> STOPPED
+
+    FAILED and STOPPED are final: ``start()`` refuses them (create a new engine) and ``generate``
+    answers ``UnavailableError``. ``status`` properties return one of these.
+    A ``StrEnum``, so a state prints and encodes as its word ("ready") in messages and in
+    ``LoadMetrics.status``, and compares equal to that word. The mocker has no STARTING or FAILED
+    (it starts synchronously and cannot crash); TensorRT-LLM has no STARTING or SLEEPING.
+    """
+
+    CREATED = "created"
+    STARTING = "starting"
+    READY = "ready"
+    SLEEPING = "sleeping"
+    FAILED = "failed"
+    STOPPED = "stopped"
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ from dynamod.daemon.engines.mocker.config import MockerConfig
 from dynamod.daemon.engines.mocker.core import MockerCore, StepOutput
 from dynamod.daemon.engines.mocker.streams import RequestStream
 from dynamod.daemon.engines.mocker.transfer import REPORT_KEY, MockerKvTransfer, parse_transfer_params
-from dynamod.daemon.worker.engine import EngineInfo, LoraInfo
+from dynamod.daemon.worker.engine import EngineInfo, EngineState, LoraInfo
 from dynamod.daemon.worker.kv_transfer import KvTransferContext
 from dynamod.shared.errors import (
     ConfigError,
@@ -53,10 +53,6 @@ _MAX_LAG_S = 0.25  # behind by more than this: restart the clock instead of catc
 _MAX_BUSY_S = 0.005  # yield to the event loop at least this often while running back to back
 DEFAULT_KV_EVENT_BUFFER = 65536
 
-STATUS_CREATED = "created"
-STATUS_READY = "ready"
-STATUS_SLEEPING = "sleeping"
-STATUS_STOPPED = "stopped"
 
 
 @dataclass(slots=True)
@@ -111,7 +107,7 @@ class MockerEngine:
         self._streams: dict[str, RequestStream] = {}
         self._loras: dict[str, LoraInfo] = {}
         self._next_lora_id = 1
-        self._status = STATUS_CREATED
+        self._status = EngineState.CREATED
         self.sleep_level = 0  # 2 means the "weights" were released too
         self._event_id = -1  # last event id handed out; the first event is 0, as routers expect
         self._events: asyncio.Queue[RouterEvent | None] = asyncio.Queue(maxsize=kv_event_buffer)
@@ -128,15 +124,15 @@ class MockerEngine:
         return self._info
 
     @property
-    def status(self) -> str:
+    def status(self) -> EngineState:
         return self._status
 
     async def start(self) -> None:
-        if self._status == STATUS_STOPPED:
+        if self._status == EngineState.STOPPED:
             raise EngineError("mocker engine was stopped; create a new one")
         if self._tasks:
             return
-        self._status = STATUS_READY
+        self._status = EngineState.READY
         self._tasks = [
             asyncio.create_task(self._step_loop(rank), name=f"mocker-{self.worker_id:x}-dp{rank}")
             for rank in range(len(self.cores))
@@ -150,9 +146,9 @@ class MockerEngine:
         )
 
     async def stop(self) -> None:
-        if self._status == STATUS_STOPPED:
+        if self._status == EngineState.STOPPED:
             return
-        self._status = STATUS_STOPPED
+        self._status = EngineState.STOPPED
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
@@ -286,11 +282,11 @@ class MockerEngine:
         stream.finish(FINISH_ABORT, Usage(prompt_tokens=stream.prompt_tokens, completion_tokens=stream.num_tokens))
 
     def _check_serving(self) -> None:
-        if self._status == STATUS_READY:
+        if self._status == EngineState.READY:
             return
-        if self._status == STATUS_SLEEPING:
+        if self._status == EngineState.SLEEPING:
             raise UnavailableError(f"worker {self.worker_id:x} is asleep (level {self.sleep_level}); wake it up first")
-        if self._status == STATUS_STOPPED:
+        if self._status == EngineState.STOPPED:
             raise UnavailableError(f"worker {self.worker_id:x} is stopped")
         raise UnavailableError(f"worker {self.worker_id:x} is not started")
 
@@ -523,12 +519,12 @@ class MockerEngine:
         (simulated) weights. ``generate`` is refused until ``wake_up``."""
         if level not in (1, 2):
             raise InvalidRequestError(f"sleep level must be 1 or 2, got {level}", param="level")
-        if self._status == STATUS_STOPPED:
+        if self._status == EngineState.STOPPED:
             raise UnavailableError(f"worker {self.worker_id:x} is stopped")
-        if self._status == STATUS_SLEEPING:
+        if self._status == EngineState.SLEEPING:
             self.sleep_level = max(self.sleep_level, level)
             return
-        self._status = STATUS_SLEEPING
+        self._status = EngineState.SLEEPING
         self.sleep_level = level
         aborted = len(self._streams)
         self._end_all(None)
@@ -548,12 +544,12 @@ class MockerEngine:
         )
 
     async def wake_up(self) -> None:
-        if self._status == STATUS_STOPPED:
+        if self._status == EngineState.STOPPED:
             raise UnavailableError(f"worker {self.worker_id:x} is stopped")
-        if self._status != STATUS_SLEEPING:
+        if self._status != EngineState.SLEEPING:
             return
         level, self.sleep_level = self.sleep_level, 0
-        self._status = STATUS_READY if self._tasks else STATUS_CREATED
+        self._status = EngineState.READY if self._tasks else EngineState.CREATED
         logger.info("mocker awake worker_id=%x from_level=%d", self.worker_id, level)
 
     # ---- LoRA ----------------------------------------------------------------------------------

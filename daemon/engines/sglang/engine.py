@@ -56,7 +56,7 @@ from dynamod.daemon.engines.sglang import disagg
 from dynamod.daemon.engines.sglang.kv_format import decode_sglang_batch
 from dynamod.daemon.engines.sglang.outputs import SglangOutputTracker, sampling_params
 from dynamod.daemon.models.registry import LocalModel
-from dynamod.daemon.worker.engine import EngineInfo, LoraInfo
+from dynamod.daemon.worker.engine import EngineInfo, EngineState, LoraInfo
 from dynamod.shared.errors import (
     ConfigError,
     DynamoError,
@@ -164,7 +164,7 @@ class SglangEngine:
         self._active: dict[str, SglangOutputTracker] = {}
         self._loras: dict[str, LoraInfo] = {}
         self._next_lora_id = 1
-        self._status = "created"
+        self._status = EngineState.CREATED
         self.sleep_level = 0
         self._private_dir: str | None = None
         self._metrics: dict[int, Any] = {}
@@ -184,18 +184,18 @@ class SglangEngine:
 
     async def start(self) -> None:
         async with self._lock:
-            if self._status in ("ready", "sleeping"):
+            if self._status in (EngineState.READY, EngineState.SLEEPING):
                 return
-            if self._status in ("stopped", "failed"):
+            if self._status in (EngineState.STOPPED, EngineState.FAILED):
                 raise EngineError(f"SGLang engine is {self._status}; create a new one")
             started = time.monotonic()
             try:
                 await self._start()
             except BaseException:
-                self._status = "failed"
+                self._status = EngineState.FAILED
                 await self._release()
                 raise
-            self._status = "ready"
+            self._status = EngineState.READY
             self.start_seconds = time.monotonic() - started
             logger.info("sglang engine started worker_id=%x page_size=%d start_s=%.1f",
                         self.worker_id, self._info.kv_block_size, self.start_seconds)
@@ -254,9 +254,9 @@ class SglangEngine:
             ctx.term()
 
     async def stop(self) -> None:
-        if self._status == "stopped":
+        if self._status == EngineState.STOPPED:
             return
-        self._status = "stopped"
+        self._status = EngineState.STOPPED
         if self._engine is not None:
             for rid in list(self._active):
                 self._abort_rid(rid)
@@ -281,7 +281,7 @@ class SglangEngine:
             shutil.rmtree(self._private_dir, ignore_errors=True)
 
     def _started(self) -> Any:
-        if self._engine is None or self._status not in ("ready", "sleeping"):
+        if self._engine is None or self._status not in (EngineState.READY, EngineState.SLEEPING):
             raise UnavailableError(f"SGLang engine of worker {self.worker_id:x} is {self._status}")
         return self._engine
 
@@ -292,7 +292,7 @@ class SglangEngine:
 
     async def _generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
         engine = self._started()
-        if self._status == "sleeping":
+        if self._status == EngineState.SLEEPING:
             raise UnavailableError(f"worker {self.worker_id:x} is asleep; wake it up first")
         rid = request.request_id
         if rid in self._active:
@@ -412,7 +412,7 @@ class SglangEngine:
         if not getattr(engine.server_args, "enable_memory_saver", False):
             raise InvalidRequestError("sleep needs SGLang's memory saver: start with --enable-memory-saver in --sglang-args",
                                       param="level")
-        if self._status == "sleeping":
+        if self._status == EngineState.SLEEPING:
             return
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
 
@@ -420,18 +420,18 @@ class SglangEngine:
         for rid in list(self._active):
             self._abort_rid(rid)
         await engine.tokenizer_manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=tags), None)
-        self._status, self.sleep_level = "sleeping", level
+        self._status, self.sleep_level = EngineState.SLEEPING, level
         for rank in range(self._dp):
             self._feed.emit(rank, KvCleared())
 
     async def wake_up(self) -> None:
         engine = self._started()
-        if self._status != "sleeping":
+        if self._status != EngineState.SLEEPING:
             return
         from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
 
         await engine.tokenizer_manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=None), None)
-        self._status, self.sleep_level = "ready", 0
+        self._status, self.sleep_level = EngineState.READY, 0
 
     # ---- LoRA ----------------------------------------------------------------------------------
 

@@ -44,7 +44,7 @@ from dynamod.daemon.engines.common.sampling import stop_kwargs
 from dynamod.daemon.engines.trtllm import disagg
 from dynamod.daemon.engines.trtllm.kv_format import TrtllmEventMapper
 from dynamod.daemon.models.registry import LocalModel
-from dynamod.daemon.worker.engine import EngineInfo, LoraInfo
+from dynamod.daemon.worker.engine import EngineInfo, EngineState, LoraInfo
 from dynamod.shared.errors import (
     ConfigError,
     DynamoError,
@@ -171,7 +171,7 @@ class TrtllmEngine:
         self._next_lora_id = 1
         self._stats: dict[str, Any] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._status = "created"
+        self._status = EngineState.CREATED
         self._lock = asyncio.Lock()
         self.start_seconds = 0.0
 
@@ -185,21 +185,21 @@ class TrtllmEngine:
 
     async def start(self) -> None:
         async with self._lock:
-            if self._status == "ready":
+            if self._status == EngineState.READY:
                 return
-            if self._status in ("stopped", "failed"):
+            if self._status in (EngineState.STOPPED, EngineState.FAILED):
                 raise EngineError(f"TensorRT-LLM engine is {self._status}; create a new one")
             started = time.monotonic()
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             try:
                 self._llm = await asyncio.to_thread(build_llm, self._options)
             except asyncio.CancelledError:
-                self._status = "failed"
+                self._status = EngineState.FAILED
                 raise
             except Exception as exc:
-                self._status = "failed"
+                self._status = EngineState.FAILED
                 raise EngineError(f"TensorRT-LLM engine failed to start: {type(exc).__name__}: {exc}") from exc
-            self._status = "ready"
+            self._status = EngineState.READY
             self.start_seconds = time.monotonic() - started
             self._tasks = [
                 asyncio.create_task(self._poll(self._llm.get_kv_cache_events_async, self._on_event), name="trtllm-kv"),
@@ -244,9 +244,9 @@ class TrtllmEngine:
             self._info.runtime_config.total_kv_blocks = int(kv["maxNumBlocks"])
 
     async def stop(self) -> None:
-        if self._status == "stopped":
+        if self._status == EngineState.STOPPED:
             return
-        self._status = "stopped"
+        self._status = EngineState.STOPPED
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -259,7 +259,7 @@ class TrtllmEngine:
         logger.info("trtllm engine stopped worker_id=%x", self.worker_id)
 
     def _started(self) -> Any:
-        if self._llm is None or self._status != "ready":
+        if self._llm is None or self._status != EngineState.READY:
             raise UnavailableError(f"TensorRT-LLM engine of worker {self.worker_id:x} is {self._status}")
         return self._llm
 

@@ -46,7 +46,7 @@ from dynamod.daemon.engines.vllm import disagg, flags
 from dynamod.daemon.engines.vllm.outputs import OutputTracker, sampling_kwargs
 from dynamod.daemon.engines.vllm.stats import LoadTracker, make_stat_logger_factory
 from dynamod.daemon.models.registry import LocalModel
-from dynamod.daemon.worker.engine import EngineInfo, LoraInfo
+from dynamod.daemon.worker.engine import EngineInfo, EngineState, LoraInfo
 from dynamod.shared.errors import (
     ConfigError,
     DynamoError,
@@ -62,12 +62,6 @@ from dynamod.shared.protocol.model_card import RuntimeConfig
 
 logger = logging.getLogger(__name__)
 
-STATUS_CREATED = "created"
-STATUS_STARTING = "starting"
-STATUS_READY = "ready"
-STATUS_SLEEPING = "sleeping"
-STATUS_FAILED = "failed"
-STATUS_STOPPED = "stopped"
 
 _HEALTH_POLL_S = 2.0
 _SHUTDOWN_TIMEOUT_S = 30.0
@@ -156,7 +150,7 @@ class VllmEngine:
         self._active: dict[str, OutputTracker] = {}
         self._loras: dict[str, LoraInfo] = {}
         self._next_lora_id = 1
-        self._status = STATUS_CREATED
+        self._status = EngineState.CREATED
         self.sleep_level = 0
         self._private_dir: str | None = None
         self._start_lock = asyncio.Lock()
@@ -170,7 +164,7 @@ class VllmEngine:
         return self._info
 
     @property
-    def status(self) -> str:
+    def status(self) -> EngineState:
         return self._status
 
     @property
@@ -183,18 +177,18 @@ class VllmEngine:
 
     async def start(self) -> None:
         async with self._start_lock:
-            if self._status in (STATUS_READY, STATUS_SLEEPING):
+            if self._status in (EngineState.READY, EngineState.SLEEPING):
                 return
-            if self._status in (STATUS_STOPPED, STATUS_FAILED):
+            if self._status in (EngineState.STOPPED, EngineState.FAILED):
                 raise EngineError(f"vLLM engine is {self._status}; create a new one")
-            self._status = STATUS_STARTING
+            self._status = EngineState.STARTING
             try:
                 await self._start()
             except BaseException:
-                self._status = STATUS_FAILED
+                self._status = EngineState.FAILED
                 await self._release()
                 raise
-            self._status = STATUS_READY
+            self._status = EngineState.READY
 
     async def _start(self) -> None:
         started = time.monotonic()
@@ -284,18 +278,18 @@ class VllmEngine:
 
     async def _watch_health(self) -> None:
         """Notices an engine core that died between requests (checked every 2 s, no RPC)."""
-        while self._status in (STATUS_READY, STATUS_SLEEPING):
+        while self._status in (EngineState.READY, EngineState.SLEEPING):
             try:
                 await self.check_health()
             except UnavailableError:
-                self._status = STATUS_FAILED
+                self._status = EngineState.FAILED
                 logger.error("vllm engine died worker_id=%x", self.worker_id)
                 return
             await asyncio.sleep(_HEALTH_POLL_S)
 
     async def check_health(self) -> None:
         """Raises ``UnavailableError`` when the engine cannot serve."""
-        if self._llm is None or self._status in (STATUS_STOPPED, STATUS_FAILED):
+        if self._llm is None or self._status in (EngineState.STOPPED, EngineState.FAILED):
             raise UnavailableError(f"vLLM engine of worker {self.worker_id:x} is {self._status}")
         try:
             await self._llm.check_health()
@@ -303,13 +297,13 @@ class VllmEngine:
             raise UnavailableError(f"vLLM engine of worker {self.worker_id:x} is dead: {exc}") from None
 
     async def stop(self) -> None:
-        if self._status == STATUS_STOPPED:
+        if self._status == EngineState.STOPPED:
             return
         was = self._status
-        self._status = STATUS_STOPPED
+        self._status = EngineState.STOPPED
         if self._health_task is not None:
             self._health_task.cancel()
-        if self._llm is not None and self._active and was != STATUS_FAILED:
+        if self._llm is not None and self._active and was != EngineState.FAILED:
             try:
                 await self._llm.abort(list(self._active))
             except Exception:
@@ -343,14 +337,14 @@ class VllmEngine:
             self._private_dir = None
 
     def _check_serving(self) -> None:
-        if self._status == STATUS_READY:
+        if self._status == EngineState.READY:
             return
-        if self._status == STATUS_SLEEPING:
+        if self._status == EngineState.SLEEPING:
             raise UnavailableError(f"worker {self.worker_id:x} is asleep (level {self.sleep_level}); wake it up first")
         raise UnavailableError(f"vLLM engine of worker {self.worker_id:x} is {self._status}")
 
     def _check_started(self) -> Any:
-        if self._llm is None or self._status not in (STATUS_READY, STATUS_SLEEPING):
+        if self._llm is None or self._status not in (EngineState.READY, EngineState.SLEEPING):
             raise UnavailableError(f"vLLM engine of worker {self.worker_id:x} is {self._status}")
         return self._llm
 
@@ -506,12 +500,12 @@ class VllmEngine:
                 "it exists on CUDA, ROCm and XPU"
             )
             raise InvalidRequestError(f"sleep is not available on worker {self.worker_id:x}: {where}", param="level")
-        if self._status == STATUS_SLEEPING:
+        if self._status == EngineState.SLEEPING:
             self.sleep_level = max(self.sleep_level, level)
             return
         aborted = len(self._active)
         await llm.sleep(level)  # mode "abort": in-flight requests end as aborted
-        self._status = STATUS_SLEEPING
+        self._status = EngineState.SLEEPING
         self.sleep_level = level
         for rank in range(self._dp):
             self._feed.emit(rank, KvCleared())
@@ -519,11 +513,11 @@ class VllmEngine:
 
     async def wake_up(self) -> None:
         llm = self._check_started()
-        if self._status != STATUS_SLEEPING:
+        if self._status != EngineState.SLEEPING:
             return
         await llm.wake_up()
         level, self.sleep_level = self.sleep_level, 0
-        self._status = STATUS_READY
+        self._status = EngineState.READY
         logger.info("vllm awake worker_id=%x from_level=%d", self.worker_id, level)
 
     # ---- LoRA ----------------------------------------------------------------------------------
