@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from dynamod.daemon.models.registry import LocalModel
+from dynamod.daemon.models.local import LocalModel
 from dynamod.daemon.worker.engine import Engine
 from dynamod.shared.errors import ConfigError
 

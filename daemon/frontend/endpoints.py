@@ -36,7 +36,7 @@ from dynamod.daemon.frontend.metrics import (
     STATUS_SUCCESS,
 )
 from dynamod.daemon.frontend.models import ServedModel
-from dynamod.daemon.frontend.preprocessor import ModelPreprocessor, completion_prompts
+from dynamod.daemon.frontend.preprocess.model_preprocessor import ModelPreprocessor, completion_prompts
 from dynamod.daemon.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -196,6 +196,8 @@ class OpenAIEndpoint(ABC):
             try:
                 gen, pre, plan, freq = await self._start(scope, req, model, request_id, start)
                 first = await gen.__anext__()
+                fmt = self.formatter(req, request_id, int(time.time()))
+                collector = LogprobCollector(pre) if plan.logprobs is not None else None
             except Exception as exc:  # noqa: BLE001 - nothing sent yet: a proper HTTP error
                 watch.done()
                 await send_error(send, to_http_error(exc, request_id=request_id))
@@ -204,8 +206,6 @@ class OpenAIEndpoint(ABC):
             now = time.perf_counter()
             mm.ttft.observe(now - start)
             mm.isl.observe(gen.prompt_tokens)
-            fmt = self.formatter(req, request_id, int(time.time()))
-            collector = LogprobCollector(pre) if plan.logprobs is not None else None
             if req.stream:
                 status = await self._stream(send, req, gen, first, fmt, collector, plan, _route_headers(freq, explain), now, watch)
             else:

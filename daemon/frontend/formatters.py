@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dynamod.daemon.frontend.preprocessor import ModelPreprocessor
+from dynamod.daemon.frontend.preprocess.model_preprocessor import ModelPreprocessor
 from dynamod.daemon.frontend.protocol import (
     ChatChoice,
     ChatChoiceTokens,

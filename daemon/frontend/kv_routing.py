@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from dynamod.daemon.frontend.routing import DecodeEstimate, RouteChoice, RouteRequest
+from dynamod.daemon.frontend.sync import FRONTEND_COMPONENT
 from dynamod.daemon.router import KvRouter, KvRouterConfig, config_from_args
 from dynamod.daemon.router.config import prefill_router_config
 from dynamod.daemon.router.decision_publisher import DecisionPublisher, sample_rate_from_args
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FRONTEND_COMPONENT = "frontend"
 PREFILL_KEY_PREFIX = "prefill:"  # the prefill routers' feed keys, apart from the base models'
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dynamod.daemon.frontend.metrics import FrontendMetrics, ModelMetrics
-from dynamod.daemon.frontend.preprocessor import ModelPreprocessor, PreprocessorCache
+from dynamod.daemon.frontend.preprocess.model_preprocessor import ModelPreprocessor, PreprocessorCache
 from dynamod.daemon.frontend.routing import Quarantine, RoundRobinRouter, Router
 from dynamod.shared.errors import NotFoundError
 from dynamod.shared.protocol.instance import Instance

@@ -121,7 +121,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-# msgspec allows one array type per union; the element types are checked in preprocessor.py.
+# msgspec allows one array type per union; the element types are checked in preprocess/model_preprocessor.py.
 PromptValue = str | list[Any]
 
 

@@ -1,7 +1,7 @@
 """Local model resolution: the built-in ``tiny`` model and HF-style model directories."""
 
 from .kv_layout import KvGeometry, geometry_for_bytes_per_token, kv_geometry
-from .registry import TINY_MODEL_DIR, TINY_MODEL_NAME, LocalModel, load_model_dir, resolve_model
+from .local import TINY_MODEL_DIR, TINY_MODEL_NAME, LocalModel, load_model_dir, resolve_model
 
 __all__ = [
     "TINY_MODEL_DIR",

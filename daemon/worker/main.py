@@ -14,7 +14,7 @@ import logging
 import os
 
 from dynamod.daemon.engines.factory import ENGINES, add_engine_args, create_engine
-from dynamod.daemon.models.registry import LocalModel, resolve_model
+from dynamod.daemon.models.local import LocalModel, resolve_model
 from dynamod.daemon.worker.engine import EngineInfo
 from dynamod.daemon.worker.kv_transfer import add_kv_transfer_args, kv_transfer_settings
 from dynamod.daemon.worker.metrics import WorkerMetrics

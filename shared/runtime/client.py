@@ -21,7 +21,7 @@ from dynamod.shared.transport.plane import ServerAddress
 if TYPE_CHECKING:
     from dynamod.shared.runtime.distributed import DistributedRuntime
 
-ROUTE_ROUND_ROBIN = "round_robin"
+ROUTE_ROUND_ROBIN = "round-robin"
 ROUTE_RANDOM = "random"
 ROUTE_DIRECT = "direct"
 

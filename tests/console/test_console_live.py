@@ -87,7 +87,7 @@ async def select(app: ConsoleApp, pilot, iid: int) -> None:
 
 async def send(client: EndpointClient, n: int, *, instance_id: int | None = None) -> None:
     async def one() -> None:
-        mode = "direct" if instance_id is not None else "round_robin"
+        mode = "direct" if instance_id is not None else "round-robin"
         async for _ in client.generate(request_body(), mode=mode, instance_id=instance_id, timeout_s=30):
             pass
 

@@ -23,7 +23,7 @@ import pytest
 from dynamod.daemon.frontend import app as frontend_app
 from dynamod.daemon.frontend.errors import FOREIGN_ERRORS, to_http_error
 from dynamod.daemon.frontend.generation import TextGeneration
-from dynamod.daemon.frontend.preprocessor import ModelPreprocessor
+from dynamod.daemon.frontend.preprocess.model_preprocessor import ModelPreprocessor
 from dynamod.shared.errors import DynamoError, RemoteError, error_from_wire, error_to_wire
 from tests.unit.frontend.test_app import Cluster
 

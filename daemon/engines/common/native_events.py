@@ -1,6 +1,6 @@
 """vLLM/SGLang native KV event batches -> the router's internal events.
 
-Engine knowledge, kept beside its only user (``native_kv.NativeKvFeed``): the router itself only
+Engine knowledge, kept beside its only user (``native_kv.NativeKvEventQueue``): the router itself only
 ever sees the converted events. Engines publish ``KvEventBatch``es (shared/protocol/kv_events.py)
 whose block hashes are the engine's own: vLLM's are Python ints or sha256 bytes seeded per
 process, SGLang's are ints. The router cannot compute them, so a stored block is rehashed from its

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_EVENT_BUFFER = 65536
 
 
-class NativeKvFeed:
+class NativeKvEventQueue:
     """Numbered router events from native batches; bounded, drops become id gaps."""
 
     def __init__(

@@ -14,7 +14,7 @@ import logging
 from dynamod.daemon.engines.mocker.config import add_mocker_flags, config_from_args
 from dynamod.daemon.engines.mocker.engine import MockerEngine
 from dynamod.daemon.models.kv_layout import geometry_for_bytes_per_token
-from dynamod.daemon.models.registry import LocalModel
+from dynamod.daemon.models.local import LocalModel
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.protocol.kv_transfer import KvLayout
 

@@ -51,11 +51,11 @@ from dynamod.daemon.engines.common.disagg import (
 from dynamod.daemon.engines.common.kv_endpoints import plan_kv_events
 from dynamod.daemon.engines.common.kv_subscriber import NativeKvSubscriber
 from dynamod.daemon.engines.common.lora import local_adapter_dir
-from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER, NativeKvFeed
+from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER, NativeKvEventQueue
 from dynamod.daemon.engines.sglang import disagg
 from dynamod.daemon.engines.sglang.kv_format import decode_sglang_batch
 from dynamod.daemon.engines.sglang.outputs import SglangOutputTracker, sampling_params
-from dynamod.daemon.models.registry import LocalModel
+from dynamod.daemon.models.local import LocalModel
 from dynamod.daemon.worker.engine import EngineInfo, EngineState, LoraInfo
 from dynamod.shared.errors import (
     ConfigError,
@@ -158,7 +158,7 @@ class SglangEngine:
             vocab_size=model.vocab_size,
             eos_token_ids=list(model.eos_token_ids),
         )
-        self._feed = NativeKvFeed(worker_id, buffer=kv_event_buffer)
+        self._feed = NativeKvEventQueue(worker_id, buffer=kv_event_buffer)
         self._subscriber: NativeKvSubscriber | None = None
         self._engine: Any = None
         self._active: dict[str, SglangOutputTracker] = {}

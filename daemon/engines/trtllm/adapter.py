@@ -8,7 +8,7 @@ import os
 from dynamod.daemon.engines.common.disagg import worker_role
 from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER
 from dynamod.daemon.engines.trtllm.engine import TrtllmEngine, llm_kwargs
-from dynamod.daemon.models.registry import LocalModel
+from dynamod.daemon.models.local import LocalModel
 
 
 def add_args(group: argparse._ActionsContainer) -> None:

@@ -39,11 +39,11 @@ from dynamod.daemon.engines.common.disagg import (
     request_stage,
 )
 from dynamod.daemon.engines.common.lora import local_adapter_dir
-from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER, NativeKvFeed
+from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER, NativeKvEventQueue
 from dynamod.daemon.engines.common.sampling import stop_kwargs
 from dynamod.daemon.engines.trtllm import disagg
 from dynamod.daemon.engines.trtllm.kv_format import TrtllmEventMapper
-from dynamod.daemon.models.registry import LocalModel
+from dynamod.daemon.models.local import LocalModel
 from dynamod.daemon.worker.engine import EngineInfo, EngineState, LoraInfo
 from dynamod.shared.errors import (
     ConfigError,
@@ -163,7 +163,7 @@ class TrtllmEngine:
             vocab_size=model.vocab_size,
             eos_token_ids=list(model.eos_token_ids),
         )
-        self._feed = NativeKvFeed(worker_id, buffer=kv_event_buffer)
+        self._feed = NativeKvEventQueue(worker_id, buffer=kv_event_buffer)
         self._mapper = TrtllmEventMapper(self._block)
         self._llm: Any = None
         self._active: dict[str, Any] = {}

@@ -13,7 +13,7 @@ from dynamod.daemon.engines.common.disagg import worker_role
 from dynamod.daemon.engines.common.flags import engine_tokens
 from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER
 from dynamod.daemon.engines.vllm.engine import VllmEngine
-from dynamod.daemon.models.registry import LocalModel
+from dynamod.daemon.models.local import LocalModel
 
 
 def add_args(group: argparse._ActionsContainer) -> None:

@@ -41,11 +41,11 @@ from dynamod.daemon.engines.common.flags import user_kv_events_config
 from dynamod.daemon.engines.common.kv_endpoints import plan_kv_events
 from dynamod.daemon.engines.common.kv_subscriber import NativeKvSubscriber
 from dynamod.daemon.engines.common.lora import local_adapter_dir
-from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER, NativeKvFeed
+from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER, NativeKvEventQueue
 from dynamod.daemon.engines.vllm import disagg, flags
 from dynamod.daemon.engines.vllm.outputs import OutputTracker, sampling_kwargs
 from dynamod.daemon.engines.vllm.stats import LoadTracker, make_stat_logger_factory
-from dynamod.daemon.models.registry import LocalModel
+from dynamod.daemon.models.local import LocalModel
 from dynamod.daemon.worker.engine import EngineInfo, EngineState, LoraInfo
 from dynamod.shared.errors import (
     ConfigError,
@@ -142,7 +142,7 @@ class VllmEngine:
             vocab_size=model.vocab_size,
             eos_token_ids=list(model.eos_token_ids),
         )
-        self._feed = NativeKvFeed(worker_id, buffer=kv_event_buffer)
+        self._feed = NativeKvEventQueue(worker_id, buffer=kv_event_buffer)
         self._load = LoadTracker(self._dp)
         self._subscriber: NativeKvSubscriber | None = None
         self._llm: Any = None
@@ -168,7 +168,7 @@ class VllmEngine:
         return self._status
 
     @property
-    def kv_feed(self) -> NativeKvFeed:
+    def kv_feed(self) -> NativeKvEventQueue:
         return self._feed
 
     @property

@@ -39,7 +39,7 @@ from dynamod.daemon.engines.trtllm.engine import TrtllmEngine, llm_kwargs
 from dynamod.daemon.engines.vllm import disagg as vllm_disagg
 from dynamod.daemon.engines.vllm.flags import engine_argv
 from dynamod.daemon.engines.vllm.outputs import OutputTracker
-from dynamod.daemon.models.registry import load_model_dir
+from dynamod.daemon.models.local import load_model_dir
 from dynamod.shared.errors import ConfigError, EngineError, InvalidRequestError, UnavailableError
 from dynamod.shared.protocol.llm import EngineOutput, PreprocessedRequest, SamplingOptions, StopConditions
 from tests.integration.test_vllm_support import build_tiny_model

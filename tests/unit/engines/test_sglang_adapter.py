@@ -16,11 +16,11 @@ from dynamod.daemon.engines.common.flags import flag_value
 from dynamod.daemon.engines.common.kv_endpoints import SubscriberEndpoint
 from dynamod.daemon.engines.common.kv_subscriber import NativeKvSubscriber
 from dynamod.daemon.engines.common.native_events import engine_hash_to_int
-from dynamod.daemon.engines.common.native_kv import NativeKvFeed
+from dynamod.daemon.engines.common.native_kv import NativeKvEventQueue
 from dynamod.daemon.engines.sglang.engine import SglangEngine, sglang_argv
 from dynamod.daemon.engines.sglang.kv_format import SglangFormatError, decode_sglang_batch
 from dynamod.daemon.engines.sglang.outputs import SglangOutputTracker, sampling_params
-from dynamod.daemon.models.registry import load_model_dir
+from dynamod.daemon.models.local import load_model_dir
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.kv.hashing import compute_block_hashes
 from dynamod.shared.kv.indexer import KvIndexer
@@ -49,7 +49,7 @@ def test_array_shaped_events_decode() -> None:
 
 
 def test_events_reach_the_router_index_with_router_hashes() -> None:
-    feed, index = NativeKvFeed(0xA), KvIndexer()
+    feed, index = NativeKvEventQueue(0xA), KvIndexer()
     for m in LIVE[:2]:
         feed.on_batch(0, decode_sglang_batch(m[2]))
     events = []

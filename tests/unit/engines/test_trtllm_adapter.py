@@ -13,7 +13,7 @@ import pytest
 from dynamod.daemon.engines.common.native_events import engine_hash_to_int
 from dynamod.daemon.engines.trtllm.engine import TrtllmEngine, cached_tokens, llm_kwargs, sampling_params
 from dynamod.daemon.engines.trtllm.kv_format import TrtllmEventMapper
-from dynamod.daemon.models.registry import load_model_dir, resolve_model
+from dynamod.daemon.models.local import load_model_dir, resolve_model
 from dynamod.shared.errors import ConfigError, InvalidRequestError
 from dynamod.shared.kv.hashing import compute_block_hashes
 from dynamod.shared.kv.indexer import KvIndexer
@@ -48,9 +48,9 @@ def test_events_map_with_dynamos_rules() -> None:
 
 
 def test_mapped_events_feed_the_router_index() -> None:
-    from dynamod.daemon.engines.common.native_kv import NativeKvFeed
+    from dynamod.daemon.engines.common.native_kv import NativeKvEventQueue
 
-    mapper, feed, index = TrtllmEventMapper(B), NativeKvFeed(0x77), KvIndexer()
+    mapper, feed, index = TrtllmEventMapper(B), NativeKvEventQueue(0x77), KvIndexer()
     for ev in REC["events"][:4]:
         missing = mapper.gap_before(ev)
         if missing:

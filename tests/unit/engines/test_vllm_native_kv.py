@@ -12,7 +12,7 @@ import zmq.asyncio
 from dynamod.daemon.engines.common.kv_endpoints import SubscriberEndpoint
 from dynamod.daemon.engines.common.kv_subscriber import NativeKvSubscriber
 from dynamod.daemon.engines.common.native_events import engine_hash_to_int
-from dynamod.daemon.engines.common.native_kv import NativeKvFeed
+from dynamod.daemon.engines.common.native_kv import NativeKvEventQueue
 from dynamod.shared.kv.hashing import compute_block_hashes
 from dynamod.shared.kv.indexer import KvIndexer
 from dynamod.shared.protocol.kv_events import (
@@ -43,12 +43,12 @@ def test_recording_is_vllms_wire_format() -> None:
     assert lora and lora[0].lora_name == "tiny-lora" and lora[0].block_size == BLOCK
 
 
-def feed_all(feed: NativeKvFeed, messages: list[list[bytes]]) -> None:
+def feed_all(feed: NativeKvEventQueue, messages: list[list[bytes]]) -> None:
     for m in messages:
         feed.on_batch(0, decode_native_batch(m[2]))
 
 
-def drain(feed: NativeKvFeed) -> list:
+def drain(feed: NativeKvEventQueue) -> list:
     out = []
     while not feed._queue.empty():  # noqa: SLF001 - the test reads what the daemon would
         ev = feed._queue.get_nowait()
@@ -58,7 +58,7 @@ def drain(feed: NativeKvFeed) -> list:
 
 
 def test_first_batch_becomes_router_hashes_of_the_prompt() -> None:
-    feed = NativeKvFeed(WORKER)
+    feed = NativeKvEventQueue(WORKER)
     feed_all(feed, LIVE[:1])
     [ev] = drain(feed)
     assert ev.worker_id == WORKER and ev.event_id == 0 and isinstance(ev.event, KvStored)
@@ -70,7 +70,7 @@ def test_first_batch_becomes_router_hashes_of_the_prompt() -> None:
 
 
 def test_router_index_follows_the_whole_recording_and_the_dump_matches_it() -> None:
-    feed = NativeKvFeed(WORKER)
+    feed = NativeKvEventQueue(WORKER)
     index = KvIndexer()
     feed_all(feed, LIVE[:-1])  # up to before the final reset
     events = drain(feed)
@@ -95,7 +95,7 @@ def test_router_index_follows_the_whole_recording_and_the_dump_matches_it() -> N
 
 
 def test_lora_blocks_are_hashed_with_the_adapter_name() -> None:
-    feed = NativeKvFeed(WORKER)
+    feed = NativeKvEventQueue(WORKER)
     feed_all(feed, LIVE[:3])
     lora_events = [e for e in drain(feed) if isinstance(e.event, KvStored) and e.event.lora_name]
     [ev] = lora_events
@@ -105,7 +105,7 @@ def test_lora_blocks_are_hashed_with_the_adapter_name() -> None:
 
 
 def test_cleared_cache_empties_table_and_index() -> None:
-    feed = NativeKvFeed(WORKER)
+    feed = NativeKvEventQueue(WORKER)
     index = KvIndexer()
     feed_all(feed, LIVE)
     for ev in drain(feed):
@@ -119,7 +119,7 @@ def test_cleared_cache_empties_table_and_index() -> None:
 
 
 def test_lost_batches_leave_an_id_gap_for_the_router() -> None:
-    feed = NativeKvFeed(WORKER)
+    feed = NativeKvEventQueue(WORKER)
     feed_all(feed, LIVE[:1])
     feed.on_gap(0, 2)
     feed_all(feed, LIVE[1:2])
@@ -128,7 +128,7 @@ def test_lost_batches_leave_an_id_gap_for_the_router() -> None:
 
 
 def test_full_buffer_drops_and_leaves_a_gap() -> None:
-    feed = NativeKvFeed(WORKER, buffer=1)
+    feed = NativeKvEventQueue(WORKER, buffer=1)
     feed_all(feed, LIVE[:2])
     [kept] = drain(feed)
     assert kept.event_id == 0 and feed.dropped == 1
@@ -177,7 +177,7 @@ async def wired(tmp_path):
     replay_address = f"ipc://{tmp_path}/replay.ipc"
     got: list[tuple[int, int]] = []
     gaps: list[int] = []
-    feed = NativeKvFeed(WORKER)
+    feed = NativeKvEventQueue(WORKER)
 
     def on_batch(rank, batch):
         got.append(len(batch.events))
@@ -222,7 +222,7 @@ async def test_publisher_connecting_while_the_loop_is_busy_elsewhere_loses_nothi
 
 def converted(messages: list[list[bytes]]) -> list:
     """Router events the recording converts to (no medium filtering drops any here)."""
-    feed = NativeKvFeed(WORKER)
+    feed = NativeKvEventQueue(WORKER)
     feed_all(feed, messages)
     return drain(feed)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dynamod.daemon.frontend.preprocess import Tokenizer
-from dynamod.daemon.frontend.preprocessor import ModelPreprocessor, tokenizer_dir
+from dynamod.daemon.frontend.preprocess.model_preprocessor import ModelPreprocessor, tokenizer_dir
 from dynamod.daemon.frontend.protocol import decode_chat_request
 from dynamod.daemon.models import TINY_MODEL_DIR
 from dynamod.shared.errors import InvalidRequestError

@@ -17,7 +17,7 @@ from openai.types.chat import ChatCompletionChunk as OpenAIChatChunk
 from dynamod.daemon.frontend.endpoints import plan_max_tokens
 from dynamod.daemon.frontend.errors import to_http_error
 from dynamod.daemon.frontend.formatters import SSE_DONE, ChatFormatter, CompletionFormatter, make_usage
-from dynamod.daemon.frontend.preprocessor import completion_prompts
+from dynamod.daemon.frontend.preprocess.model_preprocessor import completion_prompts
 from dynamod.daemon.frontend.protocol import decode_chat_request, decode_completion_request
 from dynamod.shared.errors import (
     ContextLengthError,

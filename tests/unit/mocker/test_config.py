@@ -60,7 +60,7 @@ def test_bad_settings_raise_config_errors_naming_the_flag(kwargs, match):
 
 def test_adapter_builds_an_engine_from_flags_and_the_model():
     from dynamod.daemon.engines.mocker import adapter
-    from dynamod.daemon.models.registry import resolve_model
+    from dynamod.daemon.models.local import resolve_model
 
     parser = argparse.ArgumentParser()
     adapter.add_args(parser.add_argument_group("mocker engine"))
