@@ -9,14 +9,15 @@ import json
 import pytest
 
 from dynamod.console.present import status_records
-from dynamod.console.state.cluster import GONE_RETENTION_S, ClusterState
+from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.recording import ManualClock, RecordingSink, apply_record, read_records, replay
 from dynamod.console.state.records import STATUS_GONE
-from dynamod.shared.protocol.instance import Instance
+from dynamod.console.state.topology import GONE_RETENTION_S
 from dynamod.shared.protocol.keys import instance_key, mdc_key
 from dynamod.shared.protocol.kv_events import KvCleared, KvStored, RouterEvent, StoredBlock
 from dynamod.shared.protocol.load import LoadMetrics
 from dynamod.shared.protocol.model_card import ModelCard
+from tests.console.factories import make_instance, make_state, register
 from tests.console.fixtures.make_recording import (
     FRONTEND,
     PREFILL_1,
@@ -27,17 +28,6 @@ from tests.console.fixtures.make_recording import (
     WORKER_C,
     WORKER_D,
 )
-
-
-def _inst(iid: int, endpoint: str = "generate", status: str = "ready", component: str = "backend") -> Instance:
-    return Instance(namespace="ns", component=component, endpoint=endpoint, instance_id=iid, transport="tcp",
-                    address="127.0.0.1:1", role="agg", status=status, model="m", started_at=100.0)
-
-
-def _state(now: float = 1000.0) -> tuple[ClusterState, ManualClock]:
-    clock = ManualClock(now)
-    return ClusterState(clock=clock), clock
-
 
 # -- the recorded picture --------------------------------------------------------------------------
 
@@ -141,9 +131,8 @@ def test_status_records_for_json(recorded_state: ClusterState) -> None:
 
 
 def test_gone_worker_is_kept_then_pruned() -> None:
-    state, clock = _state()
-    key = instance_key("ns", "backend", "generate", 0xA)
-    state.put_instance(key, _inst(0xA))
+    state, clock = make_state()
+    key = register(state, 0xA)
     state.apply_load(LoadMetrics(worker_id=0xA, num_running=3))
     state.delete_instance(key)
     w = state.find_worker(0xA)
@@ -156,55 +145,52 @@ def test_gone_worker_is_kept_then_pruned() -> None:
 
 
 def test_drained_worker_leaving_is_not_a_warning() -> None:
-    state, _ = _state()
-    key = instance_key("ns", "backend", "generate", 0xA)
-    state.put_instance(key, _inst(0xA))
-    state.put_instance(key, _inst(0xA, status="draining"))
+    state, _ = make_state()
+    key = register(state, 0xA)
+    state.put_instance(key, make_instance(0xA, status="draining"))
     state.delete_instance(key)
     ev = state.recent_events(kinds=["expired"])[0]
     assert ev.severity == "info" and "after draining" in ev.message
 
 
 def test_reregistration_after_gone_is_a_new_registration() -> None:
-    state, _ = _state()
-    key = instance_key("ns", "backend", "generate", 0xA)
-    state.put_instance(key, _inst(0xA))
+    state, _ = make_state()
+    key = register(state, 0xA)
     state.delete_instance(key)
-    state.put_instance(key, _inst(0xA))
+    state.put_instance(key, make_instance(0xA))
     assert state.find_worker(0xA).status == "ready"
     assert [e.kind for e in state.recent_events()] == ["registered", "expired", "registered"]
 
 
 def test_sleep_and_wake_events() -> None:
-    state, _ = _state()
+    state, _ = make_state()
     keys = [instance_key("ns", "backend", ep, 0xA) for ep in ("generate", "sleep")]
     for k, ep in zip(keys, ("generate", "sleep"), strict=True):
-        state.put_instance(k, _inst(0xA, ep))
+        state.put_instance(k, make_instance(0xA, ep))
     for k, ep in zip(keys, ("generate", "sleep"), strict=True):
-        state.put_instance(k, _inst(0xA, ep, status="sleeping"))
+        state.put_instance(k, make_instance(0xA, ep, status="sleeping"))
     for k, ep in zip(keys, ("generate", "sleep"), strict=True):
-        state.put_instance(k, _inst(0xA, ep, status="ready"))
+        state.put_instance(k, make_instance(0xA, ep, status="ready"))
     assert [e.kind for e in state.recent_events()] == ["wake", "sleep", "registered"]
 
 
 def test_identical_put_changes_nothing() -> None:
-    state, _ = _state()
-    key = instance_key("ns", "backend", "generate", 0xA)
-    state.put_instance(key, _inst(0xA))
+    state, _ = make_state()
+    key = register(state, 0xA)
     before = (state.versions.topology, len(state.events))
-    state.put_instance(key, _inst(0xA))
+    state.put_instance(key, make_instance(0xA))
     assert (state.versions.topology, len(state.events)) == before
 
 
 def test_load_before_registration_attaches_later() -> None:
-    state, _ = _state()
+    state, _ = make_state()
     state.apply_load(LoadMetrics(worker_id=0xB, num_running=4, kv_usage=0.5))
-    state.put_instance(instance_key("ns", "backend", "generate", 0xB), _inst(0xB))
+    register(state, 0xB)
     assert state.find_worker(0xB).stats.running == 4
 
 
 def test_orphan_load_is_dropped() -> None:
-    state, clock = _state()
+    state, clock = make_state()
     state.apply_load(LoadMetrics(worker_id=0xC))
     clock.advance(40)
     state.tick()
@@ -212,8 +198,8 @@ def test_orphan_load_is_dropped() -> None:
 
 
 def test_lora_cards_become_models_and_events() -> None:
-    state, _ = _state()
-    state.put_instance(instance_key("ns", "backend", "generate", 0xA), _inst(0xA))
+    state, _ = make_state()
+    register(state, 0xA)
     state.put_card(mdc_key("ns", "backend", "generate", 0xA), ModelCard(served_model_name="m"))
     lkey = mdc_key("ns", "backend", "generate", 0xA, "ad1")
     state.put_card(lkey, ModelCard(served_model_name="ad1", lora="ad1", base_model="m"))
@@ -228,19 +214,17 @@ def test_lora_cards_become_models_and_events() -> None:
 
 
 def test_reconcile_marks_vanished_instances_gone() -> None:
-    state, _ = _state()
-    k1 = instance_key("ns", "backend", "generate", 0x1)
-    k2 = instance_key("ns", "backend", "generate", 0x2)
-    state.put_instance(k1, _inst(0x1))
-    state.put_instance(k2, _inst(0x2))
-    state.reconcile_instances({k1: _inst(0x1)})
+    state, _ = make_state()
+    k1 = register(state, 0x1)
+    register(state, 0x2)
+    state.reconcile_instances({k1: make_instance(0x1)})
     assert state.find_worker(0x1).status == "ready"
     assert state.find_worker(0x2).status == STATUS_GONE
 
 
 def test_kv_events_count_blocks_clears_and_gaps() -> None:
-    state, _ = _state()
-    state.put_instance(instance_key("ns", "backend", "generate", 0xA), _inst(0xA))
+    state, _ = make_state()
+    register(state, 0xA)
     blocks = [StoredBlock(i, i) for i in range(5)]
     state.apply_kv_event(RouterEvent(worker_id=0xA, event_id=1, event=KvStored(parent_hash=None, blocks=blocks)))
     state.apply_kv_event(RouterEvent(worker_id=0xA, event_id=4, event=KvStored(parent_hash=None, blocks=blocks)))
@@ -252,7 +236,7 @@ def test_kv_events_count_blocks_clears_and_gaps() -> None:
 
 
 def test_connection_loss_and_recovery_are_events() -> None:
-    state, _ = _state()
+    state, _ = make_state()
     state.set_connection("discovery", "ok", target="http://127.0.0.1:2379")
     state.set_connection("discovery", "ok")
     state.set_connection("discovery", "lost", detail="connection refused")
@@ -268,7 +252,7 @@ def test_connection_loss_and_recovery_are_events() -> None:
 
 def test_router_decision_that_is_not_a_routing_decision_is_a_decode_error() -> None:
     """Decisions are decoded with the wire type: a map missing its fields is reported, not guessed."""
-    state, _ = _state()
+    state, _ = make_state()
     assert state.apply_router_decision("ns", {"worker_id": "1f", "candidates": [{"worker_id": "1f", "cost": 3}]}) is None
     assert state.apply_router_decision("ns", {"nothing": 1}) is None
     assert state.counters["decode_errors"] == 2 and not state.decisions
@@ -277,7 +261,7 @@ def test_router_decision_that_is_not_a_routing_decision_is_a_decode_error() -> N
 
 
 def test_decode_errors_are_shown_once_a_minute() -> None:
-    state, clock = _state()
+    state, clock = make_state()
     for _ in range(5):
         state.note_decode_error("kv_metrics", "bad")
     clock.advance(61)
@@ -287,7 +271,7 @@ def test_decode_errors_are_shown_once_a_minute() -> None:
 
 
 def test_bad_metrics_text_is_an_error_not_a_crash() -> None:
-    state, _ = _state()
+    state, _ = make_state()
     state.apply_metrics_text("http://x/metrics", "this is { not prometheus")
     assert state.recent_events(kinds=["error"])
     assert state.metric_sources == []
@@ -333,7 +317,7 @@ def test_unknown_record_kind_is_rejected() -> None:
 
 def test_router_decision_from_the_routers_own_format() -> None:
     """The dict RoutingDecision.to_dict() publishes: reason and busy workers are explained too."""
-    state, _ = _state()
+    state, _ = make_state()
     d = state.apply_router_decision("ns", {
         "request_id": "r1", "worker_id": 5, "dp_rank": 0, "overlap_blocks": 2, "request_blocks": 4, "isl": 300,
         "reason": "tie_smallest_tree", "detail": "tie at cost 6.0", "overlap_weight": 1.0, "temperature": 0.0,

@@ -5,7 +5,7 @@ requests, a slept one wakes, a LoRA appears as a model, a cleared cache reports 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from textual.widgets import DataTable, Input
@@ -19,6 +19,7 @@ from dynamod.shared.errors import UnavailableError
 from dynamod.shared.runtime.client import EndpointClient
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from tests.console.live import NAMESPACE, MockerCluster, request_body
+from tests.console.pilot import until
 
 SIZE = (120, 30)
 # A live-cluster test is retried at most twice: one of these tests intermittently (about 1 run
@@ -51,16 +52,6 @@ def console(cluster: MockerCluster) -> ConsoleApp:
     settings = ConsoleSettings(discovery="file", file_kv=cluster.file_kv, frontend_urls=[], probe_interval_s=0.5)
     state = ClusterState()
     return ConsoleApp(state, connection=ClusterConnection(settings, state), refresh_s=0.1)
-
-
-async def until(pilot, predicate: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> None:
-    """Lets the app run until ``predicate`` holds (a deadline, not a fixed sleep)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await pilot.pause(0.05)
 
 
 def status_cell(app: ConsoleApp, iid: int) -> str:

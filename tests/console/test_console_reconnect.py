@@ -4,7 +4,8 @@ console: real etcd and nats-server processes are stopped and started under a run
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import functools
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -17,17 +18,13 @@ from dynamod.shared.config import RuntimeSettings
 from dynamod.shared.events.plane import TOPIC_KV_METRICS
 from dynamod.shared.protocol.load import LoadMetrics, load_encoder
 from dynamod.shared.runtime.distributed import DistributedRuntime
+from tests.console.pilot import until as pilot_until
 
 pytestmark = pytest.mark.timeout(120)
 
 
-async def until(pilot, predicate: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await pilot.pause(0.05)
+# A restarted etcd or nats-server takes longer to be seen again than a worker action.
+until = functools.partial(pilot_until, timeout=30.0)
 
 
 async def _echo(body, ctx) -> AsyncIterator[dict]:

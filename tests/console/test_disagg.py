@@ -16,13 +16,11 @@ import pytest
 from dynamod.console.ctl import commands
 from dynamod.console.present import fmt_bytes_rate, pool_records, pool_row, status_records
 from dynamod.console.state.cluster import ClusterState
-from dynamod.console.state.recording import ManualClock
 from dynamod.console.state.transfers import RATE_WINDOW_S
 from dynamod.console.tui.views.workers import fit_columns
-from dynamod.shared.protocol.instance import Instance
-from dynamod.shared.protocol.keys import instance_key
 from dynamod.shared.protocol.load import LoadMetrics
 from dynamod.shared.protocol.routing import CandidateScore, DisaggInfo, RoutingDecision
+from tests.console.factories import make_state, register
 from tests.console.fixtures.make_recording import (
     BLOCK_BYTES,
     DECODE_1,
@@ -35,18 +33,6 @@ from tests.console.fixtures.make_recording import (
 MB = 1_000_000
 
 
-def _state(now: float = 1000.0) -> tuple[ClusterState, ManualClock]:
-    clock = ManualClock(now)
-    return ClusterState(clock=clock), clock
-
-
-def _register(state: ClusterState, iid: int, role: str, status: str = "ready") -> None:
-    component = "prefill" if role == "prefill" else "backend"
-    inst = Instance(namespace="ns", component=component, endpoint="generate", instance_id=iid, transport="tcp",
-                    address="127.0.0.1:1", role=role, status=status, model="m", started_at=100.0)
-    state.put_instance(instance_key("ns", component, "generate", iid), inst)
-
-
 def _load(iid: int, ts: float, moved: int, *, dp_rank: int = 0, transfers: int = 1, **kw: object) -> LoadMetrics:
     return LoadMetrics(worker_id=iid, dp_rank=dp_rank, ts=ts, kv_transfer_bytes=moved, kv_transfers=transfers,
                        kv_usage=0.5, total_blocks=100, **kw)  # type: ignore[arg-type]
@@ -56,8 +42,8 @@ def _load(iid: int, ts: float, moved: int, *, dp_rank: int = 0, transfers: int =
 
 
 def test_bytes_per_second_from_cumulative_bytes_between_messages() -> None:
-    state, _ = _state()
-    _register(state, 1, "decode")
+    state, _ = make_state()
+    register(state, 1, "decode")
     state.apply_load(_load(1, 10.0, 0, transfers=0))
     assert state.transfers.figures(1).bytes_per_s is None  # one message gives no rate
     state.apply_load(_load(1, 11.0, 1 * MB))
@@ -69,8 +55,8 @@ def test_bytes_per_second_from_cumulative_bytes_between_messages() -> None:
 
 def test_rate_is_over_a_window_not_between_two_close_messages() -> None:
     """Messages also arrive on change, milliseconds apart: the rate must not spike between them."""
-    state, _ = _state()
-    _register(state, 1, "decode")
+    state, _ = make_state()
+    register(state, 1, "decode")
     state.apply_load(_load(1, 10.0, 0))
     state.apply_load(_load(1, 11.0, 1 * MB))
     state.apply_load(_load(1, 11.01, 2 * MB))  # one more transfer 10 ms later
@@ -84,8 +70,8 @@ def test_rate_is_over_a_window_not_between_two_close_messages() -> None:
 
 
 def test_restarted_worker_starts_its_rate_again() -> None:
-    state, _ = _state()
-    _register(state, 1, "prefill")
+    state, _ = make_state()
+    register(state, 1, "prefill")
     state.apply_load(_load(1, 10.0, 5 * MB, transfers=5))
     state.apply_load(_load(1, 11.0, 6 * MB, transfers=6))
     state.apply_load(_load(1, 12.0, 1000, transfers=1))  # counters began again
@@ -96,8 +82,8 @@ def test_restarted_worker_starts_its_rate_again() -> None:
 
 
 def test_data_parallel_ranks_sum_and_the_worst_percentile_wins() -> None:
-    state, _ = _state()
-    _register(state, 1, "decode")
+    state, _ = make_state()
+    register(state, 1, "decode")
     for ts, moved in ((10.0, 0), (12.0, 2 * MB)):
         state.apply_load(_load(1, ts, moved, dp_rank=0, kv_transfer_ms_p50=2.0, kv_transfer_ms_p99=5.0))
         state.apply_load(_load(1, ts, moved * 2, dp_rank=1, kv_transfer_ms_p50=3.0, kv_transfer_ms_p99=9.0,
@@ -108,8 +94,8 @@ def test_data_parallel_ranks_sum_and_the_worst_percentile_wins() -> None:
 
 
 def test_missing_publisher_timestamp_falls_back_to_the_console_clock() -> None:
-    state, clock = _state(50.0)
-    _register(state, 1, "decode")
+    state, clock = make_state(50.0)
+    register(state, 1, "decode")
     state.apply_load(_load(1, 0.0, 0))
     clock.advance(4.0)
     state.apply_load(_load(1, 0.0, 2 * MB))
@@ -117,11 +103,11 @@ def test_missing_publisher_timestamp_falls_back_to_the_console_clock() -> None:
 
 
 def test_a_gone_worker_loses_its_rate() -> None:
-    state, _ = _state()
-    _register(state, 1, "decode")
+    state, _ = make_state()
+    key = register(state, 1, "decode")
     state.apply_load(_load(1, 10.0, 0))
     state.apply_load(_load(1, 11.0, MB))
-    state.delete_instance(instance_key("ns", "backend", "generate", 1))
+    state.delete_instance(key)
     assert state.transfers.figures(1) is None
     assert "decode" not in state.pools()  # a pool counts live workers only
 
@@ -223,7 +209,7 @@ def test_decisions_decoded_typed_with_stage_and_disagg(disagg_state: ClusterStat
 
 
 def test_local_reasons_are_counted_most_frequent_first() -> None:
-    state, _ = _state()
+    state, _ = make_state()
     local = [("prefill_busy", 2), ("no_prefill_workers", 3)]
     for reason, n in local:
         for i in range(n):
@@ -301,8 +287,8 @@ def test_recorded_decisions_are_what_the_router_publishes(disagg_recording: list
 
 def test_unmeasured_transfer_times_show_as_unknown_not_zero() -> None:
     """A prefill worker counts reads served but may not time them: 0 ms is "not measured"."""
-    state, _ = _state()
-    _register(state, 1, "prefill")
+    state, _ = make_state()
+    register(state, 1, "prefill")
     state.apply_load(_load(1, 10.0, MB, transfers=4))
     fig = state.transfers.figures(1)
     assert fig.seen and (fig.p50_ms, fig.p99_ms) == (None, None)

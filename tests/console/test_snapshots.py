@@ -6,11 +6,15 @@ and look at the SVGs in ``__snapshots__/`` before committing them."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import pytest
+from textual.pilot import Pilot
 
 from dynamod.console.state.recording import replay
 from dynamod.console.tui.app import ConsoleApp
 from tests.console.fixtures.make_recording import DECODE_2, WORKER_A, WORKER_B
+from tests.console.pilot import cursor_to_worker
 
 VIEWS = ("topology", "workers", "models", "events", "router")
 SIZES = ((80, 24), (160, 50))
@@ -18,6 +22,17 @@ SIZES = ((80, 24), (160, 50))
 
 def _app(recording: list[dict], view: str = "workers", **kw) -> ConsoleApp:
     return ConsoleApp(replay(recording), initial_view=view, **kw)
+
+
+def _on_worker_press(iid: int, key: str) -> Callable[[Pilot], Awaitable[None]]:
+    """A ``run_before`` that puts the Workers table's cursor on ``iid`` and presses ``key``."""
+
+    async def run_before(pilot: Pilot) -> None:
+        await cursor_to_worker(pilot, iid)
+        await pilot.press(key)
+        await pilot.pause()
+
+    return run_before
 
 
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
@@ -31,26 +46,11 @@ def test_read_only_workers(snap_compare, recording) -> None:
 
 
 def test_worker_detail(snap_compare, recording) -> None:
-    async def open_detail(pilot) -> None:
-        app = pilot.app
-        table = app.query_one("#workers-table")
-        keys = [r.key.value for r in table.ordered_rows]
-        table.move_cursor(row=next(i for i, k in enumerate(keys) if k.endswith(f"{WORKER_B:x}")))
-        await pilot.press("enter")
-        await pilot.pause()
-
-    assert snap_compare(_app(recording), run_before=open_detail, terminal_size=(80, 24))
+    assert snap_compare(_app(recording), run_before=_on_worker_press(WORKER_B, "enter"), terminal_size=(80, 24))
 
 
 def test_confirm_drain(snap_compare, recording) -> None:
-    async def ask(pilot) -> None:
-        table = pilot.app.query_one("#workers-table")
-        keys = [r.key.value for r in table.ordered_rows]
-        table.move_cursor(row=next(i for i, k in enumerate(keys) if k.endswith(f"{WORKER_A:x}")))
-        await pilot.press("d")
-        await pilot.pause()
-
-    assert snap_compare(_app(recording), run_before=ask, terminal_size=(80, 24))
+    assert snap_compare(_app(recording), run_before=_on_worker_press(WORKER_A, "d"), terminal_size=(80, 24))
 
 
 def test_help(snap_compare, recording) -> None:
@@ -70,12 +70,4 @@ def test_disagg_workers_wide(snap_compare, disagg_recording) -> None:
 
 def test_disagg_worker_detail(snap_compare, disagg_recording) -> None:
     """A decode worker's detail: its KV transfer figures and its recent decisions by stage."""
-
-    async def open_detail(pilot) -> None:
-        table = pilot.app.query_one("#workers-table")
-        keys = [r.key.value for r in table.ordered_rows]
-        table.move_cursor(row=next(i for i, k in enumerate(keys) if k.endswith(f"{DECODE_2:x}")))
-        await pilot.press("enter")
-        await pilot.pause()
-
-    assert snap_compare(_app(disagg_recording), run_before=open_detail, terminal_size=(80, 24))
+    assert snap_compare(_app(disagg_recording), run_before=_on_worker_press(DECODE_2, "enter"), terminal_size=(80, 24))
