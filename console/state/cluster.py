@@ -142,19 +142,9 @@ class ClusterState:
     def add_event_listener(self, listener: EventListener) -> None:
         self.event_log.add_listener(listener)
 
-    def add_event(
-        self,
-        kind: str,
-        message: str,
-        *,
-        namespace: str = "",
-        component: str = "",
-        instance_id: int | None = None,
-        severity: str = "info",
-    ) -> ClusterEvent:
-        return self.event_log.add(
-            kind, message, namespace=namespace, component=component, instance_id=instance_id, severity=severity
-        )
+    def add_event(self, kind: str, message: str, **where: Any) -> ClusterEvent:
+        """``EventLog.add``: ``namespace``, ``component``, ``instance_id`` and ``severity`` by keyword."""
+        return self.event_log.add(kind, message, **where)
 
     def recent_events(self, needle: str = "", kinds: Iterable[str] | None = None, limit: int | None = None) -> list[ClusterEvent]:
         """Newest first, optionally filtered by a text needle and a set of kinds."""

@@ -32,7 +32,7 @@ from dynamod.shared.protocol.keys import mdc_key
 from dynamod.shared.protocol.model_card import MODEL_TYPE_PREFILL, ModelCard, encode_card
 from dynamod.shared.runtime.distributed import DistributedRuntime, ServedInstance
 from dynamod.shared.transport.plane import RequestContext
-from tests.unit.frontend.test_app import CONTEXT, FakeWorker
+from tests.unit.frontend.test_app import CONTEXT, Cluster, FakeWorker
 
 BLOCK = 16
 
@@ -156,12 +156,7 @@ class DisaggCluster:
         pool = self.state.registry.prefill_pools.get(model)
         return pool is not None and any(i.instance_id == wid for i in pool.candidates(Quarantine(0)))
 
-    async def wait(self, predicate: Any, timeout: float = 5.0) -> None:
-        async def poll() -> None:
-            while not predicate():  # noqa: ASYNC110 - a condition with a deadline, polled
-                await asyncio.sleep(0.01)
-
-        await asyncio.wait_for(poll(), timeout)
+    wait = Cluster.wait  # the same deadline-bound poll as the aggregated test cluster
 
     async def stop(self) -> None:
         if self.server:
