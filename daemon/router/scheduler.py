@@ -30,7 +30,8 @@ from fractions import Fraction
 from functools import lru_cache
 
 from dynamod.daemon.router.active_sequences import ActiveSequences
-from dynamod.daemon.router.decision import (
+from dynamod.shared.kv.indexer import OverlapScores, WorkerKey
+from dynamod.shared.protocol.routing import (
     REASON_LOWEST_COST,
     REASON_ONLY_CANDIDATE,
     REASON_SAMPLED,
@@ -38,7 +39,6 @@ from dynamod.daemon.router.decision import (
     REASON_TIE_SMALLEST_TREE,
     CandidateScore,
 )
-from dynamod.shared.kv.indexer import OverlapScores, WorkerKey
 
 
 @lru_cache(maxsize=256)

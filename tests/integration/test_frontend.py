@@ -19,22 +19,23 @@ from dynamod.daemon.models import TINY_MODEL_DIR
 from dynamod.shared.config import RuntimeSettings
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from tests.fixtures.servers import free_port, wait_until
-from tests.integration.test_frontend_support import CLI, LocalCluster, Proc, get_json, get_text, pid_gone
+from tests.integration.test_frontend_support import (
+    CLI,
+    LocalCluster,
+    Proc,
+    get_json,
+    get_text,
+    pid_gone,
+    running_cluster,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path_factory.mktemp("frontend-cluster"))
-    try:
-        c.start_worker()
-        c.start_worker()
-        c.start_frontend()
-        c.wait_ready(2)
+    with running_cluster(tmp_path_factory.mktemp("frontend-cluster")) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture

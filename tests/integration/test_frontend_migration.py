@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.fixtures.servers import wait_until
-from tests.integration.test_frontend_support import LocalCluster, get_text
+from tests.integration.test_frontend_support import LocalCluster, get_text, running_cluster
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -26,15 +26,8 @@ MAX_TOKENS = 400  # seconds of mocker time, so the kill lands mid-generation
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     # A slower mocker keeps the streams running long enough to kill a worker in their middle.
-    c = LocalCluster(tmp_path_factory.mktemp("migration-cluster"), speedup=2.0)
-    try:
-        c.start_worker()
-        c.start_worker()
-        c.start_frontend()
-        c.wait_ready(2)
+    with running_cluster(tmp_path_factory.mktemp("migration-cluster"), speedup=2.0) as c:
         yield c
-    finally:
-        c.stop()
 
 
 async def _stream(api: openai.AsyncOpenAI, index: int, progress: list[int], workers: list[str]) -> tuple[int, int, str]:

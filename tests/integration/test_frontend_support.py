@@ -3,6 +3,7 @@ mocker workers and a frontend on file discovery in a temp directory, ZMQ events,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from tests.fixtures.servers import free_port, wait_until
@@ -150,3 +152,17 @@ class LocalCluster:
             self.frontend.stop()
         for proc in self.workers:
             proc.stop()
+
+
+@contextlib.contextmanager
+def running_cluster(root: Path, workers: int = 2, **kwargs: float) -> Iterator[LocalCluster]:
+    """``workers`` mocker workers and a frontend, ready; all stopped on exit."""
+    cluster = LocalCluster(root, **kwargs)
+    try:
+        for _ in range(workers):
+            cluster.start_worker()
+        cluster.start_frontend()
+        cluster.wait_ready(workers)
+        yield cluster
+    finally:
+        cluster.stop()

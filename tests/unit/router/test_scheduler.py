@@ -9,15 +9,15 @@ from collections import Counter
 import pytest
 
 from dynamod.daemon.router.active_sequences import ActiveSequences
-from dynamod.daemon.router.decision import (
+from dynamod.daemon.router.scheduler import KvScheduler, weight_ratio
+from dynamod.shared.kv.indexer import OverlapScores
+from dynamod.shared.protocol.routing import (
     REASON_LOWEST_COST,
     REASON_SAMPLED,
     REASON_TIE_RANDOM,
     REASON_TIE_SMALLEST_TREE,
     CandidateScore,
 )
-from dynamod.daemon.router.scheduler import KvScheduler, weight_ratio
-from dynamod.shared.kv.indexer import OverlapScores
 
 BS = 16
 W1, W2, W3 = (1, 0), (2, 0), (3, 0)
