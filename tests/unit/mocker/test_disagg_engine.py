@@ -3,9 +3,7 @@ notifications, expiry and every fallback."""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -18,6 +16,7 @@ from dynamod.shared.kv.transfer.tcp import TcpKvAgent
 from dynamod.shared.protocol.kv_transfer import KvLayout, KvTransferMetadata, KvTransferParams
 from dynamod.shared.protocol.llm import EngineOutput, PreprocessedRequest, StopConditions
 from tests.unit.mocker.factories import make_config
+from tests.unit.mocker.test_engine import until
 
 BS = 4
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype_bytes=4, block_size=BS)
@@ -35,14 +34,6 @@ class Directory:
             return self.records[worker_id]
         except KeyError:
             raise NotFoundError(f"no KV transfer agent for worker {worker_id:x}") from None
-
-
-async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        await asyncio.sleep(0.002)
 
 
 @pytest.fixture
