@@ -26,6 +26,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from dynamod.shared.events.seq import Arrival, EventSequence
 from dynamod.shared.protocol.kv_events import BlockRemoved, BlockStored, KvEventBatch, NativeKvEvent
 
 logger = logging.getLogger(__name__)
@@ -39,17 +40,19 @@ class TrtllmEventMapper:
         self.max_window: int | None = None
         self._initial = True  # still in the leading "created" events
         self._partial: set[int] = set()
-        self.last_event_id: int | None = None
+        # TensorRT-LLM numbers its events; a consumer may join late, so the first id seen is the
+        # baseline, and an id that goes back (an engine restart) moves it.
+        self._sequence = EventSequence(first=None)
 
     def gap_before(self, event: Mapping[str, Any]) -> int:
         """Events missing right before ``event`` (0 when consecutive or the first seen)."""
         eid = event.get("event_id")
         if not isinstance(eid, int):
             return 0
-        last, self.last_event_id = self.last_event_id, eid
-        if last is None or eid <= last + 1:
-            return 0
-        return eid - last - 1
+        expected = self._sequence.expected
+        if self._sequence.observe(eid) is Arrival.GAP and expected is not None:
+            return eid - expected
+        return 0
 
     def _dropped_window(self, event: Mapping[str, Any]) -> bool:
         window = event.get("window_size")
