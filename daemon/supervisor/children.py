@@ -5,6 +5,12 @@ the supervisor, which then stops children in order) that dies with its parent
 (``PR_SET_PDEATHSIG``). A child is judged alive by its exit status and, when it has an HTTP
 liveness URL, by that URL answering: a child that stops answering for ``hang_after_s`` is killed
 and replaced. Restarts back off exponentially and never happen while the supervisor is stopping.
+
+When a child dies, the supervisor reports why (exit code or signal) with the last lines the child
+wrote to its log in that run, so an import error or a bad flag is on the operator's terminal and not
+only in a file. A child that keeps dying (``CrashLoopPolicy``: 5 deaths within 60 s by default) is
+not restarted again: the supervisor records a ``CrashLoop`` and sets ``gave_up``, and its owner
+stops the rest and exits with one message naming the child and its log.
 """
 
 from __future__ import annotations
@@ -13,19 +19,26 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import os
 import signal
+import sys
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TextIO
+
+from dynamod.shared.errors import DynamoError
 
 logger = logging.getLogger(__name__)
 
 _BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 _STABLE_AFTER_S = 30.0  # a child that ran this long resets its backoff
 _PROBE_INTERVAL_S = 2.0
+LOG_TAIL_LINES = 20
+_LOG_TAIL_BYTES = 64 * 1024  # enough for LOG_TAIL_LINES of any sane log line
 
 
 def _child_setup() -> None:
@@ -46,6 +59,37 @@ class ChildSpec:
     env: dict[str, str] | None = None
 
 
+@dataclass(frozen=True)
+class CrashLoopPolicy:
+    """A child that dies ``max_crashes`` times within ``window_s`` is not restarted again (0: never
+    give up). Hang kills count too; a hang takes ``hang_after_s`` to detect, so they rarely add up."""
+
+    max_crashes: int = 5
+    window_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class CrashLoop:
+    """Why the supervisor gave up on a child."""
+
+    child: str
+    crashes: int
+    window_s: float
+    last_reason: str
+    log_path: Path | None
+
+    def message(self) -> str:
+        where = f"its log: {self.log_path}" if self.log_path is not None else "its output is above"
+        return (
+            f"{self.child} died {self.crashes} times within {self.window_s:g}s (last: {self.last_reason}); "
+            f"not restarting it, so the cluster is stopped. See {where}"
+        )
+
+
+class CrashLoopError(DynamoError):
+    code = "crash_loop"
+
+
 @dataclass(eq=False)
 class Child:
     spec: ChildSpec
@@ -53,11 +97,38 @@ class Child:
     proc: asyncio.subprocess.Process | None = None
     restarts: int = 0
     started_at: float = 0.0
+    log_offset: int = 0  # size of the log when the current run started: its own lines follow
     _log: IO[bytes] | None = field(default=None, repr=False)
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None and self.proc.returncode is None else None
+
+
+def exit_reason(returncode: int) -> str:
+    """``exit code 2``, or ``killed by SIGKILL`` for a negative (signal) return code."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def read_log_tail(path: Path, offset: int, lines: int = LOG_TAIL_LINES) -> list[str]:
+    """The last ``lines`` lines written to ``path`` at or after byte ``offset`` (one run's output)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            start = max(offset, size - _LOG_TAIL_BYTES)
+            f.seek(start)
+            data = f.read()
+    except OSError:
+        return []
+    text = data.decode("utf-8", errors="replace").splitlines()
+    if start > offset and text:
+        text = text[1:]  # began mid-line
+    return text[-lines:]
 
 
 def _probe(url: str) -> bool:
@@ -69,11 +140,30 @@ def _probe(url: str) -> bool:
 
 
 class Supervisor:
-    def __init__(self, specs: list[ChildSpec], log_dir: Path | None) -> None:
+    """Starts ``specs``, restarts them when they die, gives up on one in a crash loop.
+
+    ``report`` receives the crash reports (the reason and the log's last lines), a stream for
+    people: the event itself is also logged, on one line.
+    """
+
+    def __init__(
+        self,
+        specs: list[ChildSpec],
+        log_dir: Path | None,
+        *,
+        crash_policy: CrashLoopPolicy | None = None,
+        report: TextIO | None = None,
+        prog: str = "dynamod up",
+    ) -> None:
         self.children = [Child(spec, (log_dir / f"{spec.name}.log") if log_dir else None) for spec in specs]
         self._log_dir = log_dir
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        self._policy = crash_policy or CrashLoopPolicy()
+        self._report_to = report
+        self._prog = prog
+        self.gave_up = asyncio.Event()
+        self.crash_loop: CrashLoop | None = None
 
     async def start(self) -> None:
         if self._log_dir is not None:
@@ -94,6 +184,7 @@ class Supervisor:
                 # Kept open for the child's life; reopened never, so restarts append to one file.
                 child._log = await asyncio.to_thread(open, child.log_path, "ab")
             out: IO[bytes] | int | None = child._log
+            child.log_offset = os.fstat(child._log.fileno()).st_size
         else:
             out = None
         child.proc = await asyncio.create_subprocess_exec(
@@ -110,13 +201,30 @@ class Supervisor:
 
     async def _watch(self, child: Child) -> None:
         failures = 0
+        deaths: deque[float] = deque()
+        last_tail: list[str] | None = None
+        policy = self._policy
         while not self._stopping:
             proc = child.proc
             assert proc is not None
             reason = await self._until_dead(child, proc)
             if self._stopping:
                 return
-            ran_s = time.monotonic() - child.started_at
+            now = time.monotonic()
+            ran_s = now - child.started_at
+            deaths.append(now)
+            while deaths and now - deaths[0] > policy.window_s:
+                deaths.popleft()
+            tail = await self._log_tail(child)
+            if policy.max_crashes and len(deaths) >= policy.max_crashes:
+                self.crash_loop = CrashLoop(child.spec.name, len(deaths), policy.window_s, reason, child.log_path)
+                logger.error(
+                    "child crash loop name=%s pid=%d reason=%s deaths=%d window_s=%g action=give_up log=%s",
+                    child.spec.name, proc.pid, reason, len(deaths), policy.window_s, child.log_path,
+                )
+                self._report(child, reason, ran_s, "not restarting it (crash loop)", tail, repeated=False)
+                self.gave_up.set()
+                return
             if ran_s >= _STABLE_AFTER_S:
                 failures = 0
             delay = _BACKOFF_S[min(failures, len(_BACKOFF_S) - 1)]
@@ -125,24 +233,49 @@ class Supervisor:
                 "child died name=%s pid=%d reason=%s ran_s=%.1f action=restart_in_%.1fs",
                 child.spec.name, proc.pid, reason, ran_s, delay,
             )
+            self._report(child, reason, ran_s, f"restarting it in {delay:g}s", tail, repeated=tail == last_tail)
+            last_tail = tail
             await asyncio.sleep(delay)
             if self._stopping:
                 return
             child.restarts += 1
             await self._spawn(child)
 
+    async def _log_tail(self, child: Child) -> list[str]:
+        if child.log_path is None:
+            return []  # its output went to the terminal already
+        return await asyncio.to_thread(read_log_tail, child.log_path, child.log_offset)
+
+    def _report(self, child: Child, reason: str, ran_s: float, action: str, tail: list[str], *, repeated: bool) -> None:
+        """The death on the terminal, with the log's last lines (only a line when they are as last time)."""
+        stream = self._report_to if self._report_to is not None else sys.stderr
+        lines = [f"{self._prog}: {child.spec.name} died ({reason}) after {ran_s:.1f}s; {action}."]
+        if child.log_path is not None:
+            if tail and repeated:
+                lines.append(f"  its log ends as last time: {tail[-1]}")
+            elif tail:
+                lines.append(f"  last {len(tail)} line(s) of {child.log_path}:")
+                lines += [f"  | {line}" for line in tail]
+            else:
+                lines.append(f"  it wrote nothing to {child.log_path} this time")
+        try:
+            stream.write("\n".join(lines) + "\n")
+            stream.flush()
+        except (OSError, ValueError):  # a closed terminal must not stop the supervision
+            pass
+
     async def _until_dead(self, child: Child, proc: asyncio.subprocess.Process) -> str:
         """Returns why the child is gone: its exit, or a liveness URL that stopped answering."""
         url = child.spec.live_url
         if url is None:
-            return f"exit code {await proc.wait()}"
+            return exit_reason(await proc.wait())
         wait = asyncio.ensure_future(proc.wait())
         last_ok = time.monotonic()
         try:
             while True:
                 done, _ = await asyncio.wait([wait], timeout=_PROBE_INTERVAL_S)
                 if done:
-                    return f"exit code {wait.result()}"
+                    return exit_reason(wait.result())
                 if await asyncio.to_thread(_probe, url):
                     last_ok = time.monotonic()
                 elif time.monotonic() - last_ok > child.spec.hang_after_s:

@@ -13,7 +13,11 @@ workers could serve nothing and is refused.
 
 Discovery is the file backend in the default directory (so ``dynamoctl`` and ``dynamo-console``
 find the cluster without flags), events go over ZMQ, and every part is a real ``dynamod`` process
-that is restarted if it crashes or hangs. Ctrl-C or SIGTERM stops the frontend first (it finishes
+that is restarted if it crashes or hangs; a crashed child's last log lines are printed here. A child
+that dies ``--crash-limit`` times within ``--crash-window`` seconds (a bad flag, an import error) is
+not restarted again: `up` stops the cluster and exits non-zero naming the child and its log. Every
+child runs ``python -P`` (see ``launcher.py``), so a folder named ``dynamod`` in the directory `up`
+is started from cannot shadow the package. Ctrl-C or SIGTERM stops the frontend first (it finishes
 the streams it admitted), then the workers.
 """
 
@@ -34,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dynamod.daemon.frontend.routing import ROUTER_MODES
-from dynamod.daemon.supervisor.children import ChildSpec, Supervisor
+from dynamod.daemon.supervisor.children import ChildSpec, CrashLoopError, CrashLoopPolicy, Supervisor
+from dynamod.daemon.supervisor.launcher import daemon_child, daemon_env
 from dynamod.daemon.worker.main import COMPONENT_BY_ROLE
 from dynamod.shared.config import DEFAULT_NAMESPACE
 from dynamod.shared.discovery.factory import default_file_kv_dir
@@ -74,6 +79,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--frontend-args", default="", help="extra flags for the frontend")
     g.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for the cluster [default 120]")
     g.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds children get to stop [default 30]")
+    g.add_argument("--crash-limit", type=int, default=CrashLoopPolicy.max_crashes,
+                   help="a child that dies this many times within --crash-window is not restarted and `up` exits "
+                        f"non-zero; 0 restarts for ever [default {CrashLoopPolicy.max_crashes}]")
+    g.add_argument("--crash-window", type=float, default=CrashLoopPolicy.window_s,
+                   help=f"seconds over which --crash-limit counts a child's deaths [default {CrashLoopPolicy.window_s:g}]")
     m = parser.add_argument_group("mocker flags passed to every worker")
     m.add_argument("--speedup-ratio", type=float, default=None, help="mocker step times are divided by this")
     m.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
@@ -142,20 +152,25 @@ def resolve_pools(args: argparse.Namespace) -> Pools:
     return Pools(prefill=prefill or 0, decode=decode)
 
 
+def crash_policy(args: argparse.Namespace) -> CrashLoopPolicy:
+    if args.crash_limit < 0:
+        raise ConfigError("--crash-limit must be 0 (never give up) or more")
+    if args.crash_window <= 0:
+        raise ConfigError("--crash-window must be more than 0 seconds")
+    return CrashLoopPolicy(max_crashes=args.crash_limit, window_s=args.crash_window)
+
+
 def build_specs(args: argparse.Namespace, file_kv: str, namespace: str) -> list[ChildSpec]:
-    base = [sys.executable, "-m", "dynamod.daemon.cli"]
     runtime = ["--discovery-backend", "file", "--event-plane", "zmq", "--file-kv", file_kv, "--namespace", namespace]
-    env = {**os.environ, "DYN_FILE_KV": file_kv}
-    env.pop("DYN_DISCOVERY_BACKEND", None)
-    env.pop("DYN_EVENT_PLANE", None)
+    env = daemon_env({"DYN_FILE_KV": file_kv}, drop=("DYN_DISCOVERY_BACKEND", "DYN_EVENT_PLANE"))
     frontend = [
-        *base, "--role", "frontend", *runtime,
+        "--role", "frontend", *runtime,
         "--http-host", args.http_host, "--http-port", str(args.http_port),
         "--router-mode", args.router_mode, "--num-frontends", str(args.num_frontends),
         *shlex.split(args.frontend_args),
     ]
     host = "127.0.0.1" if args.http_host in ("0.0.0.0", "::") else args.http_host
-    specs = [ChildSpec(FRONTEND, frontend, live_url=f"http://{host}:{args.http_port}/live", env=env)]
+    specs = [daemon_child(FRONTEND, frontend, live_url=f"http://{host}:{args.http_port}/live", env=env)]
     passthrough: list[str] = []
     for name in _WORKER_PASSTHROUGH:
         value = getattr(args, name)
@@ -170,10 +185,11 @@ def build_specs(args: argparse.Namespace, file_kv: str, namespace: str) -> list[
             status_port = _free_port("127.0.0.1", avoid=ports)
             ports.add(status_port)
             worker = [
-                *base, "--role", role, *runtime, "--engine", args.engine, "--model", args.model,
+                "--role", role, *runtime, "--engine", args.engine, "--model", args.model,
                 "--system-port", str(status_port), *passthrough, *extra, *role_extra[role],
             ]
-            specs.append(ChildSpec(child_name(role, index), worker, live_url=f"http://127.0.0.1:{status_port}/live", env=env))
+            live = f"http://127.0.0.1:{status_port}/live"
+            specs.append(daemon_child(child_name(role, index), worker, live_url=live, env=env))
     return specs
 
 
@@ -238,8 +254,14 @@ def _banner(base_url: str, model: str, log_dir: Path | None, file_kv: str, pools
     return "\n".join(lines)
 
 
+async def _set_when(source: asyncio.Event, target: asyncio.Event) -> None:
+    await source.wait()
+    target.set()
+
+
 async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     pools = resolve_pools(args)
+    policy = crash_policy(args)
     file_kv = args.file_kv or default_file_kv_dir()
     namespace = args.namespace or os.environ.get("DYN_NAMESPACE") or DEFAULT_NAMESPACE
     await asyncio.to_thread(Path(file_kv).mkdir, parents=True, exist_ok=True)
@@ -249,30 +271,38 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         )
     log_dir = None if args.log_to_console else Path(args.log_dir or Path(file_kv).parent / "logs")
     specs = build_specs(args, file_kv, namespace)
-    supervisor = Supervisor(specs, log_dir)
+    supervisor = Supervisor(specs, log_dir, crash_policy=policy, report=sys.stderr)
     host = "127.0.0.1" if args.http_host in ("0.0.0.0", "::") else args.http_host
     base_url = f"http://{host}:{args.http_port}"
+    # Either Ctrl-C/SIGTERM or a child in a crash loop ends the cluster.
+    halt = asyncio.Event()
+    watchers = [asyncio.create_task(_set_when(stop, halt)), asyncio.create_task(_set_when(supervisor.gave_up, halt))]
     await supervisor.start()
     try:
         for child in supervisor.children:
             logger.info("cluster child name=%s pid=%s", child.spec.name, child.pid)
-        models = await _wait_ready(base_url, pools, args.ready_timeout, stop)
+        models = await _wait_ready(base_url, pools, args.ready_timeout, halt)
         if models:
             print(_banner(base_url, models[0], log_dir, file_kv, pools), flush=True)
-        elif not stop.is_set():
+        elif not halt.is_set():
             print(
                 f"dynamod up: the cluster is not ready after {args.ready_timeout:.0f}s; still trying. "
                 f"Frontend: {base_url}; logs: {log_dir or 'console'}",
                 file=sys.stderr,
                 flush=True,
             )
-        await stop.wait()
-        print("dynamod up: stopping (frontend first, then workers)", file=sys.stderr, flush=True)
+        await halt.wait()
+        if supervisor.crash_loop is None:
+            print("dynamod up: stopping (frontend first, then workers)", file=sys.stderr, flush=True)
     finally:
+        for task in watchers:
+            task.cancel()
         # Frontend first (it finishes its streams), then the workers that serve them, and the
         # prefill pool last: decode workers may still be reading KV blocks from it.
         names = [c.spec.name for c in supervisor.children if c.spec.name != FRONTEND]
         prefill = [n for n in names if n.startswith(f"{ROLE_PREFILL}-")]
         serving = [n for n in names if n not in prefill]
         await supervisor.stop([[FRONTEND], serving, prefill], args.shutdown_grace)
+    if supervisor.crash_loop is not None:
+        raise CrashLoopError(supervisor.crash_loop.message())
     return 0

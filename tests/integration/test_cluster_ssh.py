@@ -174,3 +174,24 @@ def test_bad_key_is_reported(sshd: PrivateSshd, tmp_path: Path) -> None:
 def test_missing_inventory_is_one_line() -> None:
     res = ctl("cluster", "status", "--inventory", "/nonexistent/inv.toml")
     assert res.returncode == 1 and res.stderr.strip() == "dynamoctl: error: inventory /nonexistent/inv.toml not found"
+
+
+def test_down_never_signals_a_reused_pid(sshd: PrivateSshd, tmp_path: Path) -> None:
+    """A process-mode pid file left behind whose pid the kernel has handed to another process (here
+    a ``sleep`` leading its own group): ``cluster down`` reports the role not running and the
+    stranger lives on."""
+    work = tmp_path / "work"
+    inv = write_inventory(tmp_path / "inv.toml", sshd, str(tmp_path / "kv"), work, system_port=free_port())
+    stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        (work / "run").mkdir(parents=True)
+        (work / "run" / "agg-0.pid").write_text(f"{stranger.pid}\n")
+        (work / "run" / "agg-0.started").write_text("1\n")  # the start time of the process we started
+        (work / "run" / "agg-0.mode").write_text("process")
+        down = ctl("cluster", "down", "--inventory", str(inv), "--json")
+        assert down.returncode == 0, down.stderr
+        assert json.loads(down.stdout)[0]["state"] == "not running"
+        assert stranger.poll() is None, "cluster down signalled a process it did not start"
+    finally:
+        stranger.kill()
+        stranger.wait(10)

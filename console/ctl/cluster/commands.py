@@ -6,7 +6,12 @@ Two ways to run a role, chosen per host:
   restarted on failure, logs in the journal.
 - ``process``: a supervised background process: ``setsid`` starts a small ``sh`` loop that runs
   the role and restarts it if it exits, unless a stop file exists; its pid (the process group) is
-  in ``<workdir>/run/<name>.pid`` and its output in ``<workdir>/logs/<name>.log``.
+  in ``<workdir>/run/<name>.pid``, its start time (``/proc/<pid>/stat`` field 22, clock ticks since
+  boot) in ``<workdir>/run/<name>.started``, and its output in ``<workdir>/logs/<name>.log``.
+  A pid file alone proves nothing once the process is gone: the kernel hands the number out again.
+  So the role counts as running, and its group is signalled, only while the pid's start time is
+  the recorded one (``_OWNED``); a reused pid, or a pid file without a start time, reads as not
+  running and is never signalled.
 
 Every value that reaches the shell goes through ``shlex.quote``.
 """
@@ -63,11 +68,28 @@ def _paths(cluster: ClusterSpec, role: RoleSpec) -> dict[str, str]:
     return {
         "workdir": w,
         "pid": f"{w}/run/{role.name}.pid",
+        "started": f"{w}/run/{role.name}.started",
         "child": f"{w}/run/{role.name}.child",
         "stop": f"{w}/run/{role.name}.stop",
         "mode": f"{w}/run/{role.name}.mode",
         "log": f"{w}/logs/{role.name}.log",
     }
+
+
+def _start_time(pid: str) -> str:
+    """Shell printing the start time of ``pid`` (a shell word): field 22 of ``/proc/<pid>/stat``,
+    counted after the command name, which may itself hold spaces and parentheses. Prints nothing
+    without ``/proc`` (the record and the check are then both empty and only ``kill -0`` decides)."""
+    return f"sed 's/.*) //' /proc/{pid}/stat 2>/dev/null | cut -d' ' -f20"
+
+
+def _owned(p: dict[str, str]) -> str:
+    """Shell condition: the pid file names a live process that is the one started here (same start
+    time). Sets ``$pg`` to that pid."""
+    return (
+        f"[ -f {q(p['pid'])} ] && pg=$(cat {q(p['pid'])}) && [ -n \"$pg\" ] && kill -0 \"$pg\" 2>/dev/null && "
+        f"[ \"$({_start_time('$pg')})\" = \"$(cat {q(p['started'])} 2>/dev/null)\" ]"
+    )
 
 
 def _systemctl(mode: str) -> str:
@@ -100,12 +122,14 @@ def start_command(cluster: ClusterSpec, role: RoleSpec, mode: str) -> str:
         f"if [ -f {q(p['stop'])} ]; then exit 0; fi; "
         f'echo "dynamod-supervisor: {role.name} exited rc=$rc; restarting in 2s"; sleep 2; done'
     )
+    # The start time is recorded before the pid: a pid file is never there without it.
     return (
         f"{prep} && cd {q(p['workdir'])} && "
-        f"if [ -f {q(p['pid'])} ] && kill -0 \"$(cat {q(p['pid'])})\" 2>/dev/null; then "
-        f"echo already running $(cat {q(p['pid'])}); else rm -f {q(p['stop'])}; "
-        f"nohup setsid sh -c {q(loop)} >> {q(p['log'])} 2>&1 < /dev/null & echo $! > {q(p['pid'])}; "
-        f"echo started $!; fi"
+        f"if {_owned(p)}; then "
+        f"echo already running $pg; else rm -f {q(p['stop'])}; "
+        f"nohup setsid sh -c {q(loop)} >> {q(p['log'])} 2>&1 < /dev/null & pg=$!; "
+        f"{_start_time('$pg')} > {q(p['started'])}; echo $pg > {q(p['pid'])}; "
+        f"echo started $pg; fi"
     )
 
 
@@ -122,11 +146,11 @@ def stop_command(cluster: ClusterSpec, role: RoleSpec, mode: str) -> str:
             f"else echo not running; fi; {ctl} reset-failed {q(role.unit)} >/dev/null 2>&1; true"
         )
     return (
-        f"if [ -f {q(p['pid'])} ] && kill -0 \"$(cat {q(p['pid'])})\" 2>/dev/null; then "
-        f"pg=$(cat {q(p['pid'])}); touch {q(p['stop'])}; kill -TERM -$pg 2>/dev/null; i=0; "
+        f"if {_owned(p)}; then "
+        f"touch {q(p['stop'])}; kill -TERM -$pg 2>/dev/null; i=0; "
         f"while kill -0 -$pg 2>/dev/null && [ $i -lt {STOP_TIMEOUT_S * 10} ]; do sleep 0.1; i=$((i+1)); done; "
         f"if kill -0 -$pg 2>/dev/null; then kill -KILL -$pg 2>/dev/null; echo killed; else echo stopped; fi; "
-        f"else echo not running; fi; rm -f {q(p['pid'])} {q(p['child'])}"
+        f"else echo not running; fi; rm -f {q(p['pid'])} {q(p['started'])} {q(p['child'])}"
     )
 
 
@@ -141,8 +165,8 @@ def status_command(cluster: ClusterSpec, role: RoleSpec, mode: str) -> str:
             f"failed) echo failed 0;; *) echo stopped 0;; esac"
         )
     return (
-        f"if [ -f {q(p['pid'])} ] && kill -0 \"$(cat {q(p['pid'])})\" 2>/dev/null; then "
-        f"echo running $(cat {q(p['child'])} 2>/dev/null || cat {q(p['pid'])}); else echo stopped 0; fi"
+        f"if {_owned(p)}; then "
+        f"echo running $(cat {q(p['child'])} 2>/dev/null || echo $pg); else echo stopped 0; fi"
     )
 
 

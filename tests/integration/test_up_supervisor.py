@@ -1,0 +1,104 @@
+"""``dynamod up``'s supervisor: children start from any directory, a crashed child's log is shown,
+and a child that cannot start ends `up` with one message instead of restarting for ever."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.fixtures.servers import free_port, wait_until
+from tests.integration.test_frontend_support import clean_env, pid_gone
+
+pytestmark = pytest.mark.timeout(180)
+
+DYNAMOD = Path(sys.executable).parent / "dynamod"
+
+
+def _up_command(*flags: str) -> list[str]:
+    # The installed entry point, as a user runs it: unlike `python -m`, it does not put the working
+    # directory on sys.path itself, so only the children could trip over a `dynamod` folder there.
+    base = [str(DYNAMOD)] if DYNAMOD.exists() else [sys.executable, "-P", "-m", "dynamod.daemon.cli"]
+    return [*base, "up", *flags]
+
+
+class Up:
+    """A `dynamod up` process whose combined output is collected line by line."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path) -> None:
+        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+        self.reader.start()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def test_up_from_a_directory_holding_a_dynamod_folder(tmp_path: Path) -> None:
+    """The parent of a clone holds `dynamod/`: the children must import the installed package, not it."""
+    shadow = tmp_path / "dynamod"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text('raise ImportError("the shadowing dynamod folder was imported")\n')
+    port = free_port()
+    file_kv = tmp_path / "state" / "discovery"
+    up = Up(
+        _up_command("--http-port", str(port), "--workers", "1", "--speedup-ratio", "10",
+                    "--file-kv", str(file_kv), "--log-dir", str(tmp_path / "state" / "logs")),
+        clean_env(file_kv), cwd=tmp_path,
+    )
+    try:
+        wait_until(lambda: "dynamod is up" in up.output or up.proc.poll() is not None, 90, what="the banner")
+        assert "dynamod is up" in up.output, up.output
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3}, timeout=30)
+        assert reply.status_code == 200, reply.text
+        assert "died" not in up.output and "shadowing" not in up.output
+        up.proc.send_signal(2)
+        assert up.proc.wait(60) == 0
+    finally:
+        up.kill()
+
+
+def test_a_child_that_cannot_start_ends_up_with_one_message(tmp_path: Path) -> None:
+    """A worker flag with a bad value: the worker dies at once, every time. `up` shows why (the
+    log's last lines), stops after --crash-limit deaths, stops the frontend, and exits non-zero
+    with one line naming the worker and its log."""
+    port = free_port()
+    file_kv = tmp_path / "discovery"
+    logs = tmp_path / "logs"
+    up = Up(
+        _up_command("--http-port", str(port), "--workers", "1", "--file-kv", str(file_kv), "--log-dir", str(logs),
+                    "--worker-args", "--max-num-seqs lots", "--crash-limit", "3", "--crash-window", "60"),
+        clean_env(file_kv), cwd=tmp_path,
+    )
+    started = time.monotonic()
+    try:
+        code = up.proc.wait(90)
+        elapsed = time.monotonic() - started
+        up.reader.join(10)
+    finally:
+        up.kill()
+    assert code == 1, up.output
+    assert elapsed < 60, f"gave up only after {elapsed:.0f}s"
+    last = up.output.rstrip().splitlines()[-1]
+    assert last.startswith("dynamod up: error: worker-0 died 3 times within 60s (last: exit code 2)"), last
+    assert f"See its log: {logs / 'worker-0.log'}" in last
+    # Each death was reported with the reason the worker gave, straight from its log.
+    assert up.output.count("dynamod up: worker-0 died (exit code 2)") == 3
+    assert "invalid int value: 'lots'" in up.output
+    assert "restarting it in" in up.output and "not restarting it (crash loop)" in up.output
+    assert "dynamod is up" not in up.output and "Traceback" not in up.output
+    frontend_pid = int(re.search(r"child started name=frontend pid=(\d+)", up.output).group(1))  # type: ignore[union-attr]
+    assert pid_gone(frontend_pid), "the frontend outlived `dynamod up`"
