@@ -4,23 +4,35 @@ Layout under ``root`` (``dynamod up``, dynamoctl and the console share the defau
 ``factory.default_file_kv_dir``)::
 
     keys/<encoded key>               header line (JSON: key, lease id) + "\\n" + the value bytes
-    leases/<id:016x>.<ttl_ms>.lease  JSON (id, ttl, pid, host) for humans; its *mtime* is the heartbeat
+    leases/<id:016x>.<ttl_ms>.lease  JSON: id, ttl, beat (the heartbeat counter), and the owner
+                                     (pid, host, boot id, pid namespace, process start time)
 
 Why it is built this way:
 
-* Every write is ``temp file + os.replace``, so a reader never sees half an entry.
-* An entry is alive if it has no lease, or if its lease file exists and was touched within the
-  lease TTL (the TTL is in the lease file's name, so liveness needs no file reads). The owner
-  touches it every ``ttl/3``; a process killed with ``-9`` stops touching, and its entries count as
-  gone one TTL later. Whoever notices a dead entry deletes it (garbage collection by readers).
-* An owner that was paused past its TTL (its entries may have been collected) notices on its next
-  heartbeat, re-creates the lease file under the same id and puts its keys again, like a lease
+* Every write is ``temp file + os.replace``, so a reader never sees half an entry or lease.
+* Liveness is judged by each reader on its own monotonic clock, from a heartbeat counter the owner
+  increments every ``ttl/3`` (``file_liveness`` has the rules): an entry is visible if it has no
+  lease, or its lease's counter moved within the TTL as this reader saw it. Nothing compares a file
+  mtime with the wall clock, so a wall-clock step deletes and hides nobody, and a reader that first
+  sees a lease gives it a full TTL.
+* A late owner's entries are hidden, not deleted: readers delete (garbage-collect) entries only
+  when the owner process is provably gone (``/proc``: a kill -9 shows at the next scan), or,
+  without such evidence, after twice the TTL without a beat; and only after re-checking that the
+  lease file did not change meanwhile. Entries of an owner that still exists (stopped, hung,
+  starved) are never deleted by a reader; they reappear on its next beat.
+* The owner checks its keys on every beat and puts back any that are missing, and re-creates a
+  missing lease file under the same id (logged as "lease restored"): for real losses (a directory
+  wiped by a tmp cleaner, an older dynamod's reader that still collects by mtime), like a lease
   re-granted after an etcd outage.
 * Key file names keep ``[A-Za-z0-9_-]`` and percent-encode every other byte, so a key prefix is a
   file-name prefix and scans only read matching files; names too long for the file system become
   ``~<sha256>`` (the real key is in the header).
-* Scans run in a worker thread (``asyncio.to_thread``) and re-read only entries whose
-  (inode, mtime, size) changed, so polling every 0.2 s stays cheap.
+* Scans run in a worker thread (``asyncio.to_thread``) and re-read only entries and lease files
+  whose (inode, mtime, size) changed, so polling every 0.2 s stays cheap.
+
+Compatibility: the names are unchanged. An older dynamod's owner (no counter, it only touches the
+file) is judged by its file's mtime *changing*, not by its age; an older reader judges our lease
+files by mtime age, which our rewrite every beat keeps fresh.
 """
 
 from __future__ import annotations
@@ -32,12 +44,18 @@ import json
 import logging
 import os
 import secrets
-import socket
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from dynamod.shared.discovery.file_liveness import (
+    LeaseJudge,
+    Marker,
+    OwnerIdentity,
+    Signature,
+    Verdict,
+    this_process,
+)
 from dynamod.shared.discovery.store import DEFAULT_LEASE_TTL_S, WatchEvent, WatchEventKind
 from dynamod.shared.errors import DiscoveryError
 
@@ -49,12 +67,8 @@ _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01234567
 _MAX_NAME = 200  # below NAME_MAX (255) with room for the temp-file suffix
 _HASHED = "~"
 _TMP = ".tmp-"
-_TMP_MAX_AGE_S = 60.0
+_TMP_MAX_AGE_S = 60.0  # a temp file a reader has seen this long was left by a crashed writer
 _LEASE_SUFFIX = ".lease"
-# A lease file this much older than its TTL is removed (its entries went first, at one TTL).
-_LEASE_FILE_GRACE_FACTOR = 2.0
-# The owner re-puts its keys if its own lease file got this close to looking dead.
-_OWNER_STALE_FACTOR = 0.9
 
 
 def encode_key(key: str) -> str:
@@ -93,20 +107,14 @@ class _Entry:
     version: tuple[int, int, int]  # (inode, mtime_ns, size): changes on every write
 
 
-@dataclass(frozen=True, slots=True)
-class _LeaseFile:
-    name: str
-    ttl_s: float
-    mtime: float
-
-
 class _Layout:
     """The on-disk format and every blocking file operation. Call only from a worker thread."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, judge: LeaseJudge) -> None:
         self.root = root
         self.keys_dir = os.path.join(root, "keys")
         self.leases_dir = os.path.join(root, "leases")
+        self.judge = judge
 
     def make_dirs(self) -> None:
         for path in (self.keys_dir, self.leases_dir):
@@ -114,10 +122,12 @@ class _Layout:
 
     def ensure(self) -> None:
         self.make_dirs()
-        probe = os.path.join(self.keys_dir, f"{_TMP}probe-{os.getpid()}")
+        # Unique per call: two stores of one process starting at once must not share the probe.
+        probe = os.path.join(self.keys_dir, f"{_TMP}probe-{os.getpid()}-{secrets.token_hex(6)}")
         with open(probe, "wb"):
             pass
-        os.unlink(probe)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(probe)
 
     # -- atomic writes -----------------------------------------------------------------------
 
@@ -171,7 +181,7 @@ class _Layout:
                 logger.warning("file discovery ignoring unreadable entry path=%s", path)
             return None
 
-    # -- leases ------------------------------------------------------------------------------
+    # -- leases: the owner's side ------------------------------------------------------------
 
     @staticmethod
     def lease_name(lease_id: int, ttl_s: float) -> str:
@@ -180,8 +190,9 @@ class _Layout:
     def lease_path(self, lease_id: int, ttl_s: float) -> str:
         return os.path.join(self.leases_dir, self.lease_name(lease_id, ttl_s))
 
-    def _lease_body(self, lease_id: int, ttl_s: float) -> bytes:
-        body = {"id": f"{lease_id:x}", "ttl": ttl_s, "pid": os.getpid(), "host": socket.gethostname()}
+    @staticmethod
+    def _lease_body(lease_id: int, ttl_s: float, beat: int) -> bytes:
+        body = {"id": f"{lease_id:x}", "ttl": ttl_s, "beat": beat, **this_process().to_json()}
         return json.dumps(body).encode()
 
     def create_lease(self, ttl_s: float) -> int:
@@ -191,107 +202,178 @@ class _Layout:
                 self._write_atomic(
                     self.leases_dir,
                     self.lease_name(lease_id, ttl_s),
-                    self._lease_body(lease_id, ttl_s),
+                    self._lease_body(lease_id, ttl_s, 0),
                     exclusive=True,
                 )
                 return lease_id
             except FileExistsError:
                 continue
 
-    def restore_lease(self, lease_id: int, ttl_s: float) -> None:
-        self._write_atomic(
-            self.leases_dir, self.lease_name(lease_id, ttl_s), self._lease_body(lease_id, ttl_s)
-        )
+    def lease_exists(self, lease_id: int, ttl_s: float) -> bool:
+        return os.path.exists(self.lease_path(lease_id, ttl_s))
 
-    def touch_lease(self, lease_id: int, ttl_s: float) -> bool:
-        """The owner's heartbeat. False if the lease file is gone or nearly counted dead, so the
-        owner must restore it and put its keys again."""
-        path = self.lease_path(lease_id, ttl_s)
+    def beat(
+        self, lease_id: int, ttl_s: float, beat: int, keys: dict[str, bytes]
+    ) -> tuple[bool, list[str], list[str]]:
+        """The owner's heartbeat: rewrites the lease file with counter ``beat``, then checks its keys.
+
+        Returns (lease file was missing, keys put back because they were missing, keys now held by
+        another lease: no longer ours)."""
+        name = self.lease_name(lease_id, ttl_s)
+        missing = not os.path.exists(os.path.join(self.leases_dir, name))
+        body = self._lease_body(lease_id, ttl_s, beat)
         try:
-            age = time.time() - os.stat(path).st_mtime
-            os.utime(path)
-        except FileNotFoundError:
-            return False
-        return age <= ttl_s * _OWNER_STALE_FACTOR
+            self._write_atomic(self.leases_dir, name, body)
+        except FileNotFoundError:  # the directory itself was wiped (tmp cleaners)
+            self.make_dirs()
+            self._write_atomic(self.leases_dir, name, body)
+        reput: list[str] = []
+        foreign: list[str] = []
+        for key, value in keys.items():
+            entry = self.read_entry_path(os.path.join(self.keys_dir, encode_key(key)))
+            if entry is None or entry.key != key:
+                self.write_entry(key, value, lease_id)
+                reput.append(key)
+            elif entry.lease_id != lease_id:
+                foreign.append(key)
+        return missing, reput, foreign
 
     def remove_lease(self, lease_id: int, ttl_s: float) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.lease_path(lease_id, ttl_s))
 
-    def live_leases(self, now: float, *, gc: bool) -> dict[int, _LeaseFile]:
-        live: dict[int, _LeaseFile] = {}
-        with os.scandir(self.leases_dir) as it:
+    # -- leases: the readers' side -----------------------------------------------------------
+
+    def _read_lease(self, path: str) -> tuple[Marker, OwnerIdentity | None] | None:
+        try:
+            with open(path, "rb") as f:
+                mtime_ns = os.fstat(f.fileno()).st_mtime_ns
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        try:
+            body = json.loads(data)
+            beat = body.get("beat") if isinstance(body, dict) else None
+        except ValueError:
+            body, beat = None, None
+        if not isinstance(beat, int):  # an older owner: it only touches the file
+            return mtime_ns, None
+        return beat, OwnerIdentity.from_json(body)
+
+    def judge_leases(self, own: frozenset[int], *, gc: bool) -> dict[int, tuple[Verdict, float]]:
+        """lease id -> (verdict, ttl) for every lease file; with ``gc``, collects the dead ones."""
+        judge = self.judge
+        verdicts: dict[int, tuple[Verdict, float]] = {}
+        to_reap: list[tuple[int, float, Signature]] = []
+        with judge.lock:
+            now = judge.clock()
+            present: set[int] = set()
+            with os.scandir(self.leases_dir) as it:
+                for de in it:
+                    if de.name.startswith(_TMP):
+                        if gc:
+                            self._gc_tmp(de, now)
+                        continue
+                    parsed = _parse_lease_name(de.name)
+                    if parsed is None:
+                        continue
+                    lease_id, ttl_s = parsed
+                    if lease_id in own:
+                        verdicts[lease_id] = (Verdict.ALIVE, ttl_s)
+                        continue
+                    try:
+                        st = de.stat()
+                    except FileNotFoundError:
+                        continue
+                    sig = (st.st_ino, st.st_mtime_ns, st.st_size)
+                    verdict = judge.judge(lease_id, ttl_s, sig, lambda p=de.path: self._read_lease(p), now)
+                    if verdict is None:
+                        continue
+                    present.add(lease_id)
+                    verdicts[lease_id] = (verdict, ttl_s)
+                    if verdict is Verdict.DEAD and gc and judge.claim_reap(lease_id):
+                        to_reap.append((lease_id, ttl_s, judge.signature(lease_id) or sig))
+            judge.forget_missing(present, now)
+        for lease_id, ttl_s, sig in to_reap:
+            self._reap(lease_id, ttl_s, sig)
+        return verdicts
+
+    def _reap(self, lease_id: int, ttl_s: float, sig: Signature) -> None:
+        """Deletes a dead lease's entries (under any prefix), then its file; gives up as soon as
+        the lease file changed since it was judged (the owner beat after all)."""
+        path = self.lease_path(lease_id, ttl_s)
+
+        def unchanged() -> bool:
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                return True
+            return (st.st_ino, st.st_mtime_ns, st.st_size) == sig
+
+        if not unchanged():
+            return
+        collected = 0
+        with os.scandir(self.keys_dir) as it:
             for de in it:
                 if de.name.startswith(_TMP):
-                    if gc:
-                        self._gc_tmp(de, now)
                     continue
-                parsed = _parse_lease_name(de.name)
-                if parsed is None:
+                entry = self.read_entry_path(de.path)
+                if entry is None or entry.lease_id != lease_id:
                     continue
-                lease_id, ttl_s = parsed
-                try:
-                    mtime = de.stat().st_mtime
-                except FileNotFoundError:
-                    continue
-                age = now - mtime
-                if age <= ttl_s:
-                    live[lease_id] = _LeaseFile(de.name, ttl_s, mtime)
-                elif gc and age > ttl_s * _LEASE_FILE_GRACE_FACTOR:
-                    self._gc_lease_file(de.path, ttl_s)
-        return live
-
-    def _gc_lease_file(self, path: str, ttl_s: float) -> None:
-        try:  # re-check right before unlinking: the owner may have just touched it
-            if time.time() - os.stat(path).st_mtime > ttl_s * _LEASE_FILE_GRACE_FACTOR:
+                if not unchanged():
+                    return
+                if self._unlink_if_version(de.path, entry.version):
+                    collected += 1
+                    logger.info("file discovery collected expired key=%s lease=%x", entry.key, lease_id)
+        if unchanged():
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-                logger.info("file discovery removed dead lease path=%s", path)
+                logger.info("file discovery removed dead lease lease=%x keys=%d", lease_id, collected)
+
+    @staticmethod
+    def _unlink_if_version(path: str, version: tuple[int, int, int]) -> bool:
+        """Unlinks ``path`` unless it was rewritten since ``version`` was read (an owner restoring it)."""
+        try:
+            st = os.stat(path)
+            if (st.st_ino, st.st_mtime_ns, st.st_size) == version:
+                os.unlink(path)
+                return True
         except FileNotFoundError:
             pass
+        return False
 
     def _gc_tmp(self, de: os.DirEntry[str], now: float) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            if now - de.stat().st_mtime > _TMP_MAX_AGE_S:
+        if self.judge.tmp_expired(de.path, _TMP_MAX_AGE_S, now):
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(de.path)
-
-    def _lease_alive_now(self, lease_id: int) -> bool:
-        """Fresh look at one lease (by id, any TTL) just before collecting its entries."""
-        prefix = f"{lease_id:016x}."
-        now = time.time()
-        with os.scandir(self.leases_dir) as it:
-            for de in it:
-                if de.name.startswith(prefix):
-                    parsed = _parse_lease_name(de.name)
-                    with contextlib.suppress(FileNotFoundError):
-                        if parsed and now - de.stat().st_mtime <= parsed[1]:
-                            return True
-        return False
 
 
 class _Scanner:
-    """Lists live entries under a prefix, re-reading only files that changed since its last scan.
-    One per watcher (or per call), so no cache is shared between threads."""
+    """Lists visible entries under a prefix, re-reading only files that changed since its last
+    scan. One per watcher (or per call), so no entry cache is shared between threads; the lease
+    judgements are the store's (``LeaseJudge``), shared by all its scanners."""
 
     def __init__(self, layout: _Layout) -> None:
         self._layout = layout
         self._cache: dict[str, _Entry] = {}
 
-    def scan(self, prefix: str, *, gc: bool = True) -> dict[str, _Entry]:
+    def scan(self, prefix: str, own: frozenset[int] = frozenset(), *, gc: bool = True) -> dict[str, _Entry]:
         layout = self._layout
-        now = time.time()
-        leases = layout.live_leases(now, gc=gc)
+        leases = layout.judge_leases(own, gc=gc)
+        judge = layout.judge
         name_prefix = encode_key(prefix) if prefix else ""
         if name_prefix.startswith(_HASHED):  # an over-long prefix: only hashed names can match
             name_prefix = _HASHED
         seen: dict[str, _Entry] = {}
         fresh_cache: dict[str, _Entry] = {}
-        dead: list[tuple[str, _Entry]] = []
+        orphans: list[tuple[str, _Entry]] = []
         with os.scandir(layout.keys_dir) as it:
             for de in it:
                 name = de.name
                 if name.startswith(_TMP):
                     if gc:
-                        layout._gc_tmp(de, now)
+                        with judge.lock:
+                            layout._gc_tmp(de, judge.clock())
                     continue
                 if not (name.startswith(name_prefix) or name.startswith(_HASHED)):
                     continue
@@ -308,29 +390,37 @@ class _Scanner:
                 fresh_cache[name] = entry
                 if not entry.key.startswith(prefix):
                     continue
-                if entry.lease_id and entry.lease_id not in leases:
-                    dead.append((de.path, entry))
-                    continue
+                if entry.lease_id and entry.lease_id not in own:
+                    judged = leases.get(entry.lease_id)
+                    if judged is None:
+                        orphans.append((de.path, entry))
+                        continue
+                    if judged[0] is not Verdict.ALIVE:
+                        continue  # late or dead: hidden (collected, if dead, by judge_leases)
                 seen[entry.key] = entry
         self._cache = fresh_cache
-        if gc:
-            for path, entry in dead:
-                self._collect(path, entry)
+        if gc and orphans:
+            self._collect_orphans(orphans)
         return seen
 
-    def _collect(self, path: str, entry: _Entry) -> None:
-        """Deletes an entry whose lease is dead, unless the lease came back or the entry was
-        rewritten since we looked (the owner restoring it)."""
+    def _collect_orphans(self, orphans: list[tuple[str, _Entry]]) -> None:
+        """Entries whose lease file is missing: collected after twice the lease's TTL, if the file
+        is still missing then (an owner that is alive puts both back on its next beat)."""
         layout = self._layout
-        if layout._lease_alive_now(entry.lease_id):
-            return
-        try:
-            st = os.stat(path)
-            if (st.st_ino, st.st_mtime_ns, st.st_size) == entry.version:
-                os.unlink(path)
-                logger.info("file discovery collected expired key=%s lease=%x", entry.key, entry.lease_id)
-        except FileNotFoundError:
-            pass
+        judge = layout.judge
+        with judge.lock:
+            now = judge.clock()
+            expired = [
+                (path, entry)
+                for path, entry in orphans
+                if judge.orphan_expired(entry.lease_id, DEFAULT_LEASE_TTL_S, now)
+            ]
+        for path, entry in expired:
+            prefix = f"{entry.lease_id:016x}."
+            if any(name.startswith(prefix) for name in os.listdir(layout.leases_dir)):
+                continue
+            if layout._unlink_if_version(path, entry.version):
+                logger.info("file discovery collected orphan key=%s lease=%x", entry.key, entry.lease_id)
 
 
 def _parse_lease_name(name: str) -> tuple[int, float] | None:
@@ -346,16 +436,17 @@ def _parse_lease_name(name: str) -> tuple[int, float] | None:
 
 
 class FileLease:
-    """A lease of this process, backed by a lease file it touches every ttl/3. The id never
-    changes: a lost lease file is re-created under the same id."""
+    """A lease of this process, backed by a lease file whose heartbeat counter it advances every
+    ttl/3. The id never changes: a lost lease file is re-created under the same id."""
 
     def __init__(self, store: FileStore, lease_id: int, ttl: float) -> None:
         self._store = store
         self._id = lease_id
         self._ttl = ttl
+        self.beat = 0
         self.keys: dict[str, bytes] = {}
         self.revoked = False
-        self.lock = asyncio.Lock()  # a put never races a restore of the lease file
+        self.lock = asyncio.Lock()  # a put or delete never races a beat's check of the keys
         self.task: asyncio.Task[None] | None = None
 
     @property
@@ -371,16 +462,20 @@ class FileLease:
 
 
 class FileStore:
-    """Discovery in a shared directory on one host."""
+    """Discovery in a shared directory on one host.
+
+    ``judge`` is how this store, as a reader, judges other processes' leases (its monotonic clock
+    and the owner evidence); the default is right outside tests.
+    """
 
     name = "file"
 
-    def __init__(self, root: str, *, poll_interval_s: float = 0.2) -> None:
+    def __init__(self, root: str, *, poll_interval_s: float = 0.2, judge: LeaseJudge | None = None) -> None:
         if not root:
             raise DiscoveryError("file discovery needs a directory; set DYN_FILE_KV")
         self.root = os.path.abspath(os.path.expanduser(root))
         self.poll_interval_s = poll_interval_s
-        self._layout = _Layout(self.root)
+        self._layout = _Layout(self.root, judge or LeaseJudge())
         self._leases: list[FileLease] = []
         self._started = False
         self._closed = asyncio.Event()
@@ -427,14 +522,7 @@ class FileStore:
                 async with lease.lock:
                     if lease.revoked:
                         return
-                    ok = await asyncio.to_thread(self._layout.touch_lease, lease.id, lease.ttl)
-                    if not ok:
-                        await asyncio.to_thread(self._restore_sync, lease.id, lease.ttl, dict(lease.keys))
-                        logger.warning(
-                            "file discovery lease restored lease=%x keys_reput=%d reason=lease_file_missing_or_stale",
-                            lease.id,
-                            len(lease.keys),
-                        )
+                    await asyncio.to_thread(self._beat_sync, lease, "beat")
             except OSError as exc:
                 if not failing:
                     logger.warning("file discovery heartbeat failing lease=%x error=%s", lease.id, exc)
@@ -444,22 +532,26 @@ class FileStore:
                 logger.info("file discovery heartbeat recovered lease=%x", lease.id)
                 failing = False
 
-    def _put_leased_sync(self, lease: FileLease, key: str, value: bytes) -> None:
-        # A put must not land under a lease file that others already count as dead.
-        if not self._layout.touch_lease(lease.id, lease.ttl):
-            self._restore_sync(lease.id, lease.ttl, dict(lease.keys))
+    def _beat_sync(self, lease: FileLease, why: str) -> None:
+        """One beat (call with ``lease.lock`` held): advances the counter, puts back lost keys."""
+        lease.beat += 1
+        missing, reput, foreign = self._layout.beat(lease.id, lease.ttl, lease.beat, dict(lease.keys))
+        for key in foreign:  # another lease's put replaced it, as in etcd: no longer ours
+            lease.keys.pop(key, None)
+        if missing or reput:
             logger.warning(
-                "file discovery lease restored lease=%x keys_reput=%d reason=put_on_stale_lease",
+                "file discovery lease restored lease=%x keys_reput=%d reason=%s on=%s",
                 lease.id,
-                len(lease.keys),
+                len(reput),
+                "lease_file_missing" if missing else "keys_missing",
+                why,
             )
-        self._layout.write_entry(key, value, lease.id)
 
-    def _restore_sync(self, lease_id: int, ttl: float, keys: dict[str, bytes]) -> None:
-        self._layout.make_dirs()  # the directory itself may have been wiped (tmp cleaners)
-        self._layout.restore_lease(lease_id, ttl)
-        for key, value in keys.items():
-            self._layout.write_entry(key, value, lease_id)
+    def _put_leased_sync(self, lease: FileLease, key: str, value: bytes) -> None:
+        # A put must not land under a lease file that is gone (readers would hide or collect it).
+        if not self._layout.lease_exists(lease.id, lease.ttl):
+            self._beat_sync(lease, "put")
+        self._layout.write_entry(key, value, lease.id)
 
     async def _revoke(self, lease: FileLease) -> None:
         if lease.revoked:
@@ -489,6 +581,9 @@ class FileStore:
                 lease.ttl,
             )
 
+    def _own_ids(self) -> frozenset[int]:
+        return frozenset(lease.id for lease in self._leases if not lease.revoked)
+
     # -- key/value ---------------------------------------------------------------------------
 
     async def put(self, key: str, value: bytes, lease: FileLease | None = None) -> None:  # type: ignore[override]
@@ -511,7 +606,13 @@ class FileStore:
 
     async def delete(self, key: str) -> None:
         self._check_open()
-        await self._io(f"delete {key}", self._layout.delete_entry, key)
+        holder = next((lease for lease in self._leases if key in lease.keys), None)
+        if holder is None:
+            await self._io(f"delete {key}", self._layout.delete_entry, key)
+        else:  # under the lease's lock, or a beat in flight would put the key back
+            async with holder.lock:
+                await self._io(f"delete {key}", self._layout.delete_entry, key)
+                holder.keys.pop(key, None)
         for lease in self._leases:
             lease.keys.pop(key, None)
 
@@ -519,27 +620,28 @@ class FileStore:
         self._check_open()
         if not key:
             return None
-        return await self._io(f"get {key}", self._get_sync, key)
+        return await self._io(f"get {key}", self._get_sync, key, self._own_ids())
 
-    def _get_sync(self, key: str) -> bytes | None:
+    def _get_sync(self, key: str, own: frozenset[int]) -> bytes | None:
         path = os.path.join(self._layout.keys_dir, encode_key(key))
         entry = self._layout.read_entry_path(path)
         if entry is None or entry.key != key:
             return None
-        if entry.lease_id and not self._layout._lease_alive_now(entry.lease_id):
-            _Scanner(self._layout)._collect(path, entry)
-            return None
+        if entry.lease_id and entry.lease_id not in own:
+            judged = self._layout.judge_leases(own, gc=True).get(entry.lease_id)
+            if judged is None or judged[0] is not Verdict.ALIVE:
+                return None
         return entry.value
 
     async def get_prefix(self, prefix: str) -> dict[str, bytes]:
         self._check_open()
-        entries = await self._io(f"get_prefix {prefix}", _Scanner(self._layout).scan, prefix)
+        entries = await self._io(f"get_prefix {prefix}", _Scanner(self._layout).scan, prefix, self._own_ids())
         return {k: e.value for k, e in entries.items()}
 
     async def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]:  # type: ignore[override]
         self._check_open()
         scanner = _Scanner(self._layout)
-        view = await self._io(f"watch {prefix}", scanner.scan, prefix)
+        view = await self._io(f"watch {prefix}", scanner.scan, prefix, self._own_ids())
         for key in sorted(view):
             yield WatchEvent(WatchEventKind.PUT, key, view[key].value)
         failing = False
@@ -548,7 +650,7 @@ class FileStore:
                 await asyncio.wait_for(self._closed.wait(), self.poll_interval_s)
                 return
             try:
-                now = await asyncio.to_thread(scanner.scan, prefix)
+                now = await asyncio.to_thread(scanner.scan, prefix, self._own_ids())
             except OSError as exc:  # a transient file-system error must not end the watch
                 if not failing:
                     logger.warning("file discovery watch scan failing prefix=%s error=%s", prefix, exc)
