@@ -42,7 +42,7 @@ class MockerCluster:
     def argv(self) -> list[str]:
         argv = [sys.executable, "-m", "dynamod.daemon.cli", "--role", "agg", "--engine", "mocker", "--model", "tiny",
                 "--speedup-ratio", "10", "--num-workers", str(self.workers), "--system-port", "0",
-                "--namespace", NAMESPACE, "--discovery-backend", self.discovery, "--lease-ttl", "3"]
+                "--namespace", NAMESPACE, "--discovery-backend", self.discovery]  # the default lease TTL, as in production
         if self.discovery == "file":
             argv += ["--file-kv", self.file_kv, "--event-plane", "zmq"]
         else:

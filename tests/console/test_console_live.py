@@ -22,9 +22,7 @@ from tests.console.live import NAMESPACE, MockerCluster, request_body
 from tests.console.pilot import until
 
 SIZE = (120, 30)
-# A live-cluster test is retried at most twice: one of these tests intermittently (about 1 run
-# in 5) found its module cluster's discovery directory gone, and the cause is not yet found.
-pytestmark = [pytest.mark.timeout(180), pytest.mark.flaky(reruns=2)]
+pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
