@@ -178,13 +178,13 @@ async def test_listener_dynamo_error_restarts_the_watch_and_puts_the_card_again(
     await store.start()
     calls: list[str] = []
 
-    def flaky(k: str, c: ModelCard | None) -> None:
+    def fails_once(k: str, c: ModelCard | None) -> None:
         calls.append(k)
         if k == key(2) and calls.count(k) == 1:
             raise DiscoveryError("endpoint client could not start")
 
     cards = ModelCardSet(store, mdc_prefix(NS), retry_s=0.01)
-    cards.add_listener(flaky)
+    cards.add_listener(fails_once)
     await cards.start()
     try:
         await store.put(key(2), card("b"))
