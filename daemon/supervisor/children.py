@@ -8,7 +8,9 @@ and replaced. Restarts back off exponentially and never happen while the supervi
 
 When a child dies, the supervisor reports why (exit code or signal) with the last lines the child
 wrote to its log in that run, so an import error or a bad flag is on the operator's terminal and not
-only in a file. A child that keeps dying (``CrashLoopPolicy``: 5 deaths within 60 s by default) is
+only in a file. A child's output reaches its log through a pipe the supervisor reads
+(``logfile.py``: the log rotates by size without losing lines, and the run's last lines are kept in
+memory for that report). A child that keeps dying (``CrashLoopPolicy``: 5 deaths within 60 s by default) is
 not restarted again: the supervisor records a ``CrashLoop`` and sets ``gave_up``, and its owner
 stops the rest and exits with one message naming the child and its log.
 """
@@ -28,8 +30,9 @@ import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TextIO
+from typing import TextIO
 
+from dynamod.daemon.supervisor.logfile import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, LogPump, RotatingLog
 from dynamod.shared.errors import DynamoError
 
 logger = logging.getLogger(__name__)
@@ -38,7 +41,7 @@ _BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 _STABLE_AFTER_S = 30.0  # a child that ran this long resets its backoff
 _PROBE_INTERVAL_S = 2.0
 LOG_TAIL_LINES = 20
-_LOG_TAIL_BYTES = 64 * 1024  # enough for LOG_TAIL_LINES of any sane log line
+_DRAIN_WAIT_S = 2.0  # how long a crash report waits for the dead child's last output
 
 
 def _child_setup() -> None:
@@ -97,8 +100,9 @@ class Child:
     proc: asyncio.subprocess.Process | None = None
     restarts: int = 0
     started_at: float = 0.0
-    log_offset: int = 0  # size of the log when the current run started: its own lines follow
-    _log: IO[bytes] | None = field(default=None, repr=False)
+    _log: RotatingLog | None = field(default=None, repr=False)
+    _pump: LogPump | None = field(default=None, repr=False)  # the current run's output reader
+    _old_pumps: list[LogPump] = field(default_factory=list, repr=False)
 
     @property
     def pid(self) -> int | None:
@@ -113,22 +117,6 @@ def exit_reason(returncode: int) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exit code {returncode}"
-
-
-def read_log_tail(path: Path, offset: int, lines: int = LOG_TAIL_LINES) -> list[str]:
-    """The last ``lines`` lines written to ``path`` at or after byte ``offset`` (one run's output)."""
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            start = max(offset, size - _LOG_TAIL_BYTES)
-            f.seek(start)
-            data = f.read()
-    except OSError:
-        return []
-    text = data.decode("utf-8", errors="replace").splitlines()
-    if start > offset and text:
-        text = text[1:]  # began mid-line
-    return text[-lines:]
 
 
 def _probe(url: str) -> bool:
@@ -154,9 +142,13 @@ class Supervisor:
         crash_policy: CrashLoopPolicy | None = None,
         report: TextIO | None = None,
         prog: str = "dynamod up",
+        log_max_bytes: int = DEFAULT_MAX_BYTES,
+        log_backups: int = DEFAULT_BACKUPS,
     ) -> None:
         self.children = [Child(spec, (log_dir / f"{spec.name}.log") if log_dir else None) for spec in specs]
         self._log_dir = log_dir
+        self._log_max_bytes = log_max_bytes
+        self._log_backups = log_backups
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._policy = crash_policy or CrashLoopPolicy()
@@ -179,15 +171,30 @@ class Supervisor:
         raise KeyError(name)
 
     async def _spawn(self, child: Child) -> None:
-        if child.log_path is not None:
-            if child._log is None:
-                # Kept open for the child's life; reopened never, so restarts append to one file.
-                child._log = await asyncio.to_thread(open, child.log_path, "ab")
-            out: IO[bytes] | int | None = child._log
-            child.log_offset = os.fstat(child._log.fileno()).st_size
+        if child.log_path is None:  # --log-to-console: the child inherits the terminal
+            child.proc = await self._exec(child, None)
         else:
-            out = None
-        child.proc = await asyncio.create_subprocess_exec(
+            if child._log is None:
+                # One per child for the supervisor's life: restarts append to the same (rotating) file.
+                child._log = await asyncio.to_thread(
+                    RotatingLog, child.log_path, self._log_max_bytes, self._log_backups
+                )
+            read_fd, write_fd = os.pipe()
+            try:
+                child.proc = await self._exec(child, write_fd)
+            except BaseException:
+                os.close(read_fd)
+                raise
+            finally:
+                os.close(write_fd)  # the child holds its copy; EOF comes when it (and its heirs) exit
+            if child._pump is not None:
+                child._old_pumps = [p for p in child._old_pumps if not p.join(0)] + [child._pump]
+            child._pump = LogPump(read_fd, child._log, child.spec.name, LOG_TAIL_LINES)
+        child.started_at = time.monotonic()
+        logger.info("child started name=%s pid=%d restarts=%d", child.spec.name, child.proc.pid, child.restarts)
+
+    async def _exec(self, child: Child, out: int | None) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
             *child.spec.argv,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=out,
@@ -196,8 +203,6 @@ class Supervisor:
             start_new_session=True,
             preexec_fn=_child_setup,  # noqa: PLW1509
         )
-        child.started_at = time.monotonic()
-        logger.info("child started name=%s pid=%d restarts=%d", child.spec.name, child.proc.pid, child.restarts)
 
     async def _watch(self, child: Child) -> None:
         failures = 0
@@ -242,9 +247,13 @@ class Supervisor:
             await self._spawn(child)
 
     async def _log_tail(self, child: Child) -> list[str]:
-        if child.log_path is None:
+        """The dead run's last lines, once its output is drained (or after ``_DRAIN_WAIT_S`` if a
+        process it started still holds the pipe)."""
+        pump = child._pump
+        if pump is None:
             return []  # its output went to the terminal already
-        return await asyncio.to_thread(read_log_tail, child.log_path, child.log_offset)
+        await asyncio.to_thread(pump.join, _DRAIN_WAIT_S)
+        return pump.tail()
 
     def _report(self, child: Child, reason: str, ran_s: float, action: str, tail: list[str], *, repeated: bool) -> None:
         """The death on the terminal, with the log's last lines (only a line when they are as last time)."""
@@ -300,7 +309,10 @@ class Supervisor:
         groups.append([c for c in self.children if id(c) not in listed])
         for group in groups:
             await self._stop_group(group, grace_s)
+        pumps = [p for c in self.children for p in (*c._old_pumps, c._pump) if p is not None]
+        await asyncio.to_thread(lambda: [p.join(_DRAIN_WAIT_S) for p in pumps])  # the last lines land
         for child in self.children:
+            child._pump, child._old_pumps = None, []
             if child._log is not None:
                 child._log.close()
                 child._log = None

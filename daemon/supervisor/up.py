@@ -17,7 +17,10 @@ that is restarted if it crashes or hangs; a crashed child's last log lines are p
 that dies ``--crash-limit`` times within ``--crash-window`` seconds (a bad flag, an import error) is
 not restarted again: `up` stops the cluster and exits non-zero naming the child and its log. Every
 child runs ``python -P`` (see ``launcher.py``), so a folder named ``dynamod`` in the directory `up`
-is started from cannot shadow the package. Ctrl-C or SIGTERM stops the frontend first (it finishes
+is started from cannot shadow the package. A child's log rotates when it would pass
+``--log-max-bytes`` (``worker-0.log`` -> ``worker-0.log.1`` ... ``.<--log-backups>``): the
+supervisor reads the child's output from a pipe and writes the file itself (``logfile.py`` says why
+not copy-truncate), so rotation loses no line. Ctrl-C or SIGTERM stops the frontend first (it finishes
 the streams it admitted), then the workers.
 """
 
@@ -40,6 +43,7 @@ from pathlib import Path
 from dynamod.daemon.frontend.routing import ROUTER_MODES
 from dynamod.daemon.supervisor.children import ChildSpec, CrashLoopError, CrashLoopPolicy, Supervisor
 from dynamod.daemon.supervisor.launcher import daemon_child, daemon_env
+from dynamod.daemon.supervisor.logfile import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, parse_size
 from dynamod.daemon.worker.main import COMPONENT_BY_ROLE
 from dynamod.shared.config import DEFAULT_NAMESPACE
 from dynamod.shared.discovery.factory import default_file_kv_dir
@@ -73,6 +77,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--file-kv", default=None, help="file discovery directory [env DYN_FILE_KV, default per user]")
     g.add_argument("--log-dir", default=None, help="children's log files [default: beside the discovery directory]")
     g.add_argument("--log-to-console", action="store_true", help="children log to this terminal instead of files")
+    g.add_argument("--log-max-bytes", type=_size, default=DEFAULT_MAX_BYTES, metavar="SIZE",
+                   help="a child's log rotates before it passes this size (bytes, or with K, M, G); 0 never rotates "
+                        f"[default {DEFAULT_MAX_BYTES // 2**20}M]")
+    g.add_argument("--log-backups", type=int, default=DEFAULT_BACKUPS,
+                   help="rotated logs kept per child (name.log.1 is the newest); 0 keeps none, the log starts "
+                        f"over [default {DEFAULT_BACKUPS}]")
     g.add_argument("--worker-args", default="", help='extra flags for every worker, e.g. "--max-num-seqs 64"')
     g.add_argument("--prefill-args", default="", help="extra flags for prefill workers only (after --worker-args)")
     g.add_argument("--decode-args", default="", help="extra flags for decode workers only (after --worker-args)")
@@ -89,6 +99,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
     m.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks per worker")
     m.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once per worker")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _free_port(host: str, avoid: set[int] | None = None) -> int:
@@ -271,7 +288,12 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         )
     log_dir = None if args.log_to_console else Path(args.log_dir or Path(file_kv).parent / "logs")
     specs = build_specs(args, file_kv, namespace)
-    supervisor = Supervisor(specs, log_dir, crash_policy=policy, report=sys.stderr)
+    if args.log_backups < 0:
+        raise ConfigError("--log-backups must be 0 or more")
+    supervisor = Supervisor(
+        specs, log_dir, crash_policy=policy, report=sys.stderr,
+        log_max_bytes=args.log_max_bytes, log_backups=args.log_backups,
+    )
     host = "127.0.0.1" if args.http_host in ("0.0.0.0", "::") else args.http_host
     base_url = f"http://{host}:{args.http_port}"
     # Either Ctrl-C/SIGTERM or a child in a crash loop ends the cluster.
