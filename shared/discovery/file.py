@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -69,6 +70,24 @@ _HASHED = "~"
 _TMP = ".tmp-"
 _TMP_MAX_AGE_S = 60.0  # a temp file a reader has seen this long was left by a crashed writer
 _LEASE_SUFFIX = ".lease"
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+class DiscoveryDiskFullError(DiscoveryError):
+    """A discovery write failed because the file system (or the user's quota) is full: said so
+    plainly, with the directory, instead of a bare ``OSError`` deep in a heartbeat."""
+
+    code = "discovery_disk_full"
+
+    @classmethod
+    def for_write(cls, directory: str, exc: OSError) -> DiscoveryDiskFullError:
+        what = "the disk quota is exceeded" if exc.errno == errno.EDQUOT else "the disk is full"
+        name = errno.errorcode.get(exc.errno or 0, "?")
+        return cls(
+            f"file discovery cannot write to {directory}: {what} ({name}); free space on that file "
+            "system (or set DYN_FILE_KV to a directory on another one). Leases and entries are not "
+            "renewed until then, so readers stop seeing this process's instances"
+        )
 
 
 def encode_key(key: str) -> str:
@@ -132,6 +151,8 @@ class _Layout:
     # -- atomic writes -----------------------------------------------------------------------
 
     def _write_atomic(self, directory: str, name: str, data: bytes, *, exclusive: bool = False) -> None:
+        """Writes ``name`` whole or not at all; ``DiscoveryDiskFullError`` when the file system is
+        full (the temp file is removed, the old entry stays as it was)."""
         tmp = os.path.join(directory, f"{_TMP}{os.getpid()}-{secrets.token_hex(6)}")
         try:
             with open(tmp, "wb") as f:
@@ -141,6 +162,10 @@ class _Layout:
             else:
                 os.replace(tmp, os.path.join(directory, name))
                 tmp = ""
+        except OSError as exc:
+            if exc.errno in _DISK_FULL:
+                raise DiscoveryDiskFullError.for_write(directory, exc) from exc
+            raise
         finally:
             if tmp:
                 with contextlib.suppress(FileNotFoundError):
@@ -515,7 +540,10 @@ class FileStore:
         return lease
 
     async def _heartbeat_loop(self, lease: FileLease) -> None:
-        failing = False
+        # One log line per failure episode (and one more if the cause changes), not one per beat:
+        # a full disk fails every beat until someone frees space, and the loop keeps trying.
+        failing: str | None = None  # the failure's kind while failing
+        failed_beats = 0
         while not lease.revoked:
             await asyncio.sleep(lease.ttl / 3)
             try:
@@ -523,14 +551,18 @@ class FileStore:
                     if lease.revoked:
                         return
                     await asyncio.to_thread(self._beat_sync, lease, "beat")
-            except OSError as exc:
-                if not failing:
-                    logger.warning("file discovery heartbeat failing lease=%x error=%s", lease.id, exc)
-                failing = True
+            except (OSError, DiscoveryError) as exc:
+                kind = "disk_full" if isinstance(exc, DiscoveryDiskFullError) else type(exc).__name__
+                if kind != failing:
+                    log = logger.error if kind == "disk_full" else logger.warning
+                    log("file discovery heartbeat failing lease=%x cause=%s error=%s", lease.id, kind, exc)
+                failing = kind
+                failed_beats += 1
                 continue
-            if failing:
-                logger.info("file discovery heartbeat recovered lease=%x", lease.id)
-                failing = False
+            if failing is not None:
+                logger.info("file discovery heartbeat recovered lease=%x failed_beats=%d", lease.id, failed_beats)
+                failing = None
+                failed_beats = 0
 
     def _beat_sync(self, lease: FileLease, why: str) -> None:
         """One beat (call with ``lease.lock`` held): advances the counter, puts back lost keys."""
@@ -561,8 +593,15 @@ class FileStore:
             self._leases.remove(lease)
         if lease.task is not None and lease.task is not asyncio.current_task():
             lease.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            current = asyncio.current_task()
+            cancelling = current.cancelling() if current is not None else 0
+            try:
                 await lease.task
+            except asyncio.CancelledError:
+                # The keep-alive's own cancellation is expected; the caller's (cancelled while
+                # waiting here) must propagate: the lease's keys then expire within its TTL.
+                if current is not None and current.cancelling() > cancelling:
+                    raise
         keys = list(lease.keys)
         lease.keys.clear()
 
