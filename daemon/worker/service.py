@@ -229,9 +229,11 @@ class WorkerService:
         await self.component.runtime.store.put(self._card_key(lora), encode_card(card), self.lease)
 
     async def _set_status(self, status: str) -> None:
-        self.status = status
+        # Adopted only once every record says so: after a failed write the worker keeps its old
+        # status, so the operator's retry writes again instead of finding nothing to do.
         for served in self._served:
             await served.set_status(status)
+        self.status = status
         self._metrics.status(self.worker_id, status)
 
     # -- generate -------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ keep-alive helper gives up on a lost lease. Discovery needs both handled, so we 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import math
@@ -162,11 +161,15 @@ class EtcdStore:
         if self._closed:
             return
         self._closed = True
-        await asyncio.gather(*(self._revoke(lease) for lease in list(self._leases)), return_exceptions=True)
-        for call in list(self._watch_calls):
-            call.cancel()
-        if self._channel is not None:
-            await self._channel.close()
+        try:
+            # A caller cancelled while the leases are revoked gets its CancelledError from gather;
+            # the watches and the channel are closed all the same.
+            await asyncio.gather(*(self._revoke(lease) for lease in list(self._leases)), return_exceptions=True)
+        finally:
+            for call in list(self._watch_calls):
+                call.cancel()
+            if self._channel is not None:
+                await self._channel.close()
         logger.info("etcd discovery closed endpoints=%s", ",".join(self.endpoints))
 
     # -- leases ------------------------------------------------------------------------------
@@ -193,8 +196,15 @@ class EtcdStore:
             self._leases.remove(lease)
         if lease.task is not None and lease.task is not asyncio.current_task():
             lease.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            current = asyncio.current_task()
+            cancelling = current.cancelling() if current is not None else 0
+            try:
                 await lease.task
+            except asyncio.CancelledError:
+                # The keep-alive's own cancellation is expected; the caller's (cancelled while
+                # waiting here) must propagate: the lease's keys then expire within its TTL.
+                if current is not None and current.cancelling() > cancelling:
+                    raise
         try:
             await self._stubs()[1].LeaseRevoke(
                 LeaseRevokeRequest(ID=lease.id), timeout=_CLOSE_TIMEOUT_S, wait_for_ready=True

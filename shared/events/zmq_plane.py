@@ -32,6 +32,7 @@ from dynamod.shared.discovery.store import DiscoveryStore, Lease
 from dynamod.shared.errors import ConfigError, DiscoveryError, EventPlaneError, InvalidRequestError
 from dynamod.shared.events.zmq_subscriber import ZmqEventSubscriber
 from dynamod.shared.protocol.keys import event_channel_key
+from dynamod.shared.transport.address import advertised_host
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,9 @@ _Scope = tuple[str, str, str]
 class ZmqEventPlane:
     """Publishers and subscribers of one process, registered under its discovery lease.
 
-    ``host`` is where PUB sockets bind *and* the address written to discovery, so it must be one
-    the subscribers can reach: loopback for one host, the node's own IP across nodes (not 0.0.0.0).
+    ``host`` is where PUB sockets bind (the runtime's ``--host``); discovery gets the address
+    subscribers should dial: ``host`` itself, or this node's primary address when ``host`` is a
+    wildcard (0.0.0.0 is not an address another machine can use).
     """
 
     name = "zmq"
@@ -166,7 +168,9 @@ class ZmqEventPlane:
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             raise EventPlaneError(f"cannot bind a ZMQ PUB socket on {self.host}: {exc}") from exc
-        address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        port = sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]
+        host = advertised_host(self.host)
+        address = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
         value = json.dumps({"address": address, "pid": os.getpid()}).encode()
         try:
             await self.store.put(key, value, lease=self.lease)

@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from dynamod.shared.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 HealthProbe = Callable[[], tuple[bool, dict]]
@@ -28,10 +30,17 @@ class StatusServer:
         self._host = host
         self._port = port
         self._server: asyncio.base_events.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
         self.url = ""
 
     async def start(self) -> str:
-        self._server = await asyncio.start_server(self._serve, self._host, self._port)
+        try:
+            self._server = await asyncio.start_server(self._serve, self._host, self._port)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot serve /health and /metrics on {self._host}:{self._port}: {exc.strerror or exc}; "
+                "pick another --system-port (0 = any free port) or stop the process holding it"
+            ) from None
         port = self._server.sockets[0].getsockname()[1]
         self.url = f"http://{self._host}:{port}"
         logger.info("status server listening url=%s", self.url)
@@ -40,10 +49,16 @@ class StatusServer:
     async def stop(self) -> None:
         if self._server:
             self._server.close()
+            # Since Python 3.12 wait_closed() also waits for open connections, and a scraper keeps
+            # its keep-alive connection open between scrapes: close them, or shutdown (and the
+            # lease revocation after it) would never get past here.
+            for writer in list(self._writers):
+                writer.close()
             await self._server.wait_closed()
             self._server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
         try:
             while True:
                 try:
@@ -64,6 +79,7 @@ class StatusServer:
                 if not keep_alive:
                     return
         finally:
+            self._writers.discard(writer)
             writer.close()
 
     def _route(self, method: str, path: str) -> tuple[int, str, bytes]:

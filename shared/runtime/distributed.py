@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from prometheus_client import CollectorRegistry
 
 from dynamod.shared.config import RuntimeSettings
@@ -78,17 +79,29 @@ class DistributedRuntime:
             file_root = settings.file_kv or default_file_kv_dir()
             store = make_store(settings.discovery_backend, etcd_endpoints=settings.etcd_endpoints, file_root=file_root)
         rt = cls(settings, store, registry)
-        await store.start()
-        rt.lease = await store.create_lease(settings.lease_ttl_s)
-        # Fixed at creation: keys already registered keep this id even if a backend had to re-grant
-        # the lease under another id after an outage.
-        rt._instance_id = rt.lease.id
-        if events:
-            rt.events = make_event_plane(settings.event_plane, nats_url=settings.nats_server, store=store, lease=rt.lease)
-            await rt.events.start()
-        if settings.system_port is not None:
-            rt._status = StatusServer(rt.registry, rt._health, host=settings.system_host, port=settings.system_port)
-            await rt._status.start()
+        try:
+            await store.start()
+            rt.lease = await store.create_lease(settings.lease_ttl_s)
+            # Fixed at creation: keys already registered keep this id even if a backend had to
+            # re-grant the lease under another id after an outage.
+            rt._instance_id = rt.lease.id
+            if events:
+                rt.events = make_event_plane(
+                    settings.event_plane,
+                    nats_url=settings.nats_server,
+                    store=store,
+                    lease=rt.lease,
+                    host=settings.host,  # ZMQ publishers bind here and advertise an address peers can dial
+                )
+                await rt.events.start()
+            if settings.system_port is not None:
+                rt._status = StatusServer(rt.registry, rt._health, host=settings.system_host, port=settings.system_port)
+                await rt._status.start()
+        except BaseException:
+            # Half-built: release the lease, the planes and the store, so nothing keeps running
+            # (or keeps a lease alive) behind the error the caller is about to report.
+            await rt.shutdown(grace_s=0)
+            raise
         logger.info(
             "runtime started instance_id=%x discovery=%s request_plane=%s event_plane=%s namespace=%s",
             rt.lease.id,
@@ -306,41 +319,41 @@ class ServedInstance:
         self.key = instance_key(record.namespace, record.component, record.endpoint, record.instance_id)
         self.registered = False
         self.inflight = 0
-        labels = (record.namespace, record.component, record.endpoint)
-        metrics = endpoint.runtime.metrics
-        self._m_requests = metrics.requests.labels(*labels)
-        self._m_duration = metrics.duration.labels(*labels)
-        self._m_inflight = metrics.inflight.labels(*labels)
-        self._m_errors = metrics.errors
-        self._labels = labels
 
     @property
     def instance_id(self) -> int:
         return self.record.instance_id
 
-    async def publish(self) -> None:
-        await self.endpoint.runtime.store.put(self.key, encode_instance(self.record), self.lease)
+    async def publish(self, record: Instance | None = None) -> None:
+        """Writes ``record`` (default: the current one) and adopts it only once the write
+        succeeded, so after a failed write the record still differs and a retry writes again."""
+        record = record or self.record
+        await self.endpoint.runtime.store.put(self.key, encode_instance(record), self.lease)
+        self.record = record
         self.registered = True
 
     async def set_status(self, status: str) -> None:
         if status not in STATUSES:
             raise ValueError(f"unknown instance status {status!r}")
         if self.record.status != status:
-            self.record.status = status
-            if self.registered:
-                await self.publish()
+            await self._update(msgspec.structs.replace(self.record, status=status))
             logger.info("instance status path=%s status=%s", self.path, status)
 
     async def update_labels(self, **labels: str) -> None:
-        self.record.labels.update(labels)
+        await self._update(msgspec.structs.replace(self.record, labels={**self.record.labels, **labels}))
+
+    async def _update(self, record: Instance) -> None:
         if self.registered:
-            await self.publish()
+            await self.publish(record)
+        else:
+            self.record = record
 
     async def deregister(self) -> None:
-        """Removes the discovery record (routers stop sending) but keeps serving in-flight streams."""
+        """Removes the discovery record (routers stop sending) but keeps serving in-flight streams.
+        Marked unregistered only once the delete succeeded, so a failed one can be retried."""
         if self.registered:
-            self.registered = False
             await self.endpoint.runtime.store.delete(self.key)
+            self.registered = False
             logger.info("endpoint deregistered path=%s", self.path)
 
     def stop_serving(self) -> None:
@@ -348,7 +361,16 @@ class ServedInstance:
             self._server.unregister(self.path)
 
     def wrap(self, handler: Handler) -> Handler:
-        """Adds metrics and error accounting around a handler without changing its stream."""
+        """Adds metrics and error accounting around a handler without changing its stream.
+        (Only request-plane handlers get ``dynamo_component_*`` series: an advertised instance,
+        such as the frontend's HTTP server, exports its own metrics.)"""
+        labels = (self.record.namespace, self.record.component, self.record.endpoint)
+        metrics = self.endpoint.runtime.metrics
+        self._m_requests = metrics.requests.labels(*labels)
+        self._m_duration = metrics.duration.labels(*labels)
+        self._m_inflight = metrics.inflight.labels(*labels)
+        self._m_errors = metrics.errors
+        self._labels = labels
 
         async def instrumented(body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
             start = time.perf_counter()

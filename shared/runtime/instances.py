@@ -5,6 +5,13 @@ place that turns the watch stream into that set, so a new instance shows up with
 watch latency and a removed one is dropped the moment its DELETE arrives. Instances are indexed by
 key and by instance id: the request path looks workers up by id, so that lookup is a dict hit and
 callers need no copy of their own.
+
+The set is seeded from ``get_prefix`` and then follows a watch, and a key deleted between the two
+reads never produces a DELETE (the watch's snapshot simply lacks it; instance ids are never reused),
+so without repair a dead instance would be listed, and routed to, for ever. A slow reconciliation
+beside the watch re-reads the prefix and applies what the watch cannot tell (a ghost away, a missed
+key in). A difference must be seen by two reads in a row before it is applied, so a read racing
+with the watch never undoes a fresh change.
 """
 
 from __future__ import annotations
@@ -17,16 +24,21 @@ from types import MappingProxyType
 import msgspec
 
 from dynamod.shared.discovery.store import DiscoveryStore, WatchEventKind
+from dynamod.shared.errors import DynamoError
 from dynamod.shared.protocol.instance import Instance, decode_instance
 
 logger = logging.getLogger(__name__)
+
+RECONCILE_INTERVAL_S = 5.0
 
 Listener = Callable[[str, Instance | None], None]
 """Called with (key, instance) on add/update and (key, None) on removal."""
 
 
 class InstanceSet:
-    def __init__(self, store: DiscoveryStore, prefix: str) -> None:
+    def __init__(
+        self, store: DiscoveryStore, prefix: str, *, reconcile_interval_s: float = RECONCILE_INTERVAL_S
+    ) -> None:
         self._store = store
         self._prefix = prefix
         self._by_key: dict[str, Instance] = {}
@@ -36,6 +48,10 @@ class InstanceSet:
         self._listeners: list[Listener] = []
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
+        self._reconciler: asyncio.Task[None] | None = None
+        self._reconcile_interval_s = reconcile_interval_s
+        self._suspect_gone: set[str] = set()  # differences the previous read showed
+        self._suspect_new: set[str] = set()
 
     async def start(self) -> None:
         if self._task is None:
@@ -43,15 +59,18 @@ class InstanceSet:
             for key, value in (await self._store.get_prefix(self._prefix)).items():
                 self._apply_put(key, value)
             self._task = asyncio.create_task(self._watch(), name=f"instances-watch:{self._prefix}")
+            self._reconciler = asyncio.create_task(
+                self._reconcile_loop(), name=f"instances-reconcile:{self._prefix}"
+            )
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        tasks = [t for t in (self._task, self._reconciler) if t is not None]
+        self._task = self._reconciler = None
+        for task in tasks:
+            task.cancel()
+        # gather(return_exceptions=True) absorbs the tasks' own cancellation only: if the caller
+        # is cancelled while waiting here, gather raises CancelledError and it propagates.
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
@@ -109,6 +128,36 @@ class InstanceSet:
                 self._by_id[instance_id] = other
                 self._key_of[instance_id] = other_key
                 return
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._reconcile_interval_s)
+            try:
+                live = await self._store.get_prefix(self._prefix)
+            except DynamoError as exc:  # discovery briefly unreachable: the watch resumes by itself
+                logger.debug("instance reconcile skipped prefix=%s error=%s", self._prefix, exc)
+                continue
+            if self.reconcile(live):
+                async with self._changed:
+                    self._changed.notify_all()
+
+    def reconcile(self, live: dict[str, bytes]) -> bool:
+        """Applies the differences between ``live`` (a fresh read of the prefix) and this view that
+        the previous read showed too; returns whether the view changed."""
+        gone = {k for k in self._by_key if k not in live}
+        new = {k for k in live if k not in self._by_key}
+        changed = False
+        for key in sorted(gone & self._suspect_gone):
+            logger.info("instance reconciled away (its DELETE was never seen) key=%s", key)
+            self._apply_delete(key)
+            changed = True
+        for key in sorted(new & self._suspect_new):
+            logger.info("instance reconciled in (its PUT was never seen) key=%s", key)
+            self._apply_put(key, live[key])
+            changed = True
+        self._suspect_gone = gone - self._suspect_gone
+        self._suspect_new = new - self._suspect_new
+        return changed
 
     async def _watch(self) -> None:
         async for ev in self._store.watch_prefix(self._prefix):

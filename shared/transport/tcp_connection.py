@@ -1,5 +1,5 @@
-"""What both ends of a TCP request-plane connection share: TCP_NODELAY, socket buffer limits and
-batched frame writes.
+"""What both ends of a TCP request-plane connection share: TCP_NODELAY, TCP keep-alive (a dead
+peer's connection fails within seconds), socket buffer limits and batched frame writes.
 
 Frames are encoded straight into one write buffer and flushed once per event-loop pass (or as
 soon as the buffer passes ``FLUSH_BYTES``), so a burst of frames from several streams leaves in a
@@ -24,15 +24,28 @@ WRITE_HIGH_WATER = 1024 * 1024  # socket buffer size at which ``pause_writing`` 
 WRITE_LOW_WATER = 256 * 1024
 
 
-def set_nodelay(transport: asyncio.BaseTransport) -> None:
-    """Disables Nagle: a token frame must leave now, not after the peer's delayed ACK."""
+KEEPALIVE_IDLE_S = 5  # silence before the kernel starts probing the peer
+KEEPALIVE_INTERVAL_S = 2
+KEEPALIVE_PROBES = 3  # a powered-off or cut-off peer is declared dead after about 11 s
+
+
+def tune_socket(transport: asyncio.BaseTransport) -> None:
+    """TCP_NODELAY: a token frame must leave now, not after the peer's delayed ACK.
+    Keep-alive probes: a peer whose node died or whose link was cut never closes the connection, so
+    without them a stream to it would wait forever instead of failing (and being migrated). (A
+    frozen process is not caught this way: its kernel still answers the probes.)"""
     sock = transport.get_extra_info("socket")
     if sock is None:
         return
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; other platforms keep their defaults
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
     except OSError as exc:
-        logger.debug("request_plane.nodelay_failed reason=%s", exc)
+        logger.debug("request_plane.socket_options_failed reason=%s", exc)
 
 
 class FrameConnection(asyncio.Protocol):
@@ -51,7 +64,7 @@ class FrameConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, so no isinstance check here.
         self._transport = transport  # type: ignore[assignment]
-        set_nodelay(transport)
+        tune_socket(transport)
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)  # type: ignore[attr-defined]
 
     def write_frame(self, frame: msgspec.Struct) -> None:

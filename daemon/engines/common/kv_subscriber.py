@@ -103,19 +103,26 @@ class NativeKvSubscriber:
 
     async def close(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-        for sock in [self._sub, *self._dealers.values()]:
-            if sock is not None:
-                sock.close(linger=0)
-        self._sub = None
-        self._dealers.clear()
-        if self._own_ctx:
-            self._ctx.term()
+        try:
+            if task is not None:
+                task.cancel()
+                current = asyncio.current_task()
+                cancelling = current.cancelling() if current is not None else 0
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    # The task's own cancellation is expected; the caller's (cancelled while
+                    # waiting here) is not ours to absorb: it propagates, after the cleanup below.
+                    if current is not None and current.cancelling() > cancelling:
+                        raise
+        finally:
+            for sock in [self._sub, *self._dealers.values()]:
+                if sock is not None:
+                    sock.close(linger=0)
+            self._sub = None
+            self._dealers.clear()
+            if self._own_ctx:
+                self._ctx.term()
 
     @property
     def duplicates(self) -> int:

@@ -152,21 +152,23 @@ class MockerEngine:
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
-        for task in tasks:
+        try:
+            # return_exceptions absorbs the tasks' own cancellation only: a caller cancelled while
+            # waiting here gets its CancelledError, after the cleanup below.
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            self._end_all(UnavailableError("mocker engine stopped"))
+            for core in self.cores:
+                core.abort_all()
             try:
-                await task
-            except asyncio.CancelledError:
-                pass
-        self._end_all(UnavailableError("mocker engine stopped"))
-        for core in self.cores:
-            core.abort_all()
-        if self._kv is not None:
-            await self._kv.close()
-        # End kv_events(): make room for the end marker if the buffer is full.
-        if self._events.full():
-            self._events.get_nowait()
-            self.events_dropped += 1
-        self._events.put_nowait(None)
+                if self._kv is not None:
+                    await self._kv.close()
+            finally:
+                # End kv_events(): make room for the end marker if the buffer is full.
+                if self._events.full():
+                    self._events.get_nowait()
+                    self.events_dropped += 1
+                self._events.put_nowait(None)
         logger.info("mocker stopped worker_id=%x", self.worker_id)
 
     # ---- disaggregation -------------------------------------------------------------------------
