@@ -2,7 +2,7 @@
 
 Round-robin and random need nothing but the candidate list. The kv mode wraps the KV router of
 ``dynamod.daemon.router`` (one per model: block size and LoRA hashing are per model) and feeds it
-the workers' KV events and load; it is imported only when chosen, so the frontend runs without it.
+the workers' KV events and load; it is imported only when chosen.
 
 A disaggregated model's prefill pool gets its own router from ``build_prefill`` (kv: a KV router
 over the prefill workers' events; otherwise a round-robin or random picker of its own).
@@ -11,14 +11,11 @@ over the prefill workers' events; otherwise a round-robin or random picker of it
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import logging
 from typing import TYPE_CHECKING
 
 from dynamod.daemon.frontend.routing import Router, make_basic_router
 from dynamod.daemon.frontend.sync import RoutingSync
-from dynamod.shared.errors import ConfigError
 
 if TYPE_CHECKING:
     from dynamod.daemon.frontend.models import ModelRegistry, PrefillPool, ServedModel
@@ -26,28 +23,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-KV_ROUTER_MODULE = "dynamod.daemon.router.kv_router"
-KV_CONFIG_MODULE = "dynamod.daemon.router.config"
-KV_ADAPTER_MODULE = "dynamod.daemon.frontend.kv_routing"
-KV_DECISIONS_MODULE = "dynamod.daemon.router.decision_publisher"
-
-
-def _has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:
-        return False
-
-
-def kv_router_available() -> bool:
-    return all(_has_module(m) for m in (KV_ROUTER_MODULE, KV_CONFIG_MODULE, KV_ADAPTER_MODULE, KV_DECISIONS_MODULE))
-
-
 def add_kv_router_args(parser: argparse.ArgumentParser) -> None:
-    """The KV router's own flags (overlap weight, temperature, ...), when it is part of the build."""
-    if kv_router_available():
-        importlib.import_module(KV_CONFIG_MODULE).add_router_args(parser)
-        importlib.import_module(KV_DECISIONS_MODULE).add_decision_args(parser)
+    """The KV router's own flags (overlap weight, temperature, decision sampling)."""
+    from dynamod.daemon.router.config import add_router_args
+    from dynamod.daemon.router.decision_publisher import add_decision_args
+
+    add_router_args(parser)
+    add_decision_args(parser)
 
 
 class RouterFactoryBuilder:
@@ -57,13 +39,10 @@ class RouterFactoryBuilder:
         self.mode = mode
         self._kv = None
         if mode == "kv":
-            if not kv_router_available():
-                raise ConfigError(
-                    "--router-mode kv needs the KV router (dynamod.daemon.router), which is not part of this "
-                    "build; use round-robin or random"
-                )
-            adapter = importlib.import_module(KV_ADAPTER_MODULE)
-            self._kv = adapter.KvRouting(args, runtime, sync)
+            # Imported only when chosen: the other modes never load the KV router.
+            from dynamod.daemon.frontend.kv_routing import KvRouting
+
+            self._kv = KvRouting(args, runtime, sync)
         else:
             make_basic_router(mode)  # validates the mode name now, not at the first model
 
