@@ -23,7 +23,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from bench_util import free_port, get_json, percentile
 from frontend_load import Connection, HttpError, make_prompts, stream_request
 
 CLI = [sys.executable, "-m", "dynamod.daemon.cli"]
@@ -53,20 +53,6 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--serving-worker-args", default="", help="extra flags for every worker")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _get_json(url: str) -> dict[str, Any] | None:
-    try:
-        with urllib.request.urlopen(url, timeout=2.0) as resp:
-            return json.loads(resp.read())
-    except (OSError, ValueError):
-        return None
-
-
 class Cluster:
     """One topology's processes; ``close()`` stops them."""
 
@@ -76,7 +62,7 @@ class Cluster:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
         self.env["DYN_FILE_KV"] = str(self.root / "kv")
         self.procs: list[subprocess.Popen[bytes]] = []
-        self.port = _free_port()
+        self.port = free_port()
         parts = topology.split(":")
         frontend_extra: list[str] = []
         if parts[0] == "agg" and len(parts) == 2:
@@ -109,7 +95,7 @@ class Cluster:
         want_prefill = self.pools.get("prefill", 0)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            body = _get_json(self.url + "/health") or {}
+            body = get_json(self.url + "/health") or {}
             for m in body.get("models", []):
                 ready = sum(1 for w in m.get("workers", []) if w.get("status") == "ready")
                 if m.get("model") == "tiny" and ready >= want_decode and m.get("prefill_ready", 0) >= want_prefill:
@@ -129,13 +115,6 @@ class Cluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q / 100.0 * len(s)))]
-
-
 class ClassStats:
     def __init__(self) -> None:
         self.ttft: list[float] = []
@@ -148,9 +127,9 @@ class ClassStats:
         ms = 1000.0
         return {
             "requests": self.done, "errors": self.errors,
-            "ttft_ms_p50": round(_pct(self.ttft, 50) * ms, 2), "ttft_ms_p99": round(_pct(self.ttft, 99) * ms, 2),
-            "itl_ms_p50": round(_pct(self.itl, 50) * ms, 2), "itl_ms_p99": round(_pct(self.itl, 99) * ms, 2),
-            "itl_ms_p999": round(_pct(self.itl, 99.9) * ms, 2), "itl_ms_max": round(max(self.itl, default=0.0) * ms, 2),
+            "ttft_ms_p50": round(percentile(self.ttft, 50) * ms, 2), "ttft_ms_p99": round(percentile(self.ttft, 99) * ms, 2),
+            "itl_ms_p50": round(percentile(self.itl, 50) * ms, 2), "itl_ms_p99": round(percentile(self.itl, 99) * ms, 2),
+            "itl_ms_p999": round(percentile(self.itl, 99.9) * ms, 2), "itl_ms_max": round(max(self.itl, default=0.0) * ms, 2),
             # Gaps longer than a long prompt's prefill would cause: decodes stalled behind one.
             "itl_over_50ms": sum(1 for x in self.itl if x > 0.05),
             **({"last_error": self.last_error} if self.last_error else {}),

@@ -26,41 +26,19 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_util import free_port, get_json, percentile  # noqa: E402
 from frontend_load import Connection, make_prompts, stream_request  # noqa: E402
 
 SUPERVISOR = "supervisor"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _get_json(url: str) -> dict[str, Any] | None:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return json.loads(resp.read())
-    except (OSError, ValueError):
-        return None
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q / 100.0 * len(s)))]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -226,8 +204,8 @@ def latency(outcomes: list[Outcome], lo: float, hi: float) -> dict[str, Any]:
     itl = [x * 1000 for o in ok for x in o.itls]
     return {
         "from_s": round(lo, 1), "to_s": round(hi, 1), "requests": len(window), "errors": len(window) - len(ok),
-        "ttft_ms_p50": round(_pct(ttft, 50), 2), "ttft_ms_p99": round(_pct(ttft, 99), 2),
-        "itl_ms_p50": round(_pct(itl, 50), 2), "itl_ms_p99": round(_pct(itl, 99), 2),
+        "ttft_ms_p50": round(percentile(ttft, 50), 2), "ttft_ms_p99": round(percentile(ttft, 99), 2),
+        "itl_ms_p50": round(percentile(itl, 50), 2), "itl_ms_p99": round(percentile(itl, 99), 2),
     }
 
 
@@ -249,7 +227,7 @@ def wait_ready(url: str, workers: int, up: subprocess.Popen[bytes], timeout_s: f
     while time.monotonic() < deadline:
         if up.poll() is not None:
             raise SystemExit(f"dynamod up exited with {up.returncode}")
-        for m in (_get_json(url + "/health") or {}).get("models", []):
+        for m in (get_json(url + "/health") or {}).get("models", []):
             if not m.get("lora") and int(m.get("ready", 0)) >= workers:
                 return str(m["model"])
         time.sleep(0.25)
@@ -282,7 +260,7 @@ async def sampling(sampler: Sampler, every_s: float, stop: asyncio.Event, t0: fl
 
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="dynamod-soak-"))
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     up = start_up(args, root, port)
     try:

@@ -12,6 +12,7 @@ from dynamod.shared.discovery.etcd import EtcdStore
 from dynamod.shared.protocol.instance import Instance, encode_instance
 from dynamod.shared.protocol.keys import instance_key, instances_prefix
 from dynamod.shared.runtime.instances import InstanceSet
+from tests.fixtures.discovery_faults import delete_before_watch
 from tests.fixtures.servers import EtcdServer
 from tests.unit.test_runtime_repairs import (
     _assert_close_keeps_caller_cancellation,
@@ -48,17 +49,7 @@ async def test_etcd_instance_deleted_between_seed_and_watch_leaves_the_view(etcd
     for iid, key in ((1, ghost_key), (2, live_key)):
         record = Instance(namespace="ns", component="c", endpoint="e", instance_id=iid, transport="tcp", address="x:1")
         await store.put(key, encode_instance(record))
-    real_watch = store.watch_prefix
-
-    def watch_after_a_delete(prefix: str):
-        async def gen():
-            await store.delete(ghost_key)  # gone after the seed read, before the watch's snapshot
-            async for ev in real_watch(prefix):
-                yield ev
-
-        return gen()
-
-    store.watch_prefix = watch_after_a_delete  # type: ignore[method-assign]
+    delete_before_watch(store, ghost_key)
     view = InstanceSet(store, instances_prefix("ns", "c", "e"), reconcile_interval_s=0.05)
     await view.start()
     try:

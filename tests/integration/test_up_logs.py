@@ -7,7 +7,6 @@ and exit); the last one runs ``dynamod up`` itself with a tiny ``--log-max-bytes
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import logging
 import os
@@ -15,13 +14,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from dynamod.daemon.supervisor.children import ChildSpec, CrashLoopPolicy, Supervisor
 from dynamod.daemon.supervisor.logfile import RotatingLog, parse_size
+from tests.fixtures.disk import tiny_tmpfs
 from tests.fixtures.servers import free_port, wait_until
 from tests.integration.test_frontend_support import clean_env
 from tests.integration.test_up_supervisor import Up, _up_command
@@ -161,19 +160,6 @@ async def test_after_a_restart_the_report_shows_only_the_new_run(tmp_path: Path)
     shown = [line.removeprefix("  | ") for line in second.splitlines() if line.startswith("  | ")]
     assert shown == [LINE.format(i) for i in range(10000, 10005)]
     assert numbers(log_files(logs)) == [*range(500), *range(10000, 10005)]
-
-
-@contextlib.contextmanager
-def tiny_tmpfs(path: Path) -> Iterator[None]:
-    path.mkdir()
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)], check=True, capture_output=True)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
-    try:
-        yield
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")

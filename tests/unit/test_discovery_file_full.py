@@ -14,9 +14,8 @@ import errno
 import json
 import logging
 import os
-import subprocess
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ import pytest
 from dynamod.shared.discovery import file as file_mod
 from dynamod.shared.discovery.file import DiscoveryDiskFullError, FileStore
 from dynamod.shared.errors import DiscoveryError
+from tests.fixtures.disk import tiny_tmpfs
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -152,19 +152,6 @@ async def test_the_heartbeat_logs_a_full_disk_once_per_episode_and_keeps_trying(
 
 
 # -- a real full file system ------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def tiny_tmpfs(path: Path) -> Iterator[None]:
-    path.mkdir()
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)], check=True, capture_output=True)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
-    try:
-        yield
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
 
 
 def fill(path: Path) -> None:

@@ -36,6 +36,7 @@ from dynamod.shared.transport.address import advertised_host
 from dynamod.shared.transport.plane import RequestContext
 from dynamod.shared.transport.tcp_client import TcpRequestClient
 from dynamod.shared.transport.tcp_server import TcpRequestServer
+from tests.fixtures.discovery_faults import delete_before_watch
 from tests.unit.mocker.factories import make_config
 
 
@@ -179,17 +180,7 @@ async def test_an_instance_deleted_between_seed_and_watch_leaves_the_view(backen
         await store.put(ghost_key, _record(1))
         await store.put(live_key, _record(2))
         view = InstanceSet(store, instances_prefix("ns", "c", "e"), reconcile_interval_s=0.05)
-        real_watch = store.watch_prefix
-
-        def watch_after_a_delete(prefix: str):
-            async def gen():
-                await store.delete(ghost_key)  # gone after the seed read, before the watch's snapshot
-                async for ev in real_watch(prefix):
-                    yield ev
-
-            return gen()
-
-        store.watch_prefix = watch_after_a_delete  # type: ignore[method-assign]
+        delete_before_watch(store, ghost_key)
         await view.start()
     try:
         assert sorted(i.instance_id for i in view.instances) == [1, 2]  # seeded with the ghost

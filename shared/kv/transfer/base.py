@@ -13,12 +13,16 @@ the caller recomputes them.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from dynamod.shared.errors import DeadlineExceededError, TransportError
 from dynamod.shared.protocol.kv_transfer import KvTransferMetadata
+
+logger = logging.getLogger(__name__)
 
 
 class KvTransferError(TransportError):
@@ -44,6 +48,31 @@ class TransferResult:
 
 
 NotifyCallback = Callable[[str], None]
+
+
+def deliver_notify(callback: NotifyCallback | None, message: str, *, backend: str, agent_name: str) -> None:
+    """Hands a peer's notification to the owner's callback; a missing or failing callback is
+    logged, never raised into the transport that received it."""
+    if callback is None:
+        logger.info("kv_transfer.%s.notify_dropped agent=%s message=%s reason=no_callback", backend, agent_name, message)
+        return
+    try:
+        callback(message)
+    except Exception:
+        logger.exception("kv_transfer.%s.notify_callback_failed agent=%s message=%s", backend, agent_name, message)
+
+
+def read_result(
+    backend: str, agent_name: str, remote: KvTransferMetadata, num_blocks: int, block_bytes: int, started: float
+) -> TransferResult:
+    """The result of a read that began at ``started`` (monotonic), logged at debug."""
+    seconds = time.monotonic() - started
+    num_bytes = num_blocks * block_bytes
+    logger.debug(
+        "kv_transfer.%s.read agent=%s remote=%s blocks=%d bytes=%d seconds=%.6f",
+        backend, agent_name, remote.agent_name, num_blocks, num_bytes, seconds,
+    )
+    return TransferResult(num_blocks=num_blocks, num_bytes=num_bytes, seconds=seconds, backend=backend)
 
 
 @runtime_checkable

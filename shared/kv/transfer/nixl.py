@@ -38,7 +38,14 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from dynamod.shared.kv.transfer.base import KvTransferError, KvTransferTimeout, NotifyCallback, TransferResult
+from dynamod.shared.kv.transfer.base import (
+    KvTransferError,
+    KvTransferTimeout,
+    NotifyCallback,
+    TransferResult,
+    deliver_notify,
+    read_result,
+)
 from dynamod.shared.kv.transfer.memory import KvBlockMemory
 from dynamod.shared.kv.transfer.tcp import TcpKvAgent, check_read_args, new_agent_name
 from dynamod.shared.kv.transfer.tcp_wire import MAX_NOTIFY_BYTES
@@ -281,19 +288,7 @@ class NixlKvAgent:
                     f"{what} did not finish within {timeout_s}s; the peer is stalled or overloaded"
                 )
             raise KvTransferError(f"{what} failed ({state}); the peer went away or refused it")
-        seconds = time.monotonic() - started
-        num_bytes = len(local_block_ids) * self.memory.block_bytes
-        logger.debug(
-            "kv_transfer.nixl.read agent=%s remote=%s blocks=%d bytes=%d seconds=%.6f",
-            self.agent_name,
-            remote.agent_name,
-            len(local_block_ids),
-            num_bytes,
-            seconds,
-        )
-        return TransferResult(
-            num_blocks=len(local_block_ids), num_bytes=num_bytes, seconds=seconds, backend=BACKEND_NIXL
-        )
+        return read_result(BACKEND_NIXL, self.agent_name, remote, len(local_block_ids), self.memory.block_bytes, started)
 
     async def notify(self, remote: KvTransferMetadata, message: str, *, timeout_s: float) -> None:
         if not _speaks_nixl(remote):
@@ -444,20 +439,7 @@ class NixlKvAgent:
             await asyncio.sleep(pause)
 
     def _deliver(self, message: str) -> None:
-        callback = self._callback
-        if callback is None:
-            logger.info(
-                "kv_transfer.nixl.notify_dropped agent=%s message=%s reason=no_callback",
-                self.agent_name,
-                message,
-            )
-            return
-        try:
-            callback(message)
-        except Exception:
-            logger.exception(
-                "kv_transfer.nixl.notify_callback_failed agent=%s message=%s", self.agent_name, message
-            )
+        deliver_notify(self._callback, message, backend=BACKEND_NIXL, agent_name=self.agent_name)
 
 
 def _speaks_nixl(remote: KvTransferMetadata) -> bool:

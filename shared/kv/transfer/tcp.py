@@ -19,6 +19,7 @@ from dynamod.shared.kv.transfer.base import (
     KvTransferTimeout,
     NotifyCallback,
     TransferResult,
+    read_result,
 )
 from dynamod.shared.kv.transfer.memory import KvBlockMemory
 from dynamod.shared.kv.transfer.tcp_client import KvConnectionPool, KvReadConnection
@@ -137,7 +138,6 @@ class TcpKvAgent:
         array = self.memory.array
         targets = [memoryview(array[a:b].reshape(-1)) for a, b in contiguous_runs(list(local_block_ids))]
         read = encode_frame(ReadRequest(list(remote_block_ids), self.memory.block_bytes))
-        num_bytes = len(local_block_ids) * self.memory.block_bytes
         started = time.monotonic()
 
         async def exchange(conn: KvReadConnection) -> None:
@@ -146,18 +146,7 @@ class TcpKvAgent:
                 _expect(await conn.request(encode_frame(NotifyRequest(notify))), remote, "notify")
 
         await self._with_connection(remote, exchange, timeout_s, f"reading {len(local_block_ids)} blocks")
-        seconds = time.monotonic() - started
-        logger.debug(
-            "kv_transfer.tcp.read agent=%s remote=%s blocks=%d bytes=%d seconds=%.6f",
-            self.agent_name,
-            remote.agent_name,
-            len(local_block_ids),
-            num_bytes,
-            seconds,
-        )
-        return TransferResult(
-            num_blocks=len(local_block_ids), num_bytes=num_bytes, seconds=seconds, backend=BACKEND_TCP
-        )
+        return read_result(BACKEND_TCP, self.agent_name, remote, len(local_block_ids), self.memory.block_bytes, started)
 
     async def notify(self, remote: KvTransferMetadata, message: str, *, timeout_s: float) -> None:
         _check_notify(message)

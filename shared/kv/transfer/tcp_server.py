@@ -15,7 +15,7 @@ import logging
 
 import msgspec
 
-from dynamod.shared.kv.transfer.base import NotifyCallback
+from dynamod.shared.kv.transfer.base import NotifyCallback, deliver_notify
 from dynamod.shared.kv.transfer.memory import KvBlockMemory
 from dynamod.shared.kv.transfer.tcp_wire import (
     LENGTH,
@@ -168,17 +168,4 @@ class KvBlockServer:
 
     def _deliver(self, request: NotifyRequest) -> None:
         message = request.message[:MAX_NOTIFY_BYTES]
-        callback = self._callback
-        if callback is None:
-            logger.info(
-                "kv_transfer.tcp.notify_dropped agent=%s message=%s reason=no_callback",
-                self._agent_name,
-                message,
-            )
-            return
-        try:
-            callback(message)
-        except Exception:
-            logger.exception(
-                "kv_transfer.tcp.notify_callback_failed agent=%s message=%s", self._agent_name, message
-            )
+        deliver_notify(self._callback, message, backend="tcp", agent_name=self._agent_name)
