@@ -14,6 +14,8 @@ INSTANCES_ROOT = "v1/instances/"
 MDC_ROOT = "v1/mdc/"
 EVENT_CHANNELS_ROOT = "v1/event_channels/"
 KV_TRANSFER_ROOT = "v1/kv_transfer/"
+PLANNER_ROOT = "v1/planner/"
+INTENT_ROOT = "v1/intent/"
 
 
 def _check_segment(name: str, what: str) -> str:
@@ -61,6 +63,45 @@ def kv_transfer_key(namespace: str, component: str, instance_id: int) -> str:
 def kv_transfer_prefix(namespace: str, component: str | None = None) -> str:
     parts = [p for p in (namespace, component) if p is not None]
     return KV_TRANSFER_ROOT + "".join(f"{p}/" for p in parts)
+
+
+def planner_status_key(namespace: str) -> str:
+    """The planner's ``PlannerStatus`` (under its lease)."""
+    return f"{PLANNER_ROOT}{_check_segment(namespace, 'namespace')}/status"
+
+
+def planner_desired_key(namespace: str) -> str:
+    """``DesiredReplicas`` from the planner's virtual/local connector (no lease)."""
+    return f"{PLANNER_ROOT}{_check_segment(namespace, 'namespace')}/desired"
+
+
+def planner_scaled_key(namespace: str) -> str:
+    """``ScaledReplicas`` from whoever carried the desired counts out (no lease)."""
+    return f"{PLANNER_ROOT}{_check_segment(namespace, 'namespace')}/scaled"
+
+
+def planner_override_key(namespace: str, pool: str) -> str:
+    """An operator's ``ScaleOverride`` for one pool (no lease; deleted to clear it)."""
+    return f"{PLANNER_ROOT}{_check_segment(namespace, 'namespace')}/override/{_check_segment(pool, 'pool')}"
+
+
+def planner_override_prefix(namespace: str) -> str:
+    return f"{PLANNER_ROOT}{_check_segment(namespace, 'namespace')}/override/"
+
+
+def intent_key(namespace: str, component: str, worker_name: str) -> str:
+    """An operator's intent for one worker (drain/sleep status, loaded LoRA adapters), keyed by
+    the worker's stable name rather than its instance id, and not under any lease: it outlives
+    the process so a restarted worker re-applies it."""
+    return (
+        f"{INTENT_ROOT}{_check_segment(namespace, 'namespace')}/{_check_segment(component, 'component')}/"
+        f"{_check_segment(worker_name, 'worker name')}"
+    )
+
+
+def intent_prefix(namespace: str | None = None, component: str | None = None) -> str:
+    parts = [p for p in (namespace, component) if p is not None]
+    return INTENT_ROOT + "".join(f"{p}/" for p in parts)
 
 
 @dataclass(frozen=True, slots=True)
