@@ -64,11 +64,14 @@ class MemStore:
         self._closed = True
         for lease in list(self._leases.values()):
             self._drop_lease(lease)
-        if self._reaper:
-            self._reaper.cancel()
+        reaper, self._reaper = self._reaper, None
         for _, q in self._watchers:
             q.put_nowait(None)
         self._watchers.clear()
+        if reaper is not None:
+            reaper.cancel()
+            # The reaper's own cancellation is absorbed; the caller's, while waiting here, is not.
+            await asyncio.gather(reaper, return_exceptions=True)
 
     async def create_lease(self, ttl: float = DEFAULT_LEASE_TTL_S) -> MemLease:
         self._check_open()

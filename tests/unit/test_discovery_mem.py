@@ -113,3 +113,14 @@ async def test_close_revokes_leases_and_ends_watches() -> None:
         await next_event(watch)
     with pytest.raises(DiscoveryError):
         await s.put("k", b"v")
+
+
+async def test_close_waits_for_its_reaper() -> None:
+    """No task of the store outlives close (a pending reaper would be destroyed with the loop)."""
+    s = MemStore()
+    await s.start()
+    before = {t for t in asyncio.all_tasks() if t.get_name() == "mem-discovery-reaper"}
+    assert len(before) == 1
+    await s.close()
+    (reaper,) = before
+    assert reaper.done()
