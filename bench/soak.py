@@ -7,14 +7,15 @@ file discovery and logs in a temporary directory), drives streaming chat complet
 (short prompts and answers, long prompts and answers) at fixed concurrency, and sends SIGTERM to one
 worker (the restart target) every ``--restart-every`` seconds: the supervisor restarts it. Every
 ``--sample-every`` seconds it reads, for each process of the cluster, VmRSS and thread count from
-``/proc/PID/status`` and the open descriptors from ``/proc/PID/fd``.
+``/proc/PID/status``, the open descriptors from ``/proc/PID/fd``, and the asyncio tasks alive on its
+event loop from its ``/metrics`` (``dynamo_process_asyncio_tasks``; the supervisor exports none).
 
 Prints JSON: per process, RSS and fd growth from the end of the first window (warm) to the end
 (the restarted worker's figures are its last incarnation's, and its restarts are counted); errors
 (failed streams, streams that ended without ``[DONE]``) and short streams (fewer tokens than asked);
 TTFT and ITL p50/p99 of the first ``--window`` seconds against the last; and whether the targets
-hold (RSS growth < 10 %, no fd growth, zero errors). Asyncio task counts are reported as null: no
-daemon exports one (their ``/metrics`` carry no task gauge).
+hold (RSS growth < 10 %, no fd growth, no task growth, zero errors). Task counts move with the
+streams in flight, so "no growth" means the last window's median is within the warm window's range.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,11 +91,62 @@ def _proc_sample(pid: int) -> dict[str, int] | None:
     return {"rss_kb": int(fields["VmRSS"].split()[0]), "fds": fds, "threads": int(fields["Threads"])}
 
 
+TASKS_METRIC = "dynamo_process_asyncio_tasks"
+
+
+def metrics_url(label: str, frontend_url: str) -> str | None:
+    """Where a labelled process serves ``/metrics``: a worker on its --system-port, the frontend
+    on its HTTP port."""
+    if label == "frontend":
+        return frontend_url + "/metrics"
+    if "@" in label:
+        return f"http://127.0.0.1:{label.split('@', 1)[1]}/metrics"
+    return None
+
+
+def scrape_tasks(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(TASKS_METRIC + " "):
+            return int(float(line.split()[1]))
+    return None
+
+
+def _median(values: list[int]) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    mid = len(v) // 2
+    return float(v[mid]) if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+
 @dataclass
 class Series:
-    """One process label's samples: (t, pid, rss_kb, fds, threads)."""
+    """One process label's samples: (t, pid, rss_kb, fds, threads, asyncio tasks or -1)."""
 
-    samples: list[tuple[float, int, int, int, int]] = field(default_factory=list)
+    samples: list[tuple[float, int, int, int, int, int]] = field(default_factory=list)
+
+    def tasks(self, run: list[tuple[float, int, int, int, int, int]], warm_t: float) -> dict[str, Any]:
+        """Task counts of the warm window (up to ``warm_t``) against the last window of the same
+        length: growth is the change of the median, and the target holds when the last median is
+        within the warm window's range (streams in flight move the count up and down)."""
+        have = [s for s in run if s[5] >= 0]
+        if not have:
+            return {"tasks_warm_median": None, "tasks_end_median": None, "task_growth": None, "task_growth_ok": None}
+        end_t = have[-1][0]
+        warm = [s[5] for s in have if s[0] <= warm_t] or [have[0][5]]
+        last = [s[5] for s in have if s[0] >= end_t - warm_t] or [have[-1][5]]
+        warm_med, last_med = _median(warm), _median(last)
+        return {
+            "tasks_warm_median": warm_med, "tasks_warm_max": max(warm),
+            "tasks_end_median": last_med, "tasks_end_max": max(last),
+            "task_growth": None if warm_med is None or last_med is None else last_med - warm_med,
+            "task_growth_ok": last_med is not None and last_med <= max(warm),
+        }
 
     def pids(self) -> list[int]:
         return list(dict.fromkeys(s[1] for s in self.samples))
@@ -121,12 +174,14 @@ class Series:
             "fd_growth": last[3] - base[3],
             "threads_baseline": base[4],
             "threads_end": last[4],
+            **self.tasks(run, warm_t),
         }
 
 
 class Sampler:
-    def __init__(self, up_pid: int) -> None:
+    def __init__(self, up_pid: int, frontend_url: str) -> None:
         self.up_pid = up_pid
+        self.frontend_url = frontend_url
         self.series: dict[str, Series] = {}
 
     def sample(self, t: float) -> None:
@@ -136,8 +191,10 @@ class Sampler:
         for label, pid in labelled:
             got = _proc_sample(pid)
             if got is not None:
+                url = metrics_url(label, self.frontend_url)
+                tasks = scrape_tasks(url) if url else None
                 self.series.setdefault(label, Series()).samples.append(
-                    (t, pid, got["rss_kb"], got["fds"], got["threads"])
+                    (t, pid, got["rss_kb"], got["fds"], got["threads"], -1 if tasks is None else tasks)
                 )
 
     def pid_of(self, label: str) -> int | None:
@@ -265,7 +322,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     up = start_up(args, root, port)
     try:
         model = await asyncio.to_thread(wait_ready, url, args.workers, up, 120.0)
-        sampler = Sampler(up.pid)
+        sampler = Sampler(up.pid, url)
         workers = sorted(label for pid in _descendants(up.pid) if (label := _label(pid)) and label.startswith("agg@"))
         target = workers[0]
         stop = asyncio.Event()
@@ -308,12 +365,11 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "latency_first_window": latency(outcomes, 0, window),
         "latency_last_window": latency(outcomes, elapsed - window, elapsed + 1),
         "processes": processes,
-        "asyncio_tasks": None,
-        "asyncio_tasks_note": "no daemon exports an asyncio task count (their /metrics have no task gauge)",
         "dynamod_up_exit": up.returncode,
         "targets": {
             "rss_growth_lt_10pct": all((p["rss_growth_pct"] or 0) < 10 for p in steady.values()),
             "no_fd_growth": all(p["fd_growth"] <= 0 for p in steady.values()),
+            "no_task_growth": all(p["task_growth_ok"] is not False for p in steady.values()),
             "zero_errors": not errors,
             "checked_on": sorted(steady),
         },

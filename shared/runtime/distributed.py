@@ -27,6 +27,7 @@ from dynamod.shared.errors import DynamoError, error_to_wire
 from dynamod.shared.events.factory import make_event_plane
 from dynamod.shared.events.plane import EventPlane, EventPublisher, EventSubscriber
 from dynamod.shared.observability.metrics import ComponentMetrics
+from dynamod.shared.observability.process_metrics import register_process_metrics
 from dynamod.shared.observability.status_server import StatusServer
 from dynamod.shared.protocol.instance import STATUSES, Instance, encode_instance
 from dynamod.shared.protocol.keys import instance_key
@@ -79,6 +80,7 @@ class DistributedRuntime:
             file_root = settings.file_kv or default_file_kv_dir()
             store = make_store(settings.discovery_backend, etcd_endpoints=settings.etcd_endpoints, file_root=file_root)
         rt = cls(settings, store, registry)
+        register_process_metrics(rt.registry, asyncio.get_running_loop())
         try:
             await store.start()
             rt.lease = await store.create_lease(settings.lease_ttl_s)
