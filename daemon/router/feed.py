@@ -88,6 +88,16 @@ class FeedMetrics:
             registry=registry,
         )
         self.active_requests.set_function(lambda: float(sum(len(kv.active) for kv in list(self.routers))))
+        self.events_outage = Gauge(
+            "dynamo_router_kv_events_outage",
+            "1 while the event plane's server is away and the routers route approximately",
+            registry=registry,
+        )
+        self.events_outages = Counter(
+            "dynamo_router_kv_events_outages",
+            "Times the event plane's server went away (KV events lost; caches re-read on its return)",
+            registry=registry,
+        )
 
 
 _metrics_by_registry: dict[int, tuple[CollectorRegistry, FeedMetrics]] = {}
@@ -131,11 +141,16 @@ class KvFeed:
         self._tasks: set[asyncio.Task[None]] = set()
         self._sync_pub: EventPublisher | None = None
         self._publishing: set[str] = set()
+        self._events_down = False
 
     # -- lifecycle --------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Joins replica sync when enabled. Routers added before or after are published."""
+        """Joins replica sync when enabled. Routers added before or after are published. Follows
+        the event plane's connection: while its server is away the routers route approximately,
+        and when it is back every worker's cache is re-read."""
+        if self._rt.events is not None and self.config.use_kv_events:
+            self._rt.events.add_connection_listener(self._on_events_connection)
         if self.config.router_replica_sync:
             if self._rt.events is None:
                 logger.warning("router replica sync disabled reason=no_event_plane")
@@ -186,6 +201,8 @@ class KvFeed:
         """Registers a router under its replica key (the same key in every replica)."""
         self._routers[key] = kv
         self.metrics.routers.add(kv)
+        if self._events_down:
+            kv.enter_events_outage()
         if self._sync_pub is not None:
             self._start_publishing(key, kv)
 
@@ -216,6 +233,18 @@ class KvFeed:
                 del self._by_worker[worker_id]
                 self._component_of.pop(worker_id, None)
         kv.remove_worker(worker_id)
+
+    def _on_events_connection(self, connected: bool) -> None:
+        self._events_down = not connected
+        self.metrics.events_outage.set(0 if connected else 1)
+        if not connected:
+            self.metrics.events_outages.inc()
+        for kv in self._routers.values():
+            if connected:
+                kv.leave_events_outage()
+            else:
+                kv.enter_events_outage()
+        logger.info("kv feed event plane connected=%s routers=%d", connected, len(self._routers))
 
     # -- events in --------------------------------------------------------------------------------
 

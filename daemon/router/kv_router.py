@@ -42,7 +42,7 @@ from dynamod.shared.errors import InvalidRequestError, NoInstancesError, Overloa
 from dynamod.shared.events.seq import Arrival, EventSequences
 from dynamod.shared.kv.approx import ApproxKvIndexer
 from dynamod.shared.kv.hashing import compute_block_hashes, compute_sequence_hashes
-from dynamod.shared.kv.indexer import APPLIED, KvIndexer, WorkerKey
+from dynamod.shared.kv.indexer import APPLIED, KvIndexer, OverlapScores, WorkerKey
 from dynamod.shared.kv.router_sync import (
     ActiveSequenceEvent,
     SequenceAdded,
@@ -95,6 +95,9 @@ class KvRouter:
                 clock=clock,
                 indexer=self.indexer,
             )
+        # While the event plane is down, KV events are lost: routed requests are remembered here,
+        # as in approximate mode, on top of the index as it stood (``enter_events_outage``).
+        self._outage: ApproxKvIndexer | None = None
         self.active = ActiveSequences(block_size, ttl_s=config.router_active_sequence_ttl_secs, clock=clock)
         self.busy = BusyPolicy(
             decode_blocks_threshold=config.active_decode_blocks_threshold,
@@ -138,6 +141,8 @@ class KvRouter:
             self.approx.remove_worker(worker_id)
         else:
             self.indexer.remove_worker(worker_id)
+        if self._outage is not None:
+            self._outage.remove_worker(worker_id)
         self.active.remove_worker(worker_id)
         self.busy.remove_worker(worker_id)
         self._sequences.forget(worker_id)
@@ -155,6 +160,49 @@ class KvRouter:
         """A worker's KV capacity in blocks (model card ``total_kv_blocks``), for busy detection
         from the router's own counts when no load metrics are fresh."""
         self.busy.set_capacity(worker, total_blocks)
+
+    # ------------------------------------------------------------------------------------------
+    # Event-plane outages.
+
+    @property
+    def in_events_outage(self) -> bool:
+        return self._outage is not None
+
+    def enter_events_outage(self) -> None:
+        """The event plane lost its server: KV events stop arriving (and those sent meanwhile are
+        lost). Route in approximate mode on top of the index as it stood: every routed request's
+        blocks count as cached on its worker for ``router_ttl_secs``, so a repeated prefix keeps
+        going where it went, instead of to wherever a frozen index says."""
+        if self.approx is not None or self._outage is not None:
+            return  # already approximate
+        cfg = self.config
+        self._outage = ApproxKvIndexer(
+            ttl_s=cfg.router_ttl_secs,
+            max_tree_size=cfg.router_max_tree_size,
+            prune_target_ratio=cfg.router_prune_target_ratio,
+            clock=self._clock,
+        )
+        logger.warning("router kv events lost: approximate routing until the event plane is back")
+
+    def leave_events_outage(self) -> list[int]:
+        """The event plane is back: drop the outage's guesses and re-read every known worker's
+        cache (``kv_dump`` through ``on_resync``), since the events sent meanwhile are lost.
+        Returns those workers."""
+        if self._outage is None:
+            return []
+        self._outage = None
+        workers = sorted({w for w, _ in self._workers} | {k[0] for k in self.indexer.workers()})
+        for wid in workers:
+            self.request_resync(wid)
+        logger.info("router kv events back: resync requested workers=%d", len(workers))
+        return workers
+
+    def _remember(self, worker: WorkerKey, local: list[int], seq: list[int]) -> None:
+        """Approximate mode (always, or during an outage): the routed blocks count as cached."""
+        if self.approx is not None:
+            self.approx.record(worker, local, seq)
+        if self._outage is not None:
+            self._outage.record(worker, local, seq)
 
     # ------------------------------------------------------------------------------------------
     # KV events.
@@ -388,6 +436,8 @@ class KvRouter:
             overlaps = self.approx.find_matches_sequence(seq)
         else:
             overlaps = self.indexer.find_matches_sequence(seq)
+            if self._outage is not None:
+                overlaps = _best_of(overlaps, self._outage.find_matches_sequence(seq))
         t2 = time.perf_counter()
 
         busy: list[tuple[int, int, str]] = []
@@ -434,8 +484,8 @@ class KvRouter:
         if register:
             if track_active:
                 self._register(request_id, decision.worker, local, seq, isl, won.overlap_blocks)
-            elif self.approx is not None:
-                self.approx.record(decision.worker, local, seq)
+            else:
+                self._remember(decision.worker, local, seq)
             m.decisions.labels(sel.reason).inc()
             m.observe_hit(len(local), won.overlap_blocks)
         if logger.isEnabledFor(logging.DEBUG):
@@ -455,8 +505,7 @@ class KvRouter:
 
     def _register(self, request_id: str, worker: WorkerKey, local: list[int], seq: list[int], isl: int, overlap: int) -> None:
         self.active.add(request_id, worker, seq, isl, isl - overlap * self.block_size)
-        if self.approx is not None:
-            self.approx.record(worker, local, seq)
+        self._remember(worker, local, seq)
         self._publish(
             SequenceAdded(
                 router_id=self.router_id,
@@ -481,8 +530,7 @@ class KvRouter:
             seq = compute_sequence_hashes(ev.local_hashes)
             worker = (ev.worker_id, ev.dp_rank)
             self.active.add(key, worker, seq, ev.isl, ev.isl - ev.overlap_blocks * self.block_size)
-            if self.approx is not None:
-                self.approx.record(worker, ev.local_hashes, seq)
+            self._remember(worker, ev.local_hashes, seq)
         elif isinstance(ev, SequencePrefillDone):
             self.active.mark_prefill_done(key)
         elif isinstance(ev, SequenceFreed):
@@ -524,3 +572,12 @@ class KvRouter:
         if counter is None:
             counter = self._event_counters[(kind, outcome)] = self.metrics.kv_events.labels(kind, outcome)
         counter.inc()
+
+
+def _best_of(known: OverlapScores, guessed: OverlapScores) -> OverlapScores:
+    """Per worker, the longer of the cached prefix the index knows and the one routing implies."""
+    scores = dict(known.scores)
+    for worker, blocks in guessed.scores.items():
+        if blocks > scores.get(worker, 0):
+            scores[worker] = blocks
+    return OverlapScores(scores, known.tree_sizes)

@@ -45,7 +45,7 @@ from dynamod.shared.errors import EventPlaneError, InvalidRequestError
 from dynamod.shared.events.dropqueue import DropOldestQueue, QueueClosed
 from dynamod.shared.events.nats_jetstream import NatsDurableSubscriber, StreamLimits, ensure_stream
 from dynamod.shared.events.nats_subjects import scope_subject
-from dynamod.shared.events.plane import EventMessage
+from dynamod.shared.events.plane import ConnectionListener, EventMessage
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ class NatsEventPlane:
         self._subscribers: set[NatsEventSubscriber | NatsDurableSubscriber] = set()
         self.disconnects = 0
         self.reconnects = 0
+        self._listeners: list[ConnectionListener] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -234,6 +235,16 @@ class NatsEventPlane:
         wait = min(self._reconnect_wait_max_s, self._reconnect_wait_s * (2 ** min(server.reconnects, 20)))
         return server, wait * random.uniform(0.5, 1.0)
 
+    def add_connection_listener(self, listener: ConnectionListener) -> None:
+        self._listeners.append(listener)
+
+    def _tell_listeners(self, connected: bool) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(connected)
+            except Exception:  # noqa: BLE001 - one listener's bug must not stop the others or the plane
+                logger.exception("event plane connection listener failed connected=%s", connected)
+
     async def _on_error(self, exc: Exception) -> None:
         self._last_error = exc
         if isinstance(exc, OSError | TimeoutError | nats.errors.StaleConnectionError):
@@ -250,6 +261,7 @@ class NatsEventPlane:
         logger.warning(
             "event plane disconnected backend=nats url=%s; reconnecting in the background", self.url
         )
+        self._tell_listeners(False)
 
     async def _on_reconnected(self) -> None:
         down_s = time.monotonic() - self._down_since if self._down_since is not None else 0.0
@@ -259,6 +271,7 @@ class NatsEventPlane:
         nc = self._nc
         server = nc.connected_url.netloc if nc is not None and nc.connected_url is not None else self.url
         logger.info("event plane reconnected backend=nats server=%s down_s=%.1f", server, down_s)
+        self._tell_listeners(True)
 
     async def _on_closed(self) -> None:
         self._connected.clear()

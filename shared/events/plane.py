@@ -9,7 +9,7 @@ frames are ``[topic, seq u64 big-endian, payload]`` so a subscriber can detect g
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -55,6 +55,9 @@ class EventSubscriber(Protocol):
     async def close(self) -> None: ...
 
 
+ConnectionListener = Callable[[bool], None]
+
+
 @runtime_checkable
 class EventPlane(Protocol):
     """Factory for publishers/subscribers bound to one process (its discovery store and lease)."""
@@ -68,6 +71,12 @@ class EventPlane(Protocol):
     async def subscribe(self, namespace: str, component: str, topic: str) -> EventSubscriber:
         """Subscribes to ``topic`` from every publisher of ``namespace/component``. ``component``
         may be ``"*"`` for every component of the namespace."""
+        ...
+
+    def add_connection_listener(self, listener: ConnectionListener) -> None:
+        """``listener(False)`` when the plane loses its server (events published meanwhile are
+        lost to subscribers), ``listener(True)`` when it is back. A brokerless plane (ZMQ: each
+        publisher is its own server) never calls it: a lost publisher shows as a sequence gap."""
         ...
 
     async def close(self) -> None: ...

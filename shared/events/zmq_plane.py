@@ -30,6 +30,7 @@ import zmq.asyncio
 
 from dynamod.shared.discovery.store import DiscoveryStore, Lease
 from dynamod.shared.errors import ConfigError, DiscoveryError, EventPlaneError, InvalidRequestError
+from dynamod.shared.events.plane import ConnectionListener
 from dynamod.shared.events.zmq_subscriber import ZmqEventSubscriber
 from dynamod.shared.protocol.keys import event_channel_key
 from dynamod.shared.transport.address import advertised_host
@@ -78,6 +79,9 @@ class ZmqEventPlane:
     async def start(self) -> None:
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context(io_threads=1)
+
+    def add_connection_listener(self, listener: ConnectionListener) -> None:
+        """No broker to lose: a publisher that goes away is a gap in its own sequence numbers."""
 
     async def close(self) -> None:
         """Closes subscribers and publishers (their discovery keys are deleted) and the context."""
