@@ -3,8 +3,9 @@
 One runtime per process owns: the discovery store and the process lease (everything the process
 registers lives under it, so a dead process vanishes within one TTL), the request-plane server
 (started on first ``serve``) and client, the event plane, the component metrics and the optional
-status server. ``shutdown()`` undoes all of it in the right order: deregister first so routers stop
-sending, then let in-flight streams finish, then close the planes and revoke the lease.
+status server. ``shutdown()`` undoes all of it in the right order: mark the instances draining so
+routers stop sending, let in-flight streams finish, only then deregister (a client fails its
+streams to an instance the moment it leaves discovery), then close the planes and revoke the lease.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from dynamod.shared.events.plane import EventPlane, EventPublisher, EventSubscri
 from dynamod.shared.observability.metrics import ComponentMetrics
 from dynamod.shared.observability.process_metrics import register_process_metrics
 from dynamod.shared.observability.status_server import StatusServer
-from dynamod.shared.protocol.instance import STATUSES, Instance, encode_instance
+from dynamod.shared.protocol.instance import STATUS_DRAINING, STATUSES, Instance, encode_instance
 from dynamod.shared.protocol.keys import instance_key
 from dynamod.shared.runtime.client import EndpointClient, endpoint_path
 from dynamod.shared.transport.factory import make_client, make_server
+from dynamod.shared.transport.liveness import RequestPlaneMetrics
 from dynamod.shared.transport.plane import (
     Handler,
     RequestContext,
@@ -55,7 +57,11 @@ class DistributedRuntime:
         self.lease: Lease | None = None
         self._instance_id = 0
         self.events: EventPlane | None = None
-        self.request_client: RequestPlaneClient = make_client(nats_url=settings.nats_server)
+        self.request_client: RequestPlaneClient = make_client(
+            nats_url=settings.nats_server,
+            heartbeat=settings.request_plane_heartbeat,
+            metrics=RequestPlaneMetrics(self.registry),
+        )
         self._server: RequestPlaneServer | None = None
         self._server_address: ServerAddress | None = None
         self._server_lock = asyncio.Lock()
@@ -167,18 +173,27 @@ class DistributedRuntime:
     # -- shutdown -----------------------------------------------------------------------------
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
-        """Deregisters, drains in-flight streams up to ``grace_s``, closes planes, revokes leases."""
+        """Marks instances draining, drains in-flight streams up to ``grace_s``, deregisters,
+        closes planes, revokes leases. Draining before deleting: clients fail their streams to an
+        instance the moment its record goes, so deleting first would migrate every stream that
+        was about to finish here."""
         if self._closed:
             return
         self._stopping = True
         logger.info("runtime stopping served=%d inflight=%d grace_s=%.1f", len(self._served), self.inflight, grace_s)
         for served in list(self._served):
+            await served.cancel_pending_write()
+            try:
+                await served.set_status(STATUS_DRAINING)
+            except DynamoError as exc:
+                logger.warning("draining status not published endpoint=%s error=%s", served.path, exc)
+        if self._server:
+            await self._server.stop(grace_s)
+        for served in list(self._served):
             try:
                 await served.deregister()
             except DynamoError as exc:
                 logger.warning("deregister failed endpoint=%s error=%s", served.path, exc)
-        if self._server:
-            await self._server.stop(grace_s)
         await self.request_client.close()
         if self.events:
             await self.events.close()
@@ -309,6 +324,10 @@ class Endpoint:
         return await EndpointClient(self.runtime, self.namespace_name, self.component.name, self.name).start()
 
 
+_PENDING_RETRY_MIN_S = 0.25
+_PENDING_RETRY_MAX_S = 5.0
+
+
 class ServedInstance:
     """One registered instance: its discovery record, its handler on the server, its metrics."""
 
@@ -321,10 +340,17 @@ class ServedInstance:
         self.key = instance_key(record.namespace, record.component, record.endpoint, record.instance_id)
         self.registered = False
         self.inflight = 0
+        self._pending: Instance | None = None  # a record to write once discovery answers again
+        self._pending_task: asyncio.Task[None] | None = None
 
     @property
     def instance_id(self) -> int:
         return self.record.instance_id
+
+    @property
+    def write_pending(self) -> bool:
+        """A status change was accepted while discovery was unreachable and is not written yet."""
+        return self._pending is not None
 
     async def publish(self, record: Instance | None = None) -> None:
         """Writes ``record`` (default: the current one) and adopts it only once the write
@@ -335,11 +361,70 @@ class ServedInstance:
         self.registered = True
 
     async def set_status(self, status: str) -> None:
+        """Writes the new status; adopted only once written (raises on a failed write, and a
+        retry writes again). Supersedes a deferred write of another status."""
         if status not in STATUSES:
             raise ValueError(f"unknown instance status {status!r}")
+        if self._pending is not None and self._pending.status != status:
+            self._pending = None  # the newer wish wins; the retry loop ends on its own
         if self.record.status != status:
             await self._update(msgspec.structs.replace(self.record, status=status))
             logger.info("instance status path=%s status=%s", self.path, status)
+
+    async def set_status_eventually(self, status: str) -> bool:
+        """Like ``set_status``, for an operator's action that must not be lost to a discovery
+        outage (a drain during an etcd restart): when the write fails it is retried in the
+        background until it lands, and ``record`` is adopted then. Returns True when written now,
+        False when deferred. A later call (or ``set_status``) supersedes a deferred write."""
+        if status not in STATUSES:
+            raise ValueError(f"unknown instance status {status!r}")
+        try:
+            await self.set_status(status)
+        except DynamoError as exc:
+            if not self.registered:
+                raise
+            self._defer(msgspec.structs.replace(self.record, status=status), exc)
+            return False
+        self._pending = None
+        return True
+
+    def _defer(self, record: Instance, exc: BaseException) -> None:
+        first = self._pending is None
+        self._pending = record
+        if first:
+            logger.warning(
+                "instance status write deferred path=%s status=%s error=%s; retrying until discovery answers",
+                self.path, record.status, exc,
+            )
+        if self._pending_task is None or self._pending_task.done():
+            self._pending_task = asyncio.get_running_loop().create_task(
+                self._write_pending(), name=f"instance-write:{self.path}"
+            )
+
+    async def _write_pending(self) -> None:
+        delay = _PENDING_RETRY_MIN_S
+        while self._pending is not None and self.registered:
+            await asyncio.sleep(delay)
+            record = self._pending
+            if record is None:
+                return
+            try:
+                await self.publish(record)
+            except DynamoError as exc:
+                logger.debug("instance status write retry failed path=%s error=%s", self.path, exc)
+                delay = min(delay * 2, _PENDING_RETRY_MAX_S)
+                continue
+            if self._pending is record:
+                self._pending = None
+            logger.info("instance status written after outage path=%s status=%s", self.path, record.status)
+
+    async def cancel_pending_write(self) -> None:
+        """Stops retrying a deferred write (shutdown: the record is about to be deleted)."""
+        task, self._pending_task = self._pending_task, None
+        self._pending = None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def update_labels(self, **labels: str) -> None:
         await self._update(msgspec.structs.replace(self.record, labels={**self.record.labels, **labels}))
