@@ -3,6 +3,10 @@ events and load.
 
 Roles: ``agg`` (prefill and decode), ``decode`` and ``prefill`` (disaggregated pools). Component
 names follow Dynamo: ``backend`` for agg/decode workers and ``prefill`` for prefill workers.
+
+Each engine has a *worker name* that stays the same across restarts (its instance id does not):
+the operator's intent (drain, sleep, LoRA adapters) is kept in discovery under that name and
+re-applied when the worker starts again (``worker_names``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dynamod.shared.protocol.model_card import (
     ModelCard,
 )
 from dynamod.shared.runtime.distributed import DistributedRuntime
+from dynamod.shared.runtime.intent import IntentRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +53,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--migration-limit", type=int, default=3, help="times a frontend may migrate a broken stream [default 3]")
     g.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds to let in-flight requests finish on SIGTERM [default 30]")
+    g.add_argument("--worker-name", default=os.environ.get("DYN_WORKER_NAME") or None,
+                   help="stable name of this worker across restarts: drain, sleep and loaded LoRA adapters are "
+                        "kept in discovery under it and re-applied on start; with --num-workers N the engines are "
+                        "NAME-0..NAME-(N-1) [env DYN_WORKER_NAME; default NODE-PORT from the host name and a fixed "
+                        "--system-port, else none and nothing is kept across restarts]")
     add_kv_transfer_args(parser.add_argument_group("kv transfer (roles prefill and decode)"))
     add_runtime_args(parser)
 
@@ -84,10 +94,25 @@ def build_card(args: argparse.Namespace, model: LocalModel, engine_info: EngineI
     )
 
 
+def worker_names(worker_name: str | None, node_name: str, system_port: int | None, num_workers: int) -> list[str | None]:
+    """One stable name per engine, or None each when there is none to be had: without
+    ``--worker-name`` the name is ``NODE-PORT`` from a fixed ``--system-port`` (one status server
+    per process on a host, so unique there); an ephemeral or absent port names nothing stable."""
+    base = worker_name
+    if base is None and system_port:
+        base = f"{node_name}-{system_port}"
+    if base is not None and (not base or "/" in base):
+        raise ConfigError(f"--worker-name must be a non-empty name without '/', got {base!r}")
+    if base is None:
+        return [None] * num_workers
+    return [base] if num_workers == 1 else [f"{base}-{i}" for i in range(num_workers)]
+
+
 async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     if args.num_workers < 1:
         raise ConfigError("--num-workers must be at least 1")
     settings = settings_from_args(args)
+    names = worker_names(args.worker_name, settings.node_name, settings.system_port, args.num_workers)
     model = resolve_model(args.model)
     if args.context_length:
         model = dataclasses.replace(model, context_length=args.context_length)
@@ -96,10 +121,17 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     try:
         component = runtime.namespace().component(args.component or COMPONENT_BY_ROLE[args.role])
         metrics = WorkerMetrics(runtime.registry)
+        if names[0] is None:
+            logger.warning(
+                "intent not persisted worker_name=none reason=%s",
+                "no --worker-name and no fixed --system-port: drain, sleep and LoRA adapters do not survive a restart",
+            )
         for index in range(args.num_workers):
             lease = runtime.lease if index == 0 else await runtime.create_lease()
             assert lease is not None
             engine = create_engine(args.engine, args, model, worker_id=lease.id, worker_index=index)
+            name = names[index]
+            intent = IntentRecorder(runtime.store, component.namespace.name, component.name, name) if name else None
             service = WorkerService(
                 component,
                 engine,
@@ -108,6 +140,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
                 role=args.role,
                 metrics=metrics,
                 kv_transfer=kv_transfer_settings(args, settings.host, index) if args.role in DISAGG_ROLES else None,
+                intent=intent,
             )
             await service.start()
             services.append(service)

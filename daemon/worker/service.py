@@ -10,6 +10,12 @@ mocker) also runs a KV transfer agent over it: started, and its metadata publish
 worker's lease, before ``generate`` is served (a decode worker handed a prefill worker's
 parameters must find its agent), withdrawn and closed at stop after in-flight requests finished
 and held blocks were read (or the grace ran out).
+
+A worker with a stable name (``--worker-name``) keeps the operator's intent in discovery
+(``shared/runtime/intent.py``): drain, sleep (with its level) and loaded LoRA adapters are recorded
+after each action succeeded, and re-applied at start *before* any endpoint is served, so a restarted
+worker registers straight away as draining or sleeping, with its adapters, and is never ``ready`` in
+between. ``wake_up`` and ``unload_lora`` clear what they undo.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -30,11 +36,11 @@ from dynamod.daemon.worker.control_types import (
     UnloadLoraRequest,
     parse_body,
 )
-from dynamod.daemon.worker.engine import Engine, EngineInfo, KvTransferEngine
+from dynamod.daemon.worker.engine import Engine, EngineInfo, KvTransferEngine, LoraInfo
 from dynamod.daemon.worker.kv_transfer import KvTransferContext, KvTransferSettings, KvTransferStats
 from dynamod.daemon.worker.metrics import WorkerMetrics
 from dynamod.shared.discovery.store import Lease
-from dynamod.shared.errors import InvalidRequestError, UnavailableError
+from dynamod.shared.errors import DynamoError, InvalidRequestError, NotFoundError, UnavailableError
 from dynamod.shared.events.plane import TOPIC_KV_EVENTS, TOPIC_KV_METRICS, EventPublisher
 from dynamod.shared.kv.transfer.directory import KvTransferDirectory
 from dynamod.shared.kv.transfer.factory import create_agent
@@ -46,6 +52,7 @@ from dynamod.shared.protocol.llm import PreprocessedRequest
 from dynamod.shared.protocol.load import LoadMetrics, load_encoder
 from dynamod.shared.protocol.model_card import ModelCard, encode_card
 from dynamod.shared.runtime.distributed import Component, ServedInstance
+from dynamod.shared.runtime.intent import IntentRecorder
 from dynamod.shared.transport.plane import RequestContext
 
 logger = logging.getLogger(__name__)
@@ -67,6 +74,7 @@ class WorkerService:
         role: str,
         metrics: WorkerMetrics,
         kv_transfer: KvTransferSettings | None = None,
+        intent: IntentRecorder | None = None,
     ) -> None:
         self.component = component
         self.engine = engine
@@ -75,6 +83,8 @@ class WorkerService:
         self.lease = lease
         self.role = role
         self.status = STATUS_READY
+        self.sleep_level = 0  # the level the engine was put to sleep at (0 while not sleeping)
+        self._intent = intent  # None: no stable worker name, nothing outlives the process
         self._metrics = metrics
         self._served: list[ServedInstance] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -119,30 +129,43 @@ class WorkerService:
         }
         # Cards first: a frontend that sees the instance must find its model.
         await self._put_card(None, self.card)
+        # Intent before serving: the records are born with the status the operator left.
+        status = await self._restore_intent()
+        labels = {"worker_name": self._intent.worker_name} if self._intent is not None else None
         for name, handler in handlers.items():
             served = await self.component.endpoint(name).serve(
-                handler, lease=self.lease, role=self.role, model=self.card.served_model_name
+                handler, lease=self.lease, role=self.role, model=self.card.served_model_name, labels=labels, status=status
             )
             self._served.append(served)
         logger.info(
-            "worker ready worker_id=%x role=%s model=%s block_size=%d total_blocks=%d",
+            "worker registered worker_id=%x role=%s status=%s model=%s block_size=%d total_blocks=%d",
             self.worker_id,
             self.role,
+            status,
             self.card.served_model_name,
             self.card.kv_block_size,
             self.card.runtime_config.total_kv_blocks,
         )
 
     async def stop(self, grace_s: float) -> None:
-        """Deregisters, lets in-flight requests finish up to ``grace_s``, then stops the engine."""
+        """Marks the endpoints draining (routers stop sending), lets in-flight requests finish up
+        to ``grace_s``, deregisters, then stops the engine. The records stay until the requests
+        finished: a client fails its streams to an instance the moment its record goes."""
         for served in self._served:
-            await served.deregister()
+            try:
+                await served.set_status(STATUS_DRAINING)  # not _set_status: no operator intent to record
+            except DynamoError as exc:  # discovery down: stopping must go on; the lease ends it anyway
+                logger.warning("draining status not published worker_id=%x path=%s error=%s", self.worker_id, served.path, exc)
         for lora in self.engine.list_loras():
             await self.component.runtime.store.delete(self._card_key(lora.name))
         await self.component.runtime.store.delete(self._card_key(None))
         deadline = time.monotonic() + grace_s
         if not await self._wait_idle(grace_s):
             logger.warning("stopping with requests in flight worker_id=%x count=%d", self.worker_id, self.engine.num_active_requests)
+        for served in self._served:
+            await served.deregister()
+        if self._intent is not None:
+            await self._intent.close()
         ctx = self.kv_transfer
         if ctx is not None:
             # Decode workers may still be reading the prompts this worker prefilled.
@@ -220,6 +243,70 @@ class WorkerService:
         except Exception as exc:  # the lease ends with the process: the record goes anyway
             logger.warning("kv transfer withdraw failed worker_id=%x error=%s", self.worker_id, exc)
 
+    # -- operator intent --------------------------------------------------------------------------
+
+    async def _restore_intent(self) -> str:
+        """Re-applies the stored intent (adapters, then sleep or drain) and returns the status to
+        register with. An adapter that no longer loads (its source gone) is logged and dropped from
+        the intent: the worker still serves its base model. A sleep the engine refuses leaves the
+        worker ``draining``, which takes no work either, with the intent kept for the operator."""
+        recorder = self._intent
+        if recorder is None:
+            return STATUS_READY
+        intent = await recorder.load()
+        if intent.empty:
+            return STATUS_READY
+        dropped: list[str] = []
+        for name, source in intent.loras.items():
+            try:
+                await self._load_adapter(name, source)
+            except Exception as exc:  # noqa: BLE001 - any engine's refusal; the base model still serves
+                dropped.append(name)
+                logger.warning(
+                    "intent lora dropped worker_id=%x worker_name=%s lora=%s source=%s error=%s",
+                    self.worker_id, recorder.worker_name, name, source, exc,
+                )
+        status = intent.status
+        if intent.sleeping:
+            try:
+                await self.engine.sleep(intent.sleep_level)
+                self.sleep_level = intent.sleep_level
+            except Exception as exc:  # noqa: BLE001 - refusing to start would crash-loop the worker
+                status = STATUS_DRAINING
+                logger.error(
+                    "intent sleep failed, registering draining worker_id=%x worker_name=%s level=%d error=%s",
+                    self.worker_id, recorder.worker_name, intent.sleep_level, exc,
+                )
+        if dropped:
+            await self._record_intent(lambda r: r.remove_loras(dropped, set_by="restart"))
+        self.status = status
+        self._metrics.status(self.worker_id, status)
+        logger.info(
+            "intent restored worker_id=%x worker_name=%s status=%s sleep_level=%d loras=%s dropped=%s",
+            self.worker_id, recorder.worker_name, status, self.sleep_level,
+            ",".join(n for n in intent.loras if n not in dropped) or "-", ",".join(dropped) or "-",
+        )
+        return status
+
+    async def _record_intent(self, change: Callable[[IntentRecorder], Awaitable[bool]]) -> bool:
+        """Records one intent change after its action succeeded. True once it is in discovery (or
+        when this worker keeps no intent); False while discovery does not take it: the recorder
+        retries in the background until it does, so the change is late, never lost."""
+        if self._intent is None:
+            return True
+        return await change(self._intent)
+
+    @staticmethod
+    def _reply(message: str, saved: bool, **extra: Any) -> dict[str, Any]:
+        """``saved`` False: the action took effect here, its status or intent is not in discovery
+        yet (it is being retried); the operator is told, and need not do anything."""
+        if saved:
+            return control.ok(message, **extra)
+        return control.ok(
+            f"{message}; discovery is not answering, the change is recorded there as soon as it does",
+            discovery_pending=True, **extra,
+        )
+
     # -- discovery records ------------------------------------------------------------------------
 
     def _card_key(self, lora: str | None) -> str:
@@ -228,13 +315,17 @@ class WorkerService:
     async def _put_card(self, lora: str | None, card: ModelCard) -> None:
         await self.component.runtime.store.put(self._card_key(lora), encode_card(card), self.lease)
 
-    async def _set_status(self, status: str) -> None:
-        # Adopted only once every record says so: after a failed write the worker keeps its old
-        # status, so the operator's retry writes again instead of finding nothing to do.
-        for served in self._served:
-            await served.set_status(status)
+    async def _set_status(self, status: str) -> bool:
+        """The operator's status change, which a discovery outage must not lose: the worker acts
+        on it at once (a draining worker takes no new requests) and each record is written now
+        or, when discovery does not take the write (unreachable, disk full), retried in the
+        background until it does. Returns False while such a write is pending."""
+        # All records at once: during an outage each waits its short while in parallel, not in turn.
+        results = await asyncio.gather(*(served.set_status_eventually(status) for served in self._served))
+        written = all(results)
         self.status = status
         self._metrics.status(self.worker_id, status)
+        return written
 
     # -- generate -------------------------------------------------------------------------------
 
@@ -264,63 +355,79 @@ class WorkerService:
             raise InvalidRequestError(f"sleep level must be 1 or 2, got {req.level}")
         async with self._status_lock:
             if self.status == STATUS_SLEEPING:
-                yield control.ok("already sleeping", state=self.status)
+                saved = await self._record_intent(
+                    lambda r: r.set_status(STATUS_SLEEPING, self.sleep_level, set_by=control.SLEEP)
+                )
+                yield self._reply("already sleeping", saved, state=self.status, level=self.sleep_level)
                 return
             # The engine may refuse (no sleep mode on this platform): only then is the worker asleep.
             await self.engine.sleep(req.level)
-            await self._set_status(STATUS_SLEEPING)
+            written = await self._set_status(STATUS_SLEEPING)
+            self.sleep_level = req.level
+            saved = await self._record_intent(lambda r: r.set_status(STATUS_SLEEPING, req.level, set_by=control.SLEEP))
         logger.info("worker sleeping worker_id=%x level=%d", self.worker_id, req.level)
-        yield control.ok(f"sleeping at level {req.level}", state=self.status)
+        yield self._reply(f"sleeping at level {req.level}", written and saved, state=self.status, level=req.level)
 
     async def _wake_up(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
         parse_body(body, EmptyRequest, control.WAKE_UP)
         async with self._status_lock:
             if self.status == STATUS_SLEEPING:
                 await self.engine.wake_up()
-            await self._set_status(STATUS_READY)
+            written = await self._set_status(STATUS_READY)
+            self.sleep_level = 0
+            saved = await self._record_intent(lambda r: r.set_status(STATUS_READY, set_by=control.WAKE_UP))
         logger.info("worker awake worker_id=%x", self.worker_id)
-        yield control.ok("awake", state=self.status)
+        yield self._reply("awake", written and saved, state=self.status)
 
     async def _drain(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
         req = parse_body(body, DrainRequest, control.DRAIN)
         async with self._status_lock:
             if self.status == STATUS_SLEEPING:
                 raise InvalidRequestError("worker is sleeping; wake it before draining")
-            await self._set_status(STATUS_DRAINING)
+            written = await self._set_status(STATUS_DRAINING)
+            saved = await self._record_intent(lambda r: r.set_status(STATUS_DRAINING, set_by=control.DRAIN)) and written
         logger.info("worker draining worker_id=%x inflight=%d", self.worker_id, self.engine.num_active_requests)
         if not req.wait:
-            yield control.ok("draining", state=self.status, inflight=self.engine.num_active_requests)
+            yield self._reply("draining", saved, state=self.status, inflight=self.engine.num_active_requests)
             return
         if not await self._wait_idle(req.timeout_s):
             left = self.engine.num_active_requests
             yield control.error(f"drain timed out with {left} requests in flight", state=self.status, inflight=left)
         else:
             logger.info("worker drained worker_id=%x", self.worker_id)
-            yield control.ok("drained", state=self.status, inflight=0)
+            yield self._reply("drained", saved, state=self.status, inflight=0)
 
     async def _load_lora(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
         req = parse_body(body, LoadLoraRequest, control.LOAD_LORA)
         uri = req.source if isinstance(req.source, str) else req.source.uri
         if not req.lora_name or "/" in req.lora_name:
             raise InvalidRequestError("lora_name must be a non-empty name without '/'")
-        info = await self.engine.load_lora(req.lora_name, uri)
+        info = await self._load_adapter(req.lora_name, uri)
+        saved = await self._record_intent(lambda r: r.add_lora(req.lora_name, uri, set_by=control.LOAD_LORA))
+        yield self._reply(f"loaded {req.lora_name}", saved, lora_name=info.name, lora_id=info.lora_id)
+
+    async def _load_adapter(self, name: str, source: str) -> LoraInfo:
+        """Loads an adapter into the engine and publishes its model card (a LoRA is its own model)."""
+        info = await self.engine.load_lora(name, source)
         assert self.card is not None, "load_lora before start"
-        card = msgspec.structs.replace(
-            self.card,
-            served_model_name=req.lora_name,
-            lora=req.lora_name,
-            base_model=self.card.served_model_name,
-        )
-        await self._put_card(req.lora_name, card)
-        logger.info("lora loaded worker_id=%x lora=%s source=%s", self.worker_id, req.lora_name, uri)
-        yield control.ok(f"loaded {req.lora_name}", lora_name=info.name, lora_id=info.lora_id)
+        card = msgspec.structs.replace(self.card, served_model_name=name, lora=name, base_model=self.card.served_model_name)
+        await self._put_card(name, card)
+        logger.info("lora loaded worker_id=%x lora=%s source=%s", self.worker_id, name, source)
+        return info
 
     async def _unload_lora(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
         req = parse_body(body, UnloadLoraRequest, control.UNLOAD_LORA)
-        await self.engine.unload_lora(req.lora_name)
+        try:
+            await self.engine.unload_lora(req.lora_name)
+        except NotFoundError:
+            # Not loaded yet still remembered (an adapter dropped at restart, an intent out of
+            # step): this unload forgets it; otherwise the operator named an adapter not there.
+            if self._intent is None or req.lora_name not in self._intent.current.loras:
+                raise
         await self.component.runtime.store.delete(self._card_key(req.lora_name))
         logger.info("lora unloaded worker_id=%x lora=%s", self.worker_id, req.lora_name)
-        yield control.ok(f"unloaded {req.lora_name}", lora_name=req.lora_name)
+        saved = await self._record_intent(lambda r: r.remove_loras([req.lora_name], set_by=control.UNLOAD_LORA))
+        yield self._reply(f"unloaded {req.lora_name}", saved, lora_name=req.lora_name)
 
     async def _list_loras(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
         parse_body(body, EmptyRequest, control.LIST_LORAS)

@@ -33,6 +33,7 @@ from dynamod.shared.observability.status_server import StatusServer
 from dynamod.shared.protocol.instance import STATUS_DRAINING, STATUSES, Instance, encode_instance
 from dynamod.shared.protocol.keys import instance_key
 from dynamod.shared.runtime.client import EndpointClient, endpoint_path
+from dynamod.shared.runtime.retrying_write import DEFAULT_WAIT_S, RetryingWrite
 from dynamod.shared.transport.factory import make_client, make_server
 from dynamod.shared.transport.liveness import RequestPlaneMetrics
 from dynamod.shared.transport.plane import (
@@ -324,10 +325,6 @@ class Endpoint:
         return await EndpointClient(self.runtime, self.namespace_name, self.component.name, self.name).start()
 
 
-_PENDING_RETRY_MIN_S = 0.25
-_PENDING_RETRY_MAX_S = 5.0
-
-
 class ServedInstance:
     """One registered instance: its discovery record, its handler on the server, its metrics."""
 
@@ -340,8 +337,8 @@ class ServedInstance:
         self.key = instance_key(record.namespace, record.component, record.endpoint, record.instance_id)
         self.registered = False
         self.inflight = 0
-        self._pending: Instance | None = None  # a record to write once discovery answers again
-        self._pending_task: asyncio.Task[None] | None = None
+        # An operator's status change not yet written: retried until discovery takes it.
+        self._writes: RetryingWrite[Instance] = RetryingWrite(f"instance {self.path}", self._write_record)
 
     @property
     def instance_id(self) -> int:
@@ -350,7 +347,7 @@ class ServedInstance:
     @property
     def write_pending(self) -> bool:
         """A status change was accepted while discovery was unreachable and is not written yet."""
-        return self._pending is not None
+        return self._writes.pending
 
     async def publish(self, record: Instance | None = None) -> None:
         """Writes ``record`` (default: the current one) and adopts it only once the write
@@ -365,66 +362,36 @@ class ServedInstance:
         retry writes again). Supersedes a deferred write of another status."""
         if status not in STATUSES:
             raise ValueError(f"unknown instance status {status!r}")
-        if self._pending is not None and self._pending.status != status:
-            self._pending = None  # the newer wish wins; the retry loop ends on its own
+        if self._writes.pending:
+            await self._writes.close()  # the newer wish wins; no late retry may overwrite it
         if self.record.status != status:
             await self._update(msgspec.structs.replace(self.record, status=status))
             logger.info("instance status path=%s status=%s", self.path, status)
 
-    async def set_status_eventually(self, status: str) -> bool:
-        """Like ``set_status``, for an operator's action that must not be lost to a discovery
-        outage (a drain during an etcd restart): when the write fails it is retried in the
-        background until it lands, and ``record`` is adopted then. Returns True when written now,
-        False when deferred. A later call (or ``set_status``) supersedes a deferred write."""
+    async def set_status_eventually(self, status: str, *, wait_s: float = DEFAULT_WAIT_S) -> bool:
+        """Like ``set_status``, for an operator's action that a discovery outage must not lose
+        (a drain during an etcd restart): the write is retried in the background until it lands
+        (``record`` adopted then), and the caller waits at most ``wait_s``. Returns True when it
+        was written in that time, False while it is pending. A later call supersedes it."""
         if status not in STATUSES:
             raise ValueError(f"unknown instance status {status!r}")
-        try:
+        if not self.registered:
             await self.set_status(status)
-        except DynamoError as exc:
-            if not self.registered:
-                raise
-            self._defer(msgspec.structs.replace(self.record, status=status), exc)
-            return False
-        self._pending = None
-        return True
+            return True
+        if self.record.status == status and not self._writes.pending:
+            return True
+        written = await self._writes.submit(msgspec.structs.replace(self.record, status=status), wait_s=wait_s)
+        if written:
+            logger.info("instance status path=%s status=%s", self.path, status)
+        return written
 
-    def _defer(self, record: Instance, exc: BaseException) -> None:
-        first = self._pending is None
-        self._pending = record
-        if first:
-            logger.warning(
-                "instance status write deferred path=%s status=%s error=%s; retrying until discovery answers",
-                self.path, record.status, exc,
-            )
-        if self._pending_task is None or self._pending_task.done():
-            self._pending_task = asyncio.get_running_loop().create_task(
-                self._write_pending(), name=f"instance-write:{self.path}"
-            )
-
-    async def _write_pending(self) -> None:
-        delay = _PENDING_RETRY_MIN_S
-        while self._pending is not None and self.registered:
-            await asyncio.sleep(delay)
-            record = self._pending
-            if record is None:
-                return
-            try:
-                await self.publish(record)
-            except DynamoError as exc:
-                logger.debug("instance status write retry failed path=%s error=%s", self.path, exc)
-                delay = min(delay * 2, _PENDING_RETRY_MAX_S)
-                continue
-            if self._pending is record:
-                self._pending = None
-            logger.info("instance status written after outage path=%s status=%s", self.path, record.status)
+    async def _write_record(self, record: Instance) -> None:
+        # The record may have changed since it was submitted (labels): keep those, take the status.
+        await self.publish(msgspec.structs.replace(self.record, status=record.status))
 
     async def cancel_pending_write(self) -> None:
         """Stops retrying a deferred write (shutdown: the record is about to be deleted)."""
-        task, self._pending_task = self._pending_task, None
-        self._pending = None
-        if task is not None and not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await self._writes.close()
 
     async def update_labels(self, **labels: str) -> None:
         await self._update(msgspec.structs.replace(self.record, labels={**self.record.labels, **labels}))

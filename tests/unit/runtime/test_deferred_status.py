@@ -14,7 +14,7 @@ async def test_deferred_status_is_written_when_discovery_answers_again() -> None
     rt, served = await _served(store)
     try:
         store.fail_prefix, store.failures_left = served.key, 3  # the first write and two retries fail
-        assert await served.set_status_eventually("draining") is False
+        assert await served.set_status_eventually("draining", wait_s=0.1) is False
         assert served.write_pending and served.record.status == "ready"  # adopted once written
         await until(lambda: not served.write_pending, timeout=10)
         assert (await _stored(store, served)).status == "draining"
@@ -30,7 +30,7 @@ async def test_a_newer_status_supersedes_a_deferred_one() -> None:
     rt, served = await _served(store)
     try:
         store.fail_prefix, store.failures_left = served.key, 1
-        assert await served.set_status_eventually("draining") is False
+        assert await served.set_status_eventually("draining", wait_s=0.1) is False
         await served.set_status("sleeping")  # discovery is back; the operator moved on
         await until(lambda: not served.write_pending, timeout=10)
         assert (await _stored(store, served)).status == "sleeping"
@@ -45,7 +45,7 @@ async def test_strict_set_status_still_raises_and_shutdown_stops_the_retries() -
     with pytest.raises(DiscoveryError):
         await served.set_status("draining")
     assert not served.write_pending
-    assert await served.set_status_eventually("draining") is False
+    assert await served.set_status_eventually("draining", wait_s=0.1) is False
     store.failures_left = 0
     await rt.shutdown(0)  # cancels the retry loop, then deregisters
     assert not served.write_pending and await _stored(store, served) is None
