@@ -245,6 +245,8 @@ class OpenAIEndpoint(ABC):
                 ignore_eos=req.wants_ignore_eos,
             ),
             lora_name=model.lora_name,
+            router=req.nvext.sla_targets() if req.nvext is not None else None,
+            routing=req.nvext.routing_hints() if req.nvext is not None else None,
         )
         freq = FrontendRequest(
             request_id=request_id, model=model, preprocessed=preq, started_at=start, direct_ids=direct_ids,

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 import msgspec
 
 from dynamod.shared.errors import InvalidRequestError
+from dynamod.shared.protocol.llm import RoutingHints, SlaTargets
 
 _I32 = 2**31 - 1
 _I64 = 2**63 - 1
@@ -32,6 +33,8 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 ChoiceCount = Annotated[int, msgspec.Meta(ge=1, le=128)]
 TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=_I32)]
+LatencyTargetMs = Annotated[float, msgspec.Meta(ge=0.0, le=86_400_000.0)]
+Priority = Annotated[int, msgspec.Meta(ge=-_I32 - 1, le=_I32)]
 
 MAX_STOP_SEQUENCES = 16
 
@@ -41,10 +44,37 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     continuous_usage_stats: bool = False
 
 
+class NvExtRouter(msgspec.Struct, kw_only=True):
+    """``nvext.router``: latency targets in ms, read by the global router to pick a pool."""
+
+    ttft_target: LatencyTargetMs | None = None
+    itl_target: LatencyTargetMs | None = None
+
+
+class AgentHints(msgspec.Struct, kw_only=True):
+    """``nvext.agent_hints``: ``priority`` picks the global router's priority overrides."""
+
+    priority: Priority | None = None
+
+
 class NvExt(msgspec.Struct, kw_only=True):
     """Dynamo's request extension block; ``ignore_eos`` also works at the top level."""
 
     ignore_eos: bool | None = None
+    router: NvExtRouter | None = None
+    agent_hints: AgentHints | None = None
+
+    def sla_targets(self) -> SlaTargets | None:
+        """The targets for ``PreprocessedRequest.router`` (None: the client set none)."""
+        r = self.router
+        if r is None or (r.ttft_target is None and r.itl_target is None):
+            return None
+        return SlaTargets(ttft_target=r.ttft_target, itl_target=r.itl_target)
+
+    def routing_hints(self) -> RoutingHints | None:
+        """The hints for ``PreprocessedRequest.routing`` (None: the client set none)."""
+        h = self.agent_hints
+        return None if h is None or h.priority is None else RoutingHints(priority=h.priority)
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):

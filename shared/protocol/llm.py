@@ -25,6 +25,21 @@ class StopConditions(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
 
 
+class SlaTargets(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The client's latency targets in ms (``nvext.router``, Dynamo's names): the global router
+    picks a pool by them; other routers and engines ignore them."""
+
+    ttft_target: float | None = None
+    itl_target: float | None = None
+
+
+class RoutingHints(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Routing hints from ``nvext.agent_hints`` (Dynamo's ``routing``): ``priority`` selects the
+    global router's priority overrides."""
+
+    priority: int | None = None
+
+
 class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     request_id: str
     model: str
@@ -37,6 +52,8 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     disaggregated_params: dict | None = None
     estimated_prefix_hit_blocks: int | None = None
     dp_rank: int | None = None
+    router: SlaTargets | None = None
+    routing: RoutingHints | None = None
 
 
 class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
