@@ -30,11 +30,14 @@ ROLES: dict[str, str] = {
     "prefill": "dynamod.daemon.worker.main",
     "frontend": "dynamod.daemon.frontend.main",
     "router": "dynamod.daemon.router.main",
+    "planner": "dynamod.daemon.planner.main",
+    "global-router": "dynamod.daemon.global_router.main",
 }
 # subcommand -> module implementing add_args/run (or main(argv) for synchronous tools)
 SUBCOMMANDS: dict[str, str] = {
     "up": "dynamod.daemon.supervisor.up",
     "replay": "dynamod.daemon.replay.main",
+    "profile": "dynamod.daemon.profile.main",
 }
 
 

@@ -10,6 +10,13 @@ disaggregated replay both pools use them. ``--prefill-workers``/``--decode-worke
 ``--workers``; the transfer flags model moving the prompt's KV blocks between the pools, and
 ``--router-conditional-disagg`` prefills some requests locally (with ``prefill_load``, the busy
 threshold counts prompt tokens queued on the chosen prefill worker).
+
+With ``--planner load|sla`` the planner's policy runs in the loop on the simulated clock (every
+``--adjustment-interval``; the policy flags are the planner daemon's): ``--workers`` (or
+``--prefill-workers``/``--decode-workers``) is then the starting size, a scale-up counts a worker
+only ``--startup-delay`` seconds after its launch, a scale-down drains. The summary adds SLA
+attainment (% of requests within both ``--ttft`` and ``--itl``; ITL is each request's mean),
+worker-seconds, and with ``--compare-static`` the best static allocation of the same budget.
 """
 
 from __future__ import annotations
@@ -19,7 +26,14 @@ import json
 import sys
 import time
 
-from dynamod.daemon.engines.mocker.config import add_mocker_flags, config_from_args
+from dynamod.daemon.engines.mocker.config import MockerConfig, add_mocker_flags, config_from_args
+from dynamod.daemon.planner.policy_args import add_policy_args, budget_from_args, build_policy
+from dynamod.daemon.replay.planner_loop import (
+    DEFAULT_STARTUP_S,
+    ReplayPlanner,
+    compare_static,
+    static_allocations,
+)
 from dynamod.daemon.replay.simulator import (
     DEFAULT_KV_BYTES_PER_TOKEN,
     DEFAULT_KV_TRANSFER_BANDWIDTH_GB_S,
@@ -66,6 +80,21 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_mocker_flags(parser.add_argument_group("mocker engine"))
     add_router_args(parser)
     add_disagg_args(parser)
+    pl = parser.add_argument_group("planner in the loop")
+    pl.add_argument("--startup-delay", type=float, default=DEFAULT_STARTUP_S, metavar="SECONDS",
+                    help=f"launch to ready of a worker the planner adds (paid for meanwhile) [default {DEFAULT_STARTUP_S:g}]")
+    pl.add_argument("--compare-static", action="store_true",
+                    help="also replay every static allocation the budget allows and report the best one "
+                    "(highest attainment) and the cheapest one at least as good as the planner")
+    add_policy_args(parser)
+    # A replay is static unless --planner is given: DYN_PLANNER in the environment (meant for the
+    # planner daemon) must not turn a benchmark of a fixed fleet into a scaling one.
+    for action in parser._actions:
+        if action.dest == "planner":
+            action.default = None
+            action.help = "put this planner in the loop [default: none, a static fleet]"
+        elif action.dest == "mode":
+            action.help = "ignored by replay: agg with --workers, disagg with --prefill/--decode-workers"
 
 
 def _topology(args: argparse.Namespace) -> tuple[int, int] | None:
@@ -75,7 +104,8 @@ def _topology(args: argparse.Namespace) -> tuple[int, int] | None:
     if p is None and d is None:
         if args.router_conditional_disagg or args.router_conditional_disagg_config:
             raise ConfigError("--router-conditional-disagg needs --prefill-workers and --decode-workers")
-        workers = DEFAULT_WORKERS if args.workers is None else args.workers
+        default = 1 if getattr(args, "planner", None) else DEFAULT_WORKERS
+        workers = default if args.workers is None else args.workers
         if workers < 1:
             raise ConfigError(f"--workers must be at least 1, got {workers}")
         return None
@@ -92,6 +122,22 @@ def _topology(args: argparse.Namespace) -> tuple[int, int] | None:
     return p, d
 
 
+def _planner(args: argparse.Namespace, topology: tuple[int, int] | None, mocker: MockerConfig) -> ReplayPlanner | None:
+    if not getattr(args, "planner", None):
+        return None
+    args.mode = "disagg" if topology else "agg"
+    budget = budget_from_args(args)
+    if budget.decode_min < 1 or (topology and budget.prefill_min < 1):
+        raise ConfigError("a replay needs at least one worker per pool: --min-endpoint >= 1")
+    if args.startup_delay < 0:
+        raise ConfigError(f"--startup-delay must be >= 0, got {args.startup_delay}")
+    policy = build_policy(args)
+    set_model = getattr(policy, "set_model", None)
+    if set_model is not None:
+        set_model(context_length=mocker.context_length, kv_block_size=mocker.block_size)
+    return ReplayPlanner(policy, startup_s=args.startup_delay)
+
+
 def main_sync(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
@@ -100,9 +146,11 @@ def main_sync(args: argparse.Namespace) -> int:
         router_config = router_config_from_args(args)
         policy = disagg_config_from_args(args) if topology else None
         transfer = TransferModel(args.kv_bytes_per_token, args.kv_transfer_bandwidth, args.kv_transfer_latency_ms)
+        planner = _planner(args, topology, mocker)
     except ConfigError as exc:
         print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return 2
+    sla_targets = (float(args.ttft), float(args.itl))
     try:
         records = load_trace(args.trace)
         if args.max_requests:
@@ -110,16 +158,27 @@ def main_sync(args: argparse.Namespace) -> int:
         requests = build_requests(
             records, trace_block_size=args.trace_block_size, vocab_size=REPLAY_VOCAB, arrival_speedup=args.arrival_speedup
         )
+
+        def run(prefill: int, decode: int, planner: ReplayPlanner | None) -> dict:
+            if topology is None:
+                return replay(requests, workers=decode, mode=args.router_mode, mocker=mocker,
+                              router_config=router_config, seed=args.seed, planner=planner, sla_targets=sla_targets)
+            return replay_disagg(requests, prefill_workers=prefill, decode_workers=decode, mode=args.router_mode,
+                                 mocker=mocker, policy=policy, transfer=transfer, router_config=router_config,
+                                 seed=args.seed, planner=planner, sla_targets=sla_targets)
+
         if topology is None:
-            result = replay(
-                requests, workers=args.workers or DEFAULT_WORKERS, mode=args.router_mode, mocker=mocker,
-                router_config=router_config, seed=args.seed,
-            )
+            start = (0, args.workers or (1 if planner else DEFAULT_WORKERS))
         else:
-            result = replay_disagg(
-                requests, prefill_workers=topology[0], decode_workers=topology[1], mode=args.router_mode,
-                mocker=mocker, policy=policy, transfer=transfer, router_config=router_config, seed=args.seed,
+            start = topology
+        result = run(start[0], start[1], planner)
+        if args.compare_static:
+            comparison = compare_static(
+                static_allocations(budget_from_args(args), topology is not None),
+                lambda alloc: run(alloc.get("prefill", 0), alloc.get("decode", alloc.get("agg", 0)), None),
+                float(result["sla"]["attainment_pct"]),
             )
+            result["static"] = comparison.to_json()
     except DynamoError as exc:
         print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return 1

@@ -119,3 +119,34 @@ def busy_fraction(log: StepLog, workers: int, sim_s: float) -> float:
     if workers <= 0 or sim_s <= 0:
         return 0.0
     return round(log.busy_ms / (workers * sim_s * 1000.0), 4)
+
+
+def request_itl_ms(s: RequestStats) -> float | None:
+    """A request's mean inter-token latency (what Dynamo's ITL target bounds); None with one token."""
+    if len(s.token_times) < 2:
+        return None
+    return (s.token_times[-1] - s.token_times[0]) / (len(s.token_times) - 1)
+
+
+def sla_figures(done: Sequence[RequestStats], ttft_ms: float, itl_ms: float) -> dict[str, float]:
+    """SLA attainment: the share of finished requests whose TTFT is within ``ttft_ms`` AND whose
+    mean ITL is within ``itl_ms`` (a one-token request is judged on TTFT alone), in percent; and
+    each condition's own share, so a miss can be told apart."""
+    n = len(done)
+    if not n:
+        return {"ttft_ms": ttft_ms, "itl_ms": itl_ms, "attainment_pct": 0.0, "ttft_ok_pct": 0.0, "itl_ok_pct": 0.0}
+    ttft_ok = itl_ok = both = 0
+    for s in done:
+        t_ok = bool(s.token_times) and s.token_times[0] - s.arrival_ms <= ttft_ms
+        itl = request_itl_ms(s)
+        i_ok = itl is None or itl <= itl_ms
+        ttft_ok += t_ok
+        itl_ok += i_ok
+        both += t_ok and i_ok
+    return {
+        "ttft_ms": ttft_ms,
+        "itl_ms": itl_ms,
+        "attainment_pct": round(100.0 * both / n, 3),
+        "ttft_ok_pct": round(100.0 * ttft_ok / n, 3),
+        "itl_ok_pct": round(100.0 * itl_ok / n, 3),
+    }

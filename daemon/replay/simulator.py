@@ -40,6 +40,7 @@ import itertools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dynamod.daemon.engines.mocker.config import MockerConfig
 from dynamod.daemon.engines.mocker.core import MockerCore, StepOutput
@@ -51,9 +52,13 @@ from dynamod.daemon.replay.report import (
     busy_fraction,
     client_figures,
     sim_seconds,
+    sla_figures,
     summary,
 )
 from dynamod.daemon.replay.trace import TraceRequest
+
+if TYPE_CHECKING:
+    from dynamod.daemon.replay.planner_loop import ReplayPlanner
 from dynamod.daemon.router.config import KvRouterConfig
 from dynamod.daemon.router.disagg_policy import DisaggInputs, DisaggPolicyConfig, decide
 from dynamod.daemon.router.kv_router import KvRouter
@@ -112,7 +117,7 @@ class _Picker:
         if mode not in MODES:
             raise ConfigError(f"unknown router mode {mode!r}; choose one of {', '.join(MODES)}")
         self.mode = mode
-        self._n = n_workers
+        self._ids = list(range(n_workers))  # routable workers, in id order
         self._block_size = block_size
         self._rr = itertools.count()
         self._rng = random.Random(seed)
@@ -124,6 +129,21 @@ class _Picker:
             self.router.update_workers([(w, 0) for w in range(n_workers)])
         self._event_ids = [0] * n_workers
 
+    def set_workers(self, ids: list[int]) -> None:
+        """The workers new requests may go to (a planner replay: ready, not starting or draining).
+        A draining worker keeps its KV index and active requests until ``remove_worker``."""
+        self._ids = sorted(ids)
+        while len(self._event_ids) <= max(ids, default=-1):
+            self._event_ids.append(0)
+        if self.router is not None:
+            self.router.update_workers([(w, 0) for w in self._ids])
+
+    def remove_worker(self, worker: int) -> None:
+        """A stopped worker: the router forgets its blocks and load."""
+        if self.router is not None:
+            self.router.remove_worker(worker)
+        self._ids = [w for w in self._ids if w != worker]
+
     def pick(self, req: TraceRequest, overlap_weight: float | None = None) -> tuple[int, int | None]:
         """The worker for ``req`` and, in kv mode, the prompt blocks it caches (else None).
         ``overlap_weight`` overrides the router's (0 for a decode stage after remote prefill)."""
@@ -132,8 +152,8 @@ class _Picker:
             decision = self.router.select_worker(str(req.index), req.prompt, overlap_weight=overlap_weight)
             return decision.worker_id, decision.overlap_blocks
         if self.mode == "random":
-            return self._rng.randrange(self._n), None
-        return next(self._rr) % self._n, None
+            return self._ids[self._rng.randrange(len(self._ids))], None
+        return self._ids[next(self._rr) % len(self._ids)], None
 
     def estimate(self, req: TraceRequest) -> tuple[int, int] | None:
         """kv mode: the worker ``pick`` would choose and the blocks it caches, counting nothing
@@ -171,7 +191,10 @@ class _Picker:
 
 # Event kinds. Events at the same instant run in the order they were pushed (the heap's second
 # key), which keeps a replay deterministic.
-_ARRIVAL, _STEP_DONE, _TRANSFER_DONE = 0, 1, 2
+_ARRIVAL, _STEP_DONE, _TRANSFER_DONE, _PLANNER_TICK, _WORKER_READY = 0, 1, 2, 3, 4
+
+# Core lifecycle (planner replays): launched -> STARTING -> READY -> DRAINING -> STOPPED.
+STARTING, READY, DRAINING, STOPPED = "starting", "ready", "draining", "stopped"
 
 
 @dataclass(slots=True)
@@ -185,10 +208,43 @@ class _Pool:
     # the step starts, but a live worker reports that batch as queued until the step ends.
     inflight_prefill: list[int]
     log: StepLog = field(default_factory=StepLog)
+    # Lifecycle, for replays with a planner (a static replay keeps every core READY from 0 ms):
+    # when each core was launched and stopped (-1: running), and its state.
+    state: list[str] = field(default_factory=list)
+    launched_ms: list[float] = field(default_factory=list)
+    stopped_ms: list[float] = field(default_factory=list)
+    # Requests routed to a core that have not reached it yet (a KV transfer in flight): a
+    # draining decode core must wait for them too.
+    incoming: list[int] = field(default_factory=list)
 
     @classmethod
     def create(cls, name: str, n: int, mocker: MockerConfig) -> _Pool:
-        return cls(name, [MockerCore(mocker) for _ in range(n)], [False] * n, [0] * n)
+        return cls(name, [MockerCore(mocker) for _ in range(n)], [False] * n, [0] * n,
+                   state=[READY] * n, launched_ms=[0.0] * n, stopped_ms=[-1.0] * n, incoming=[0] * n)
+
+    def ids(self, state: str) -> list[int]:
+        return [w for w, st in enumerate(self.state) if st == state]
+
+    def launch(self, mocker: MockerConfig, now_ms: float) -> int:
+        """A new core, STARTING: it takes no work until the planner loop marks it READY."""
+        self.cores.append(MockerCore(mocker))
+        self.busy.append(False)
+        self.inflight_prefill.append(0)
+        self.state.append(STARTING)
+        self.launched_ms.append(now_ms)
+        self.stopped_ms.append(-1.0)
+        self.incoming.append(0)
+        return len(self.cores) - 1
+
+    def idle(self, w: int) -> bool:
+        return not self.busy[w] and not self.incoming[w] and not self.cores[w].has_unfinished_requests()
+
+    def worker_seconds(self, end_ms: float) -> float:
+        """Core-seconds paid for, launch (startup included) to stop or ``end_ms``."""
+        total = 0.0
+        for start, stop in zip(self.launched_ms, self.stopped_ms, strict=True):
+            total += max(0.0, (stop if stop >= 0 else end_ms) - start)
+        return total / 1000.0
 
     def prefill_load_tokens(self, w: int) -> int:
         """The load ``prefill_load`` compares with ``prefill_busy_threshold`` in a replay: prompt
@@ -204,8 +260,13 @@ class _Simulation:
 
     def __init__(self, *, prefill_workers: int, decode_workers: int, mode: str, mocker: MockerConfig,
                  router_config: KvRouterConfig | None, seed: int, policy: DisaggPolicyConfig | None,
-                 transfer: TransferModel) -> None:
+                 transfer: TransferModel, planner: ReplayPlanner | None = None,
+                 sla_targets: tuple[float, float] | None = None) -> None:
         self.now = 0.0
+        self.sla_targets = sla_targets
+        self.planner = planner
+        self._to_arrive = 0
+        self._open = 0  # arrived, not finished
         self.mocker = mocker
         self.policy = policy
         self.transfer = transfer
@@ -233,11 +294,26 @@ class _Simulation:
     def run(self, requests: list[TraceRequest]) -> None:
         for req in requests:
             self._push(req.arrival_ms, _ARRIVAL, req)
+        self._to_arrive = len(requests)
+        if self.planner is not None:
+            self._push(self.planner.interval_ms, _PLANNER_TICK, None)
         heap = self._heap
         while heap:
             self.now, _, kind, payload = heapq.heappop(heap)
             if kind == _ARRIVAL:
+                self._to_arrive -= 1
+                self._open += 1
                 self._arrive(payload)  # type: ignore[arg-type]
+            elif kind == _PLANNER_TICK:
+                assert self.planner is not None
+                if self._to_arrive or self._open:  # the last tick is the one after the last finish
+                    self.planner.tick(self)
+                    self._push(self.now + self.planner.interval_ms, _PLANNER_TICK, None)
+            elif kind == _WORKER_READY:
+                pool, w = payload  # type: ignore[misc]
+                if pool.state[w] == STARTING:
+                    pool.state[w] = READY
+                    self.sync_routing(pool)
             elif kind == _STEP_DONE:
                 pool, w, out = payload  # type: ignore[misc]
                 pool.inflight_prefill[w] = 0
@@ -249,8 +325,43 @@ class _Simulation:
                     self._start_step(pool, w)
                 else:
                     pool.busy[w] = False
+                    if pool.state[w] == DRAINING and pool.idle(w):
+                        self.stop_core(pool, w)
             else:
                 self._transfer_done(payload)  # type: ignore[arg-type]
+
+    # ---- scaling (planner replays) -------------------------------------------------------------
+
+    def picker_of(self, pool: _Pool) -> _Picker | None:
+        return self.prefill_picker if pool is self.prefill else self.decode_picker
+
+    def sync_routing(self, pool: _Pool) -> None:
+        picker = self.picker_of(pool)
+        if picker is not None:
+            picker.set_workers(pool.ids(READY))
+
+    def launch_core(self, pool: _Pool, startup_ms: float) -> int:
+        w = pool.launch(self.mocker, self.now)
+        self._push(self.now + startup_ms, _WORKER_READY, (pool, w))
+        return w
+
+    def drain_core(self, pool: _Pool, w: int) -> None:
+        """No new work for ``w``; it stops once its in-flight requests are done."""
+        if pool.state[w] == STARTING:
+            pool.state[w] = STOPPED
+            pool.stopped_ms[w] = self.now
+            return
+        pool.state[w] = DRAINING
+        self.sync_routing(pool)
+        if pool.idle(w):
+            self.stop_core(pool, w)
+
+    def stop_core(self, pool: _Pool, w: int) -> None:
+        pool.state[w] = STOPPED
+        pool.stopped_ms[w] = self.now
+        picker = self.picker_of(pool)
+        if picker is not None:
+            picker.remove_worker(w)
 
     def _push(self, at_ms: float, kind: int, payload: object) -> None:
         heapq.heappush(self._heap, (at_ms, next(self._order), kind, payload))
@@ -324,12 +435,13 @@ class _Simulation:
         inputs = DisaggInputs(
             isl=isl,
             decode_cached_tokens=min(overlap * bs, isl),
-            prefill_available=self.prefill_picker is not None,
+            prefill_available=self.prefill_picker is not None and bool(self.prefill.ids(READY)),
             prefill_busy_threshold=self.router_config.active_prefill_tokens_threshold,
             decode_kv_fraction=(decode_load.active_blocks + new_blocks) / decode_load.total_blocks,
         )
         pw = -1
-        if self.prefill_picker is not None:
+        if inputs.prefill_available:
+            assert self.prefill_picker is not None
             pw, _ = self.prefill_picker.pick(req)
             inputs = DisaggInputs(
                 isl=inputs.isl, decode_cached_tokens=inputs.decode_cached_tokens,
@@ -338,7 +450,7 @@ class _Simulation:
                 decode_kv_fraction=inputs.decode_kv_fraction, prefill_worker_id=pw,
             )
         info = decide(self.policy, inputs)
-        if info.mode != DISAGG_REMOTE and self.prefill_picker is not None:
+        if info.mode != DISAGG_REMOTE and self.prefill_picker is not None and pw >= 0:
             self.prefill_picker.on_finish(rid)  # routed there, but it will not prefill there
         return info, pw
 
@@ -358,11 +470,13 @@ class _Simulation:
             lacking = -(-len(req.prompt) // bs) - self.decode_picker.cached_blocks(st.worker, req.prompt)
             st.transfer_bytes = self.transfer.bytes_for(lacking, bs)
             st.transfer_ms = self.transfer.time_ms(st.transfer_bytes)
+            self.decode.incoming[st.worker] += 1
             self._push(self.now + st.transfer_ms, _TRANSFER_DONE, rid)
 
     def _transfer_done(self, rid: str) -> None:
         req = self._requests.pop(rid)
         dw = self.stats[rid].worker
+        self.decode.incoming[dw] -= 1
         self.decode.cores[dw].add_request(
             rid, req.prompt, max_tokens=req.output_length, ignore_eos=True, seed=req.index, kv_transferred=True
         )
@@ -384,6 +498,9 @@ class _Simulation:
                 st.cached_tokens = fin.usage.cached_tokens
             st.output_tokens = fin.usage.completion_tokens
             picker.on_finish(fin.request_id)
+            self._open -= 1
+            if self.planner is not None:
+                self.planner.on_finish(st)
 
     # ---- figures -------------------------------------------------------------------------------
 
@@ -422,6 +539,12 @@ class _Simulation:
                 "decode": [sum(1 for s in done if s.worker == w) for w in range(len(self.decode.cores))],
             }
         res["sim_s"] = round(sim_s, 3)
+        end_ms = max((s.finish_ms for s in done), default=0.0)
+        if self.sla_targets is not None:
+            res["sla"] = sla_figures(done, *self.sla_targets)
+        res["worker_seconds"] = round(self.decode.worker_seconds(end_ms) + self.prefill.worker_seconds(end_ms), 3)
+        if self.planner is not None:
+            res["planner"] = self.planner.report(self, done, end_ms)
         return res
 
 
@@ -433,13 +556,17 @@ def replay(
     mocker: MockerConfig,
     router_config: KvRouterConfig | None = None,
     seed: int = 0,
+    planner: ReplayPlanner | None = None,
+    sla_targets: tuple[float, float] | None = None,
 ) -> dict:
     """Replays ``requests`` on ``workers`` aggregated workers; returns the summary (the ``--json``
-    object, without wall time)."""
+    object, without wall time). With ``planner``, ``workers`` is the starting count and the
+    planner resizes the pool every interval; ``sla_targets`` (TTFT ms, ITL ms) adds attainment."""
     if workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {workers}")
     sim = _Simulation(prefill_workers=0, decode_workers=workers, mode=mode, mocker=mocker,
-                      router_config=router_config, seed=seed, policy=None, transfer=TransferModel())
+                      router_config=router_config, seed=seed, policy=None, transfer=TransferModel(),
+                      planner=planner, sla_targets=sla_targets)
     sim.run(requests)
     return sim.report(mode)
 
@@ -455,6 +582,8 @@ def replay_disagg(
     transfer: TransferModel | None = None,
     router_config: KvRouterConfig | None = None,
     seed: int = 0,
+    planner: ReplayPlanner | None = None,
+    sla_targets: tuple[float, float] | None = None,
 ) -> dict:
     """Replays ``requests`` on a prefill pool and a decode pool; returns the summary.
 
@@ -468,6 +597,7 @@ def replay_disagg(
     if prefill_workers == 0 and not policy.decode_fallback:
         raise ConfigError("--prefill-workers 0 with --no-decode-fallback leaves no worker to prefill")
     sim = _Simulation(prefill_workers=prefill_workers, decode_workers=decode_workers, mode=mode, mocker=mocker,
-                      router_config=router_config, seed=seed, policy=policy, transfer=transfer or TransferModel())
+                      router_config=router_config, seed=seed, policy=policy, transfer=transfer or TransferModel(),
+                      planner=planner, sla_targets=sla_targets)
     sim.run(requests)
     return sim.report(mode)

@@ -1,0 +1,1 @@
+"""``dynamod profile``: measure an engine and write the performance profile the SLA planner reads."""

@@ -1,0 +1,217 @@
+"""The planner in the replay loop: the daemon's policies, fed from simulated cores, on the simulated clock.
+
+Every ``interval_s`` of simulated time the loop builds the same ``Observation`` the planner daemon
+builds from the event plane and the frontends' metrics (ready workers and their load reports; the
+requests that finished in the interval as the traffic sample), asks the policy, and carries the
+answer out as a connector would: a scale-up launches a core that takes no work until
+``startup_s`` has passed (it is paid for from launch), a scale-down first cancels cores still
+starting, then drains the least-loaded ready cores (no new requests; they stop when their
+in-flight work is done, so no request is lost).
+
+``compare_static`` replays the same requests on every static allocation the budget allows, to say
+what the planner bought: see ``StaticComparison``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dynamod.daemon.planner.load_policy import ReplicaBudget
+from dynamod.daemon.planner.policy import (
+    Observation,
+    PlannerPolicy,
+    PoolObservation,
+    TrafficSample,
+    WorkerLoad,
+)
+from dynamod.daemon.replay.report import RequestStats
+from dynamod.shared.protocol.planner import ACTION_HOLD, POOL_AGG, POOL_DECODE, POOL_PREFILL
+
+if TYPE_CHECKING:
+    from dynamod.daemon.replay.simulator import _Pool, _Simulation
+
+DEFAULT_STARTUP_S = 30.0  # a worker's launch to ready: engine start, weights loaded, registered
+
+
+@dataclass(slots=True)
+class ReplayPlanner:
+    policy: PlannerPolicy
+    startup_s: float = DEFAULT_STARTUP_S
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    decisions: int = 0
+    scale_ups: int = 0
+    scale_downs: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+    _window: list[RequestStats] = field(default_factory=list)
+
+    @property
+    def interval_ms(self) -> float:
+        return self.policy.interval_s * 1000.0
+
+    def on_finish(self, st: RequestStats) -> None:
+        self._window.append(st)
+
+    @staticmethod
+    def pools(sim: _Simulation) -> dict[str, _Pool]:
+        if sim.policy is None:
+            return {POOL_AGG: sim.decode}
+        return {POOL_PREFILL: sim.prefill, POOL_DECODE: sim.decode}
+
+    def tick(self, sim: _Simulation) -> None:
+        from dynamod.daemon.replay.simulator import READY, STARTING
+
+        observation = self.observe(sim)
+        plans = self.policy.plan(observation)
+        self.decisions += 1
+        pools = self.pools(sim)
+        for name, plan in plans.items():
+            pool = pools.get(name)
+            if pool is None:
+                continue
+            self.reasons[plan.reason] = self.reasons.get(plan.reason, 0) + 1
+            starting, ready = pool.ids(STARTING), pool.ids(READY)
+            have = len(starting) + len(ready)
+            if plan.desired > have:
+                self.scale_ups += 1
+                for _ in range(plan.desired - have):
+                    sim.launch_core(pool, self.startup_s * 1000.0)
+            elif plan.desired < have:
+                self.scale_downs += 1
+                excess = have - plan.desired
+                for w in reversed(starting[-excess:]):  # newest first: the cheapest to give up
+                    sim.drain_core(pool, w)
+                excess -= min(excess, len(starting))
+                for w in sorted(ready, key=lambda i: (pool.cores[i].num_requests, -i))[:excess]:
+                    sim.drain_core(pool, w)
+            if plan.action != ACTION_HOLD or plan.desired != have:
+                self.timeline.append({
+                    "t_s": round(sim.now / 1000.0, 1), "pool": name, "ready": len(ready), "desired": plan.desired,
+                    "action": plan.action, "reason": plan.reason,
+                })
+
+    def observe(self, sim: _Simulation) -> Observation:
+        from dynamod.daemon.replay.simulator import READY
+
+        pools: dict[str, PoolObservation] = {}
+        for name, pool in self.pools(sim).items():
+            loads = []
+            for w in pool.ids(READY):
+                load = pool.cores[w].load()
+                loads.append(WorkerLoad(
+                    worker_id=w, kv_usage=load.kv_usage, num_waiting=load.num_waiting, num_running=load.num_running,
+                    # as a live worker reports it: the batch being computed is still queued
+                    active_prefill_tokens=load.active_prefill_tokens + pool.inflight_prefill[w],
+                    active_decode_blocks=load.active_blocks, total_blocks=load.total_blocks,
+                ))
+            pools[name] = PoolObservation(pool=name, ready=len(loads), loads=tuple(loads))
+        window, self._window = self._window, []
+        return Observation(now=sim.now / 1000.0, pools=pools, traffic=traffic_sample(window, self.policy.interval_s))
+
+    def report(self, sim: _Simulation, done: list[RequestStats], end_ms: float) -> dict[str, Any]:
+        pools = self.pools(sim)
+        return {
+            "policy": self.policy.name,
+            "interval_s": self.policy.interval_s,
+            "startup_s": self.startup_s,
+            "decisions": self.decisions,
+            "scale_ups": self.scale_ups,
+            "scale_downs": self.scale_downs,
+            "reasons": dict(sorted(self.reasons.items())),
+            "launched": {name: len(pool.cores) for name, pool in pools.items()},
+            "peak_workers": {name: peak_workers(pool, end_ms) for name, pool in pools.items()},
+            "worker_seconds": {name: round(pool.worker_seconds(end_ms), 3) for name, pool in pools.items()},
+            "timeline": self.timeline,
+        }
+
+
+def traffic_sample(window: list[RequestStats], duration_s: float) -> TrafficSample:
+    """What a frontend's metrics say about the requests that finished in one interval: their count
+    and mean ISL, OSL, TTFT and ITL (token-weighted, as a Prometheus histogram's mean)."""
+    if not window:
+        return TrafficSample(duration_s=duration_s, num_requests=0, isl=None, osl=None, ttft_ms=None, itl_ms=None)
+    n = len(window)
+    ttfts = [s.token_times[0] - s.arrival_ms for s in window if s.token_times]
+    gaps = sum(s.token_times[-1] - s.token_times[0] for s in window if len(s.token_times) > 1)
+    gap_count = sum(len(s.token_times) - 1 for s in window if len(s.token_times) > 1)
+    return TrafficSample(
+        duration_s=duration_s,
+        num_requests=float(n),
+        isl=sum(s.prompt_tokens for s in window) / n,
+        osl=sum(max(1, s.output_tokens) for s in window) / n,
+        ttft_ms=sum(ttfts) / len(ttfts) if ttfts else None,
+        itl_ms=gaps / gap_count if gap_count else None,
+    )
+
+
+def peak_workers(pool: _Pool, end_ms: float) -> int:
+    """Most cores alive (launched, not stopped) at once."""
+    edges = sorted([(t, 1) for t in pool.launched_ms] +
+                   [(t if t >= 0 else end_ms, -1) for t in pool.stopped_ms], key=lambda e: (e[0], e[1]))
+    alive = peak = 0
+    for _, step in edges:
+        alive += step
+        peak = max(peak, alive)
+    return peak
+
+
+# ---- the static baseline ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StaticRun:
+    allocation: dict[str, int]
+    attainment_pct: float
+    worker_seconds: float
+
+
+@dataclass(slots=True)
+class StaticComparison:
+    """Every static allocation the budget allows, replayed on the same requests.
+
+    - ``best``: the highest SLA attainment (ties: fewer worker-seconds): what a fixed fleet of
+      the same budget achieves at best;
+    - ``cheapest_matching``: the fewest worker-seconds whose attainment is at least the planner's
+      (None when no static allocation reaches it): what the planner saves at equal quality.
+    """
+
+    runs: list[StaticRun]
+    best: StaticRun | None
+    cheapest_matching: StaticRun | None
+
+    def to_json(self) -> dict[str, Any]:
+        def one(r: StaticRun | None) -> dict[str, Any] | None:
+            return None if r is None else {"allocation": r.allocation, "attainment_pct": r.attainment_pct,
+                                           "worker_seconds": r.worker_seconds}
+        return {"best": one(self.best), "cheapest_matching": one(self.cheapest_matching),
+                "runs": [one(r) for r in self.runs]}
+
+
+def static_allocations(budget: ReplicaBudget, disagg: bool) -> list[dict[str, int]]:
+    """The allocations a fixed fleet could have under ``budget`` (GPU budget and per-pool max)."""
+    if not disagg:
+        return [{POOL_AGG: n} for n in range(max(1, budget.decode_min), budget.max_for(POOL_AGG) + 1)]
+    out = []
+    for p, d in itertools.product(range(max(1, budget.prefill_min), budget.max_for(POOL_PREFILL) + 1),
+                                  range(max(1, budget.decode_min), budget.max_for(POOL_DECODE) + 1)):
+        alloc = {POOL_PREFILL: p, POOL_DECODE: d}
+        if budget.max_gpu_budget <= 0 or budget.gpus(alloc) <= budget.max_gpu_budget:
+            out.append(alloc)
+    return out
+
+
+def compare_static(allocations: Iterable[dict[str, int]], run: Callable[[dict[str, int]], dict[str, Any]],
+                   planner_attainment: float) -> StaticComparison:
+    """Runs ``run(allocation)`` (a replay returning its summary, with ``sla`` and
+    ``worker_seconds``) for each allocation and picks ``best`` and ``cheapest_matching``."""
+    runs = []
+    for alloc in allocations:
+        res = run(alloc)
+        runs.append(StaticRun(alloc, float(res["sla"]["attainment_pct"]), float(res["worker_seconds"])))
+    best = max(runs, key=lambda r: (r.attainment_pct, -r.worker_seconds), default=None)
+    matching = [r for r in runs if r.attainment_pct >= planner_attainment]
+    cheapest = min(matching, key=lambda r: (r.worker_seconds, -r.attainment_pct), default=None)
+    return StaticComparison(runs, best, cheapest)
+

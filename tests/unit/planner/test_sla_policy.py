@@ -1,0 +1,94 @@
+"""The SLA planner's formulas against numbers worked out by hand on a two-point profile."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynamod.daemon.planner.load_policy import ReplicaBudget
+from dynamod.daemon.planner.perf_profile import DecodeRow, DecodeTable, PerfProfile, PrefillTable
+from dynamod.daemon.planner.policy import Observation, PoolObservation, TrafficSample
+from dynamod.daemon.planner.predictors import PredictorConfig
+from dynamod.daemon.planner.sla_policy import SlaPolicy, SlaPolicyConfig
+from dynamod.shared.protocol.planner import ACTION_HOLD, ACTION_SCALE_UP
+
+
+def profile() -> PerfProfile:
+    """Prefill: 10,000 tok/s/GPU at any ISL, TTFT 100 ms per 1,000 tokens. Decode (both context
+    rows alike): ITL 10/30/60 ms and 1,000/3,000/4,000 tok/s/GPU at KV usage 0.1/0.5/0.9."""
+    row = dict(kv_usage=[0.1, 0.5, 0.9], itl_ms=[10.0, 30.0, 60.0], thpt_per_gpu=[1000.0, 3000.0, 4000.0])
+    return PerfProfile(
+        PrefillTable([1000.0, 3000.0], [100.0, 300.0], [10000.0, 10000.0]),
+        DecodeTable([DecodeRow(1000.0, **row), DecodeRow(5000.0, **row)], max_kv_tokens=100_000),  # type: ignore[arg-type]
+    ).validate()
+
+
+def sla(mode: str = "disagg", **kw: object) -> SlaPolicy:
+    cfg: dict[str, object] = dict(mode=mode, interval_s=30.0, predictor=PredictorConfig(kind="constant"))
+    cfg.update(kw)
+    return SlaPolicy(SlaPolicyConfig(**cfg), profile())  # type: ignore[arg-type]
+
+
+def test_prefill_replicas_and_correction_only_below_one() -> None:
+    p = sla()
+    # 10 req/s x 3000 tok = 30,000 tok/s / 10,000 = 3
+    assert p.size(10, 3000, 200, 1.0, 1.0).prefill_replicas == 3
+    assert p.size(10, 3000, 200, 0.5, 1.0).prefill_replicas == 2  # 15,000 / 10,000 = 1.5 -> 2
+    assert p.size(10, 3000, 200, 2.0, 1.0).prefill_replicas == 3  # a factor over 1 is queueing: ignored
+
+
+def test_decode_replicas_from_best_throughput_under_itl() -> None:
+    p = sla()
+    s = p.size(20, 3000, 200, 1.0, 1.0)
+    # ITL 50 ms is reached at KV usage 0.5 + 0.4 * 20/30 = 0.767; the 200-step scan stops at 0.764:
+    # throughput 3000 + 1000 * 0.264 / 0.4 = 3660 tok/s/GPU; 20 x 200 = 4000 tok/s -> 2 replicas
+    assert s.decode_thpt_per_gpu == pytest.approx(3660, abs=1)
+    assert s.decode_replicas == 2
+    # d_correction 2: the engines run twice as slow as profiled -> aim at ITL 25 ms: usage 0.4,
+    # 2500 tok/s/GPU: 30 x 200 = 6000 -> 3 replicas (2 without the correction)
+    assert p.size(30, 3000, 200, 1.0, 1.0).decode_replicas == 2
+    assert p.size(30, 3000, 200, 1.0, 2.0).decode_thpt_per_gpu == pytest.approx(2500, abs=15)
+    assert p.size(30, 3000, 200, 1.0, 2.0).decode_replicas == 3
+
+
+def test_correction_factors_from_a_traffic_sample() -> None:
+    p = sla()
+    sample = TrafficSample(duration_s=30, num_requests=300, isl=3000, osl=200, ttft_ms=600, itl_ms=20)
+    pc, dc = p.correction_factors(sample, decode_replicas=2)
+    assert pc == pytest.approx(2.0)  # 600 / profile TTFT 300
+    # duration 0.6 + 0.02 x 199 = 4.58 s; 10 req/s x 4.58 / 2 replicas = 22.9 in flight per engine;
+    # x 3100 tokens / 100,000 = KV usage 0.7099 -> profile ITL 30 + 30 x 0.2099 / 0.4 = 45.74 ms
+    assert dc == pytest.approx(20 / 45.7425, rel=1e-3)
+
+
+def test_gpu_budget_scales_both_pools_dynamo_style() -> None:
+    p = sla(budget=ReplicaBudget(max_gpu_budget=4))
+    obs = Observation(now=30, pools={"prefill": PoolObservation("prefill", 1), "decode": PoolObservation("decode", 1)},
+                      traffic=TrafficSample(duration_s=30, num_requests=300, isl=3000, osl=600, ttft_ms=None, itl_ms=None))
+    plans = p.plan(obs)
+    # raw: prefill 3, decode 10 x 600 / 3660 = 2 -> 5 GPUs > 4: scale 0.8, prefill floor(2.4) = 2, decode 4 - 2 = 2
+    assert plans["prefill"].inputs["raw_replicas"] == 3 and plans["decode"].inputs["raw_replicas"] == 2
+    assert (plans["prefill"].desired, plans["decode"].desired) == (2, 2)
+    assert plans["prefill"].reason == "at_max_budget"
+    assert plans["prefill"].action == ACTION_SCALE_UP
+    assert plans["decode"].predicted == {"request_rate": 10.0, "isl": 3000.0, "osl": 600.0}
+
+
+def test_agg_sizes_one_pool_by_time_sharing() -> None:
+    p = sla("agg")
+    # 30,000 / 10,000 + 2,000 / 3,660 = 3.55 -> 4
+    assert p.size(10, 3000, 200, 1.0, 1.0).decode_replicas == 4
+    obs = Observation(now=30, pools={"agg": PoolObservation("agg", 1)},
+                      traffic=TrafficSample(duration_s=30, num_requests=300, isl=3000, osl=200, ttft_ms=None, itl_ms=None))
+    assert p.plan(obs)["agg"].desired == 4
+
+
+def test_no_traffic_holds_and_step_cap_applies() -> None:
+    p = sla(max_scaling_step=1)
+    empty = Observation(now=30, pools={"prefill": PoolObservation("prefill", 1), "decode": PoolObservation("decode", 1)},
+                        traffic=TrafficSample(duration_s=30, num_requests=0, isl=None, osl=None, ttft_ms=None, itl_ms=None))
+    assert {v.reason for v in p.plan(empty).values()} == {"no_traffic"}
+    assert {v.action for v in p.plan(empty).values()} == {ACTION_HOLD}
+    busy = Observation(now=60, pools=empty.pools,
+                       traffic=TrafficSample(duration_s=30, num_requests=900, isl=3000, osl=200, ttft_ms=None, itl_ms=None))
+    plans = p.plan(busy)  # raw prefill 9, capped at one step
+    assert (plans["prefill"].desired, plans["prefill"].reason) == (2, "max_scaling_step")
