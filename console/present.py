@@ -7,13 +7,18 @@ shows, and both are tested without a terminal.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+import msgspec
 
 from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.pools import PoolSummary
 from dynamod.console.state.records import STATUS_GONE, Worker, fmt_id
+from dynamod.console.state.scaling import GlobalRouterPools, PoolScaling, describe_decision
 from dynamod.console.state.transfers import TransferFigures
+from dynamod.shared.protocol.planner import PlannerDecision
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 
@@ -264,3 +269,95 @@ def cluster_counts(state: ClusterState) -> dict[str, int]:
 
 def short_id(instance_id: int) -> str:
     return fmt_id(instance_id)
+
+
+# -- scaling ---------------------------------------------------------------------------------------
+
+SCALING_COLUMNS = ("POOL", "PLANNER", "READY", "WANT", "OVERRIDE", "BUDGET", "REQ/S", "ISL", "OSL", "TTFT", "ITL", "LAST")
+
+
+def fmt_value(value: float | None) -> str:
+    """A predicted figure (tokens, counts): whole numbers without decimals."""
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if abs(value) >= 10 or value == int(value) else f"{value:.1f}"
+
+
+def fmt_sla(measured_ms: float | None, target_ms: float | None) -> str:
+    """Measured against target in one cell: ``45/200ms``; just ``45ms`` without a target."""
+    if target_ms is None:
+        return fmt_ms_value(measured_ms)
+    got = "-" if measured_ms is None else fmt_value(measured_ms)
+    return f"{got}/{fmt_value(target_ms)}ms"
+
+
+def sla_breached(measured_ms: float | None, target_ms: float | None) -> bool:
+    return measured_ms is not None and target_ms is not None and measured_ms > target_ms
+
+
+def fmt_budget(p: PoolScaling) -> str:
+    if p.min_replicas is None and not p.max_replicas:
+        return "-"
+    return f"{p.min_replicas or 0}-{p.max_replicas or '?'}"
+
+
+def scaling_row(p: PoolScaling) -> tuple[str, ...]:
+    """One pool as ``dynamoctl planner status`` prints it (the Scaling view fits a subset)."""
+    last = p.last
+    planner = (p.planner + (" dry" if p.dry_run else "")) if p.planner else "-"
+    return (
+        p.key,
+        planner,
+        f"{p.ready}/{p.live}",
+        str(p.desired) if p.desired is not None else "-",
+        str(p.override.replicas) if p.override is not None else "-",
+        fmt_budget(p),
+        fmt_rate(p.predicted.get("request_rate")),
+        fmt_value(p.predicted.get("isl")),
+        fmt_value(p.predicted.get("osl")),
+        fmt_sla(p.ttft_ms, p.targets.get("ttft_ms")),
+        fmt_sla(p.itl_ms, p.targets.get("itl_ms")),
+        f"{last.action} {last.reason}" if last is not None else "-",
+    )
+
+
+def scaling_record(p: PoolScaling) -> dict[str, Any]:
+    """One pool for JSON (``dynamoctl planner status --json``)."""
+    return {
+        "namespace": p.namespace,
+        "pool": p.pool,
+        "component": p.component,
+        "planner": p.planner or None,
+        "connector": p.connector or None,
+        "dry_run": p.dry_run,
+        "ready": p.ready,
+        "live": p.live,
+        "current": p.current,
+        "desired": p.desired,
+        "override": msgspec.to_builtins(p.override) if p.override is not None else None,
+        "target": p.target,
+        "min_replicas": p.min_replicas,
+        "max_replicas": p.max_replicas,
+        "scaled": p.scaled,
+        "predicted": p.predicted,
+        "targets": p.targets,
+        "measured": {"ttft_ms": p.ttft_ms, "itl_ms": p.itl_ms, "ttft_p99_ms": p.measured.ttft_p99,
+                     "itl_p99_ms": p.measured.itl_p99},
+        "last_decision": msgspec.to_builtins(p.last) if p.last is not None else None,
+    }
+
+
+def global_router_line(g: GlobalRouterPools) -> str:
+    """``global-router 7a1b.. -> dynamo: 4 ready, planned; dynamo-large: empty``."""
+    parts = []
+    for ns in g.pools:
+        n = g.ready.get(ns, 0)
+        parts.append(f"{ns}: {f'{n} ready' if n else 'empty'}{', planned' if g.planned.get(ns) else ''}")
+    status = f" [{g.status}]" if g.status != "ready" else ""
+    return f"global-router {fmt_id(g.instance_id)}{status} -> " + ("; ".join(parts) or "no pools labelled")
+
+
+def decision_line(d: PlannerDecision) -> str:
+    """A decision for ``dynamoctl planner decisions``: wall time, then ``describe_decision``."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(d.ts)) if d.ts else "-"
+    return f"{stamp} #{d.decision_id} {describe_decision(d)}"

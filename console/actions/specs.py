@@ -1,5 +1,6 @@
 """The operator actions, declared once: the TUI binds keys and palette entries from this registry,
-and ``dynamoctl`` maps its subcommands onto the same control endpoints.
+and ``dynamoctl`` maps its subcommands onto the same control endpoints (worker actions) or the same
+override keys (pool actions, ``scaling.py``).
 """
 
 from __future__ import annotations
@@ -29,3 +30,23 @@ ACTIONS: tuple[ActionSpec, ...] = (
     ActionSpec("clear_kv", "c", "Clear KV", "ClearKV", control.CLEAR_KV_BLOCKS, True, "drop the worker's cached KV blocks (prefix hits restart from zero)"),
 )
 ACTIONS_BY_NAME = {a.name: a for a in ACTIONS}
+
+
+@dataclass(frozen=True, slots=True)
+class PoolActionSpec:
+    """An action on a pool (namespace x pool) rather than a worker: bound in the Scaling view."""
+
+    name: str
+    key: str
+    title: str
+    short: str
+    help: str
+
+
+POOL_ACTIONS: tuple[PoolActionSpec, ...] = (
+    PoolActionSpec("scale", "s", "Scale pool", "Scale",
+                   "hold the pool at N replicas (an override the planner respects; asks to confirm when it lowers capacity)"),
+    PoolActionSpec("clear_override", "x", "Clear override", "Clear",
+                   "delete the pool's override: the planner sizes it again (asks to confirm)"),
+)
+POOL_ACTIONS_BY_NAME = {a.name: a for a in POOL_ACTIONS}

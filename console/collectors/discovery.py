@@ -1,4 +1,5 @@
-"""Discovery collector: instances and model cards, from a listing then a prefix watch.
+"""Discovery collector: instances, model cards and the planner's records, from a listing then a
+prefix watch.
 
 The listing first (``get_prefix``) lets the state drop records that vanished while the console was
 disconnected; the watch then streams changes (the store resumes it across outages on its own).
@@ -13,9 +14,10 @@ from collections.abc import Callable
 import msgspec
 
 from dynamod.console.state.recording import StateSink
+from dynamod.console.state.scaling import PlannerRecord, decode_planner_record
 from dynamod.shared.discovery.store import DiscoveryStore, WatchEventKind
 from dynamod.shared.protocol.instance import Instance, decode_instance
-from dynamod.shared.protocol.keys import instances_prefix, mdc_prefix
+from dynamod.shared.protocol.keys import PLANNER_ROOT, instances_prefix, mdc_prefix
 from dynamod.shared.protocol.model_card import ModelCard, decode_card
 
 logger = logging.getLogger(__name__)
@@ -39,8 +41,17 @@ def _decode_card(key: str, value: bytes, sink: StateSink) -> ModelCard | None:
         return None
 
 
+def _decode_planner(key: str, value: bytes, sink: StateSink) -> PlannerRecord | None:
+    try:
+        return decode_planner_record(key, value)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        sink.note_decode_error("planner record", f"{key}: {exc}")
+        return None
+
+
 class DiscoveryCollector:
-    """Feeds ``sink`` with every instance and model card under the namespace (or all of them)."""
+    """Feeds ``sink`` with every instance, model card and planner record (status, overrides,
+    desired/scaled counts) under the namespace (or all of them)."""
 
     def __init__(
         self,
@@ -55,6 +66,7 @@ class DiscoveryCollector:
         self._sink = sink
         self._instances_prefix = instances_prefix(namespace)
         self._mdc_prefix = mdc_prefix(namespace)
+        self._planner_prefix = f"{PLANNER_ROOT}{namespace}/" if namespace else PLANNER_ROOT
         self._on_namespace = on_namespace
         self._seen_namespaces: set[str] = set()
         self._on_synced = on_synced
@@ -77,30 +89,41 @@ class DiscoveryCollector:
             card = _decode_card(key, value, self._sink)
             if card is not None:
                 cards[key] = card
+        planner: dict[str, PlannerRecord] = {}
+        for key, value in (await self._store.get_prefix(self._planner_prefix)).items():
+            record = _decode_planner(key, value, self._sink)
+            if record is not None:
+                planner[key] = record
         self._sink.reconcile_instances(live)
         self._sink.reconcile_cards(cards)
-        logger.info("discovery synced instances=%d cards=%d", len(live), len(cards))
+        self._sink.reconcile_planner(planner)
+        logger.info("discovery synced instances=%d cards=%d planner_records=%d", len(live), len(cards), len(planner))
         if self._on_synced is not None:
             self._on_synced()
 
     async def run(self) -> None:
-        """Syncs, then watches both prefixes until cancelled."""
+        """Syncs, then watches the three prefixes until cancelled."""
         await self.sync()
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._watch(self._instances_prefix, instances=True), name="console-watch-instances")
-            tg.create_task(self._watch(self._mdc_prefix, instances=False), name="console-watch-cards")
+            tg.create_task(self._watch(self._instances_prefix, "instances"), name="console-watch-instances")
+            tg.create_task(self._watch(self._mdc_prefix, "cards"), name="console-watch-cards")
+            tg.create_task(self._watch(self._planner_prefix, "planner"), name="console-watch-planner")
 
-    async def _watch(self, prefix: str, *, instances: bool) -> None:
+    async def _watch(self, prefix: str, what: str) -> None:
         async for ev in self._store.watch_prefix(prefix):
             if ev.kind is WatchEventKind.DELETE or ev.value is None:
                 self._sink.apply_discovery(ev.key, None)
                 continue
-            if instances:
+            if what == "instances":
                 inst = _decode_instance(ev.key, ev.value, self._sink)
                 if inst is not None:
                     self._saw(inst)
                     self._sink.apply_discovery(ev.key, inst)
-            else:
+            elif what == "cards":
                 card = _decode_card(ev.key, ev.value, self._sink)
                 if card is not None:
                     self._sink.apply_discovery(ev.key, card)
+            else:
+                record = _decode_planner(ev.key, ev.value, self._sink)
+                if record is not None:
+                    self._sink.apply_discovery(ev.key, record)

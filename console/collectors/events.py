@@ -3,6 +3,9 @@
 One subscription per (namespace, topic) with component ``*``. A subscription that fails is retried
 with capped backoff and the failure is shown as the ``events`` connection state, so a NATS outage
 is visible in the console and heals without a restart.
+
+Typed topics are decoded with their wire type's msgpack decoder (load, KV events, planner
+decisions), so a renamed field fails here as a decode error instead of showing as blanks.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dynamod.shared.events.plane import (
 )
 from dynamod.shared.protocol.kv_events import router_event_decoder
 from dynamod.shared.protocol.load import load_decoder
+from dynamod.shared.protocol.planner import decision_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +118,6 @@ class EventCollector:
             elif topic == TOPIC_ROUTER_DECISIONS:
                 self._sink.apply_router_decision(namespace, decode_dict(msg.payload))
             elif topic == TOPIC_PLANNER_DECISIONS:
-                self._sink.apply_planner_decision(namespace, decode_dict(msg.payload))
+                self._sink.apply_planner_decision(namespace, decision_decoder.decode(msg.payload))
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, UnicodeDecodeError) as exc:
             self._sink.note_decode_error(topic, str(exc))

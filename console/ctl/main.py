@@ -7,6 +7,9 @@
     dynamoctl lora unload INSTANCE NAME
     dynamoctl lora list [INSTANCE]
     dynamoctl watch [--json|--raw]                 cluster events as lines, JSON, or raw recordings
+    dynamoctl planner status [--json]              per pool: ready vs desired, override, predicted load, SLA
+    dynamoctl planner decisions [--follow]         the planner's decisions and their reasons
+    dynamoctl scale POOL N | POOL --clear          hold a pool at N replicas (override), or release it
     dynamoctl cluster up|down|status|logs --inventory FILE
 
 Connection flags (``--discovery``, ``--etcd``, ``--nats``, ``--namespace``) default to finding a
@@ -92,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--kind", action="append", default=[], help="only these event kinds (repeatable)")
     w.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
 
+    from dynamod.console.ctl import planner
+
+    planner.add_commands(sub, conn)
+
     c = sub.add_parser("cluster", help="start, stop, check and read logs of roles on hosts over SSH")
     csub = c.add_subparsers(dest="cluster_command", metavar="up|down|status|logs")
     for name, text in (("up", "start every role of the inventory"), ("down", "stop every role"),
@@ -123,9 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(["lora", "--help"])
     if args.command == "cluster" and args.cluster_command is None:
         parser.parse_args(["cluster", "--help"])
+    if args.command == "planner" and args.planner_command is None:
+        parser.parse_args(["planner", "--help"])
     from dynamod.shared.observability.logging import configure_logging
 
-    configure_logging("warning" if not args.command == "watch" else "error")
+    configure_logging("warning" if args.command not in ("watch", "planner") else "error")
     runner = _dispatch(args)
     try:
         return asyncio.run(runner())
@@ -140,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> Callable[[], Awaitable[int]]:
-    from dynamod.console.ctl import commands
+    from dynamod.console.ctl import commands, planner
 
     if args.command == "cluster":
         return lambda: commands.cluster(args)
@@ -152,6 +161,8 @@ def _dispatch(args: argparse.Namespace) -> Callable[[], Awaitable[int]]:
         "clear-kv": commands.action,
         "lora": commands.lora,
         "watch": commands.watch,
+        "planner": planner.planner,
+        "scale": planner.scale,
     }
     fn = table[args.command]
     return lambda: fn(args)

@@ -14,7 +14,9 @@ collectors keep talking to ``ClusterState`` alone:
 - ``FrontendScrapes`` (``frontends.py``) and ``ModelCatalog`` (``models.py``): frontend figures and
   the served models;
 - ``ConnectionTracker`` (``connections.py``), ``ImbalanceWatch`` (``imbalance.py``),
-  ``DecisionLog`` (``decisions.py``) and the per-pool summary (``pools.py``).
+  ``DecisionLog`` (``decisions.py``) and the per-pool summary (``pools.py``);
+- ``ScalingBoard`` (``scaling.py``): planner decisions, status and operator overrides, joined per
+  pool with the workers that run and the latencies the frontends measure.
 
 What is left here is the wiring between them: a router decision is logged and counted against its
 worker, a frontend scrape feeds both the model figures and the workers' latencies, and the
@@ -34,7 +36,7 @@ from typing import Any
 import msgspec
 
 from dynamod.console.state.connections import ConnectionTracker
-from dynamod.console.state.decisions import DecisionLog, decode_decision, describe_planner_decision
+from dynamod.console.state.decisions import DecisionLog, decode_decision
 from dynamod.console.state.event_log import EventListener, EventLog
 from dynamod.console.state.frontends import FrontendScrapes
 from dynamod.console.state.imbalance import ImbalanceWatch
@@ -44,7 +46,6 @@ from dynamod.console.state.pools import PoolSummary, summarize_pools
 from dynamod.console.state.prom import FrontendScrape, parse_frontend_metrics
 from dynamod.console.state.records import (
     EV_KV,
-    EV_SCALING,
     ClusterEvent,
     ConnectionStatus,
     EndpointInstance,
@@ -56,13 +57,16 @@ from dynamod.console.state.records import (
     WorkerStats,
     fmt_id,
 )
+from dynamod.console.state.scaling import GlobalRouterPools, PlannerRecord, PoolScaling, ScalingBoard
 from dynamod.console.state.topology import CardEntry, Topology
 from dynamod.console.state.transfers import KvTransferTracker
 from dynamod.console.state.versions import Versions
 from dynamod.shared.protocol.instance import Instance
+from dynamod.shared.protocol.keys import PLANNER_ROOT
 from dynamod.shared.protocol.kv_events import RouterEvent
 from dynamod.shared.protocol.load import LoadMetrics
 from dynamod.shared.protocol.model_card import ModelCard
+from dynamod.shared.protocol.planner import PlannerDecision
 
 HISTORY_STEP_S = 1.0
 MAX_DECISIONS = 500
@@ -82,6 +86,7 @@ class ClusterState:
         self.connection_tracker = ConnectionTracker(clock, self.versions, self.event_log)
         self.imbalance_watch = ImbalanceWatch(self.event_log)
         self.decision_log = DecisionLog(MAX_DECISIONS)
+        self.scaling = ScalingBoard(self.versions, self.event_log, self.topology, self.model_catalog)
         self._last_history_at = 0.0
         self._pools_cache: tuple[tuple[int, int], dict[str, PoolSummary]] | None = None
 
@@ -159,9 +164,13 @@ class ClusterState:
 
     # -- discovery --------------------------------------------------------------------------------
 
-    def apply_discovery(self, key: str, value: Instance | ModelCard | None) -> None:
+    def apply_discovery(self, key: str, value: Instance | ModelCard | PlannerRecord | None) -> None:
         """One discovery watch event: a put (decoded record) or a delete (None)."""
-        self.topology.apply_discovery(key, value)
+        if key.startswith(PLANNER_ROOT):
+            if value is None or isinstance(value, PlannerRecord):
+                self.scaling.apply_record(key, value)
+        elif not isinstance(value, PlannerRecord):
+            self.topology.apply_discovery(key, value)
 
     def put_instance(self, key: str, inst: Instance) -> None:
         self.topology.put_instance(key, inst)
@@ -173,6 +182,10 @@ class ClusterState:
         """Makes the picture match a fresh listing (after a reconnect): puts every live record and
         marks every known key absent from it as gone."""
         self.topology.reconcile_instances(live)
+
+    def reconcile_planner(self, live: Mapping[str, PlannerRecord]) -> None:
+        """Like ``reconcile_instances`` for the ``v1/planner/`` records (status, overrides...)."""
+        self.scaling.reconcile(live)
 
     def put_card(self, key: str, card: ModelCard) -> None:
         self.topology.put_card(key, card)
@@ -214,11 +227,12 @@ class ClusterState:
         self.versions.decisions += 1
         return decision
 
-    def apply_planner_decision(self, namespace: str, data: Mapping[str, Any]) -> None:
-        """A ``planner_decisions`` message: shown as a scaling event, whatever its exact shape."""
-        self.event_log.add(
-            EV_SCALING, describe_planner_decision(data), namespace=namespace, component=str(data.get("component", ""))
-        )
+    def apply_planner_decision(self, namespace: str, decision: PlannerDecision) -> None:
+        """A ``planner_decisions`` message (decoded with ``decision_decoder``). The decision names
+        its own namespace; ``namespace`` is where it was heard, kept only for a decision without one."""
+        if not decision.namespace and namespace:
+            decision.namespace = namespace
+        self.scaling.apply_decision(decision)
 
     # -- frontends --------------------------------------------------------------------------------
 
@@ -287,3 +301,10 @@ class ClusterState:
 
     def namespaces(self) -> list[str]:
         return self.topology.namespaces()
+
+    def scaling_pools(self) -> list[PoolScaling]:
+        """Per pool: running vs desired replicas, override, planner prediction and SLA vs measured."""
+        return self.scaling.pools()
+
+    def global_routers(self) -> list[GlobalRouterPools]:
+        return self.scaling.global_routers()

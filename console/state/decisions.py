@@ -9,8 +9,7 @@ prompt was prefilled on the prefill pool (remote) or by the decode worker itself
 ``DisaggTally`` counts both and keeps the latest reasons, which is what tells an operator whether
 the prefill pool is doing its job or the conditional policy keeps it idle.
 
-Planner decisions have no fixed shape yet; ``describe_planner_decision`` turns one into the line
-the event log shows.
+Planner decisions are typed (``PlannerDecision``) and kept by ``scaling.py``.
 """
 
 from __future__ import annotations
@@ -97,15 +96,3 @@ class DecisionLog:
         self.stages[d.stage] += 1
         self.disagg.add(d)
 
-
-def describe_planner_decision(data: Mapping[str, Any]) -> str:
-    """A ``planner_decisions`` message as one line, whatever its exact shape: its message (or
-    reason) and its scalar fields."""
-    message = data.get("message") or data.get("reason") or ""
-    detail = " ".join(
-        f"{k}={v}" for k, v in data.items() if k not in ("message", "reason", "ts") and not isinstance(v, dict | list)
-    )
-    text = f"planner: {message}" if message else "planner decision"
-    if detail:
-        text += f" ({detail})"
-    return text

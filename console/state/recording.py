@@ -6,13 +6,18 @@ One line per input, with the wall time it arrived (``t``) and its ``kind``::
     {"t": ..., "kind": "delete", "key": "v1/mdc/..."}
     {"t": ..., "kind": "kv_metrics", "namespace": "dynamo", "value": {...LoadMetrics...}}
     {"t": ..., "kind": "kv_event", "namespace": "dynamo", "value": {...RouterEvent...}}
-    {"t": ..., "kind": "router_decision" | "planner_decision", "namespace": "dynamo", "value": {...}}
+    {"t": ..., "kind": "put", "key": "v1/planner/dynamo/status", "value": {...PlannerStatus...}}
+    {"t": ..., "kind": "reconcile_planner", "value": {"v1/planner/...": {...}, ...}}
+    {"t": ..., "kind": "router_decision", "namespace": "dynamo", "value": {...RoutingDecision...}}
+    {"t": ..., "kind": "planner_decision", "namespace": "dynamo", "value": {...PlannerDecision...}}
     {"t": ..., "kind": "metrics", "source": "http://...", "text": "...prometheus text..."}
     {"t": ..., "kind": "connection", "name": "discovery", "state": "ok", "target": "...", "detail": ""}
     {"t": ..., "kind": "tick"}
 
 ``dynamoctl watch --raw`` prints exactly these lines, so a live cluster can be recorded and replayed
-in a unit test or a snapshot test with the same clock it was recorded with.
+in a unit test or a snapshot test with the same clock it was recorded with. A planner decision of
+another shape (recordings made before ``PlannerDecision`` was fixed) replays as a decode error, the
+way a live console shows a message it cannot read, rather than stopping the replay.
 """
 
 from __future__ import annotations
@@ -25,23 +30,26 @@ from typing import Any, Protocol
 import msgspec
 
 from dynamod.console.state.cluster import ClusterState
+from dynamod.console.state.scaling import PlannerRecord, convert_planner_record
 from dynamod.shared.protocol.instance import Instance
-from dynamod.shared.protocol.keys import INSTANCES_ROOT, MDC_ROOT
+from dynamod.shared.protocol.keys import INSTANCES_ROOT, MDC_ROOT, PLANNER_ROOT
 from dynamod.shared.protocol.kv_events import RouterEvent
 from dynamod.shared.protocol.load import LoadMetrics
 from dynamod.shared.protocol.model_card import ModelCard
+from dynamod.shared.protocol.planner import PlannerDecision
 
 
 class StateSink(Protocol):
     """What collectors feed. ``ClusterState`` is one; ``RecordingSink`` records and forwards."""
 
-    def apply_discovery(self, key: str, value: Instance | ModelCard | None) -> None: ...
+    def apply_discovery(self, key: str, value: Instance | ModelCard | PlannerRecord | None) -> None: ...
     def reconcile_instances(self, live: Mapping[str, Instance]) -> None: ...
     def reconcile_cards(self, live: Mapping[str, ModelCard]) -> None: ...
+    def reconcile_planner(self, live: Mapping[str, PlannerRecord]) -> None: ...
     def apply_load(self, m: LoadMetrics) -> None: ...
     def apply_kv_event(self, ev: RouterEvent) -> None: ...
     def apply_router_decision(self, namespace: str, data: Mapping[str, Any]) -> Any: ...
-    def apply_planner_decision(self, namespace: str, data: Mapping[str, Any]) -> None: ...
+    def apply_planner_decision(self, namespace: str, decision: PlannerDecision) -> None: ...
     def apply_metrics_text(self, source: str, text: str) -> None: ...
     def forget_source(self, source: str) -> None: ...
     def set_connection(self, name: str, state: str, target: str = "", detail: str = "") -> None: ...
@@ -78,7 +86,7 @@ class RecordingSink:
         line = {"t": round(self.state.clock(), 6), "kind": kind, **fields}
         self._write(json.dumps(line, separators=(",", ":"), default=str) + "\n")
 
-    def apply_discovery(self, key: str, value: Instance | ModelCard | None) -> None:
+    def apply_discovery(self, key: str, value: Instance | ModelCard | PlannerRecord | None) -> None:
         if value is None:
             self._emit("delete", key=key)
         else:
@@ -93,6 +101,10 @@ class RecordingSink:
         self._emit("reconcile_cards", value={k: _builtins(v) for k, v in live.items()})
         self.state.reconcile_cards(live)
 
+    def reconcile_planner(self, live: Mapping[str, PlannerRecord]) -> None:
+        self._emit("reconcile_planner", value={k: _builtins(v) for k, v in live.items()})
+        self.state.reconcile_planner(live)
+
     def apply_load(self, m: LoadMetrics) -> None:
         if self._record_metrics:
             self._emit("kv_metrics", value=_builtins(m))
@@ -106,9 +118,9 @@ class RecordingSink:
         self._emit("router_decision", namespace=namespace, value=dict(data))
         return self.state.apply_router_decision(namespace, data)
 
-    def apply_planner_decision(self, namespace: str, data: Mapping[str, Any]) -> None:
-        self._emit("planner_decision", namespace=namespace, value=dict(data))
-        self.state.apply_planner_decision(namespace, data)
+    def apply_planner_decision(self, namespace: str, decision: PlannerDecision) -> None:
+        self._emit("planner_decision", namespace=namespace, value=_builtins(decision))
+        self.state.apply_planner_decision(namespace, decision)
 
     def apply_metrics_text(self, source: str, text: str) -> None:
         self._emit("metrics", source=source, text=text)
@@ -131,13 +143,15 @@ class RecordingSink:
         self.state.tick()
 
 
-def decode_discovery_value(key: str, value: Any) -> Instance | ModelCard | None:
+def decode_discovery_value(key: str, value: Any) -> Instance | ModelCard | PlannerRecord | None:
     if value is None:
         return None
     if key.startswith(INSTANCES_ROOT):
         return msgspec.convert(value, Instance)
     if key.startswith(MDC_ROOT):
         return msgspec.convert(value, ModelCard)
+    if key.startswith(PLANNER_ROOT):
+        return convert_planner_record(key, value)
     return None
 
 
@@ -152,6 +166,9 @@ def apply_record(state: ClusterState, rec: Mapping[str, Any]) -> None:
         state.reconcile_instances({k: msgspec.convert(v, Instance) for k, v in rec["value"].items()})
     elif kind == "reconcile_cards":
         state.reconcile_cards({k: msgspec.convert(v, ModelCard) for k, v in rec["value"].items()})
+    elif kind == "reconcile_planner":
+        live = {k: convert_planner_record(k, v) for k, v in rec["value"].items()}
+        state.reconcile_planner({k: v for k, v in live.items() if v is not None})
     elif kind == "kv_metrics":
         state.apply_load(msgspec.convert(rec["value"], LoadMetrics))
     elif kind == "kv_event":
@@ -159,7 +176,12 @@ def apply_record(state: ClusterState, rec: Mapping[str, Any]) -> None:
     elif kind == "router_decision":
         state.apply_router_decision(rec.get("namespace", ""), rec["value"])
     elif kind == "planner_decision":
-        state.apply_planner_decision(rec.get("namespace", ""), rec["value"])
+        try:
+            decision = msgspec.convert(rec["value"], PlannerDecision)
+        except msgspec.ValidationError as exc:
+            state.note_decode_error("planner_decisions", str(exc))
+        else:
+            state.apply_planner_decision(rec.get("namespace", ""), decision)
     elif kind == "metrics":
         state.apply_metrics_text(rec["source"], rec["text"])
     elif kind == "forget_source":

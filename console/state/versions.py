@@ -18,6 +18,7 @@ class Versions:
     decisions: int = 0
     models: int = 0  # frontend scrapes
     connection: int = 0
+    scaling: int = 0  # planner decisions, status, overrides
 
     def total(self) -> int:
-        return self.topology + self.load + self.events + self.decisions + self.models + self.connection
+        return self.topology + self.load + self.events + self.decisions + self.models + self.connection + self.scaling

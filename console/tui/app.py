@@ -3,7 +3,9 @@ views render it on a timer, and the action keys call the same ``ControlClient`` 
 
 Keys follow k9s: ``:`` jumps to a view, ``/`` filters, Enter drills in, Esc goes back, ``?`` is
 help; single keys act on the selected worker (drain, sleep, wake, LoRA load/unload, clear KV), and
-those that remove capacity ask first. ``--read-only`` hides and refuses every action.
+those that remove capacity ask first. In the Scaling view ``s`` and ``x`` act on the selected pool
+instead (hold it at N replicas, clear that override), through the same ``ScaleClient`` as
+``dynamoctl scale``. ``--read-only`` hides and refuses every action.
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ from textual.worker import Worker as TextualWorker
 from textual.worker import WorkerState
 
 from dynamod.console.actions.control import ActionResult, ControlClient
-from dynamod.console.actions.specs import ACTIONS, ACTIONS_BY_NAME
+from dynamod.console.actions.scaling import ScaleClient
+from dynamod.console.actions.specs import ACTIONS, ACTIONS_BY_NAME, POOL_ACTIONS_BY_NAME
 from dynamod.console.collectors.connection import ClusterConnection
+from dynamod.console.present import fmt_budget
 from dynamod.console.state.cluster import ClusterState
+from dynamod.console.state.scaling import PoolScaling
 from dynamod.console.tui.commands import ConsoleCommands
 from dynamod.console.tui.messages import ActionFinished, JumpToView, ShowWorker
 from dynamod.console.tui.screens import (
@@ -35,6 +40,7 @@ from dynamod.console.tui.screens import (
     HelpScreen,
     LoraLoadScreen,
     LoraUnloadScreen,
+    ScaleScreen,
     SleepLevelScreen,
     WorkerScreen,
 )
@@ -42,6 +48,7 @@ from dynamod.console.tui.views.base import ViewMixin
 from dynamod.console.tui.views.events import EventsView
 from dynamod.console.tui.views.models import ModelsView
 from dynamod.console.tui.views.router import RouterView
+from dynamod.console.tui.views.scaling import ScalingView
 from dynamod.console.tui.views.topology import TopologyView
 from dynamod.console.tui.views.workers import WorkersView
 from dynamod.console.tui.widgets import TopBar, ViewTabs, top_bar_text
@@ -49,6 +56,7 @@ from dynamod.console.tui.widgets import TopBar, ViewTabs, top_bar_text
 logger = logging.getLogger(__name__)
 
 ControlFactory = Callable[[], ControlClient | None]
+ScaleFactory = Callable[[], ScaleClient | None]
 REFRESH_SAMPLES = 100_000
 
 CONFIRM_TEXT = {
@@ -61,7 +69,7 @@ CONFIRM_TEXT = {
 
 class ConsoleApp(App[None]):
     TITLE = "dynamo-console"
-    VIEWS: tuple[str, ...] = ("topology", "workers", "models", "events", "router")
+    VIEWS: tuple[str, ...] = ("topology", "workers", "models", "events", "router", "scaling")
     COMMANDS = App.COMMANDS | {ConsoleCommands}
     ENABLE_COMMAND_PALETTE = True
     CSS = """
@@ -89,6 +97,7 @@ class ConsoleApp(App[None]):
         *,
         connection: ClusterConnection | None = None,
         control_factory: ControlFactory | None = None,
+        scale_factory: ScaleFactory | None = None,
         read_only: bool = False,
         refresh_s: float = 0.5,
         initial_view: str = "workers",
@@ -102,6 +111,7 @@ class ConsoleApp(App[None]):
         self.refresh_times: deque[float] = deque(maxlen=REFRESH_SAMPLES)
         self._control_factory = control_factory
         self._control: ControlClient | None = None
+        self._scale_factory = scale_factory
         self._prompt_mode = ""
         self._top_seen: tuple[int, int] = (-1, -1)
         self._connection_task: asyncio.Task[None] | None = None
@@ -117,6 +127,7 @@ class ConsoleApp(App[None]):
             yield ModelsView(id="models")
             yield EventsView(id="events")
             yield RouterView(id="router")
+            yield ScalingView(id="scaling")
         yield Input(id="prompt", suggester=SuggestFromList(self.VIEWS, case_sensitive=False))
         yield Footer(compact=True, show_command_palette=False)
 
@@ -258,7 +269,8 @@ class ConsoleApp(App[None]):
     # -- actions --------------------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action == "act" and self.read_only:
+        if action == "act" and (self.read_only or self.current_view == "scaling" and len(self.screen_stack) == 1):
+            # The Scaling view has no worker to act on; its own keys (s, x) act on pools.
             return False
         return True
 
@@ -321,6 +333,78 @@ class ConsoleApp(App[None]):
     def _unload_chosen(self, iid: int, lora: str | None) -> None:
         if lora:
             self._confirm_then("unload_lora", iid, CONFIRM_TEXT["unload_lora"].format(t=f"{iid:x}", lora=lora), lora=lora)
+
+    # -- pool actions (Scaling view) ----------------------------------------------------------
+
+    def selected_pool(self) -> PoolScaling | None:
+        view = self.query_one(ScalingView)
+        return view.selected_pool() if self.current_view == "scaling" and self.screen is self.screen_stack[0] else None
+
+    def start_pool_action(self, name: str) -> None:
+        """Scales the selected pool (asks N, then confirms if that lowers capacity) or clears its
+        override (confirms: the planner may then scale it down)."""
+        spec = POOL_ACTIONS_BY_NAME[name]
+        if self.read_only:
+            self.notify("read-only console: actions are disabled", severity="warning")
+            return
+        pool = self.selected_pool()
+        if pool is None:
+            self.notify(f"{spec.title}: select a pool in the scaling view first", severity="warning")
+            return
+        if name == "scale":
+            self.push_screen(ScaleScreen(pool), partial(self._scale_chosen, pool))
+            return
+        if pool.override is None:
+            self.notify(f"{pool.key} has no override to clear", severity="warning")
+            return
+        question = (f"Clear the override of {pool.key} ({pool.override.replicas} replicas)? The planner sizes it "
+                    f"again and may scale it down (budget {fmt_budget(pool)}).")
+        self._confirm_pool(question, partial(self._execute_scale, pool.namespace, pool.pool, None, ""))
+
+    def _scale_chosen(self, pool: PoolScaling, answer: tuple[int, str] | None) -> None:
+        if answer is None:
+            return
+        replicas, reason = answer
+        if replicas < pool.capacity:
+            question = (f"Scale {pool.key} down to {replicas}? {pool.ready} ready now"
+                        f"{f', target {pool.target}' if pool.target is not None else ''}: "
+                        "workers are drained and stopped, and the planner keeps it there until cleared.")
+            self._confirm_pool(question, partial(self._execute_scale, pool.namespace, pool.pool, replicas, reason))
+        else:
+            self._execute_scale(pool.namespace, pool.pool, replicas, reason)
+
+    def _confirm_pool(self, question: str, then: Callable[[], None]) -> None:
+        def answered(yes: bool | None) -> None:
+            if yes:
+                then()
+            else:
+                self.notify("scaling cancelled")
+
+        self.push_screen(ConfirmScreen(question), answered)
+
+    def scaler(self) -> ScaleClient | None:
+        if self._scale_factory is not None:
+            return self._scale_factory()
+        if self.connection is not None and self.connection.runtime is not None:
+            return ScaleClient(self.connection.runtime.store)
+        return None
+
+    def _execute_scale(self, namespace: str, pool: str, replicas: int | None, reason: str) -> None:
+        what = f"clear {namespace}/{pool}" if replicas is None else f"scale {namespace}/{pool} to {replicas}"
+        self.notify(f"{what}…", timeout=2)
+        self.run_worker(self._scale_call(namespace, pool, replicas, reason), group="actions", name=f"action:{what}",
+                        exit_on_error=False)
+
+    async def _scale_call(self, namespace: str, pool: str, replicas: int | None, reason: str) -> ActionResult:
+        client = self.scaler()
+        if client is None:
+            result = ActionResult("scale", f"{namespace}/{pool}", False, "not connected to a cluster")
+        elif replicas is None:
+            result = await client.clear_override(namespace, pool)
+        else:
+            result = await client.set_override(namespace, pool, replicas, reason=reason)
+        self.post_message(ActionFinished(result))
+        return result
 
     def control(self) -> ControlClient | None:
         if self._control_factory is not None:

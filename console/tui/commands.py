@@ -1,4 +1,5 @@
-"""Command palette (ctrl+p): every view and, unless read-only, every action on the selected worker."""
+"""Command palette (ctrl+p): every view and, unless read-only, every action on the selected worker
+and on the selected pool (Scaling view)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
-from dynamod.console.actions.specs import ACTIONS
+from dynamod.console.actions.specs import ACTIONS, POOL_ACTIONS
 
 if TYPE_CHECKING:
     from dynamod.console.tui.app import ConsoleApp
@@ -24,6 +25,10 @@ class ConsoleCommands(Provider):
             where = f" {target:x}" if target is not None else " (select a worker first)"
             for spec in ACTIONS:
                 out.append((f"{spec.title}{where}", partial(app.start_action, spec.name), spec.help))
+            pool = app.selected_pool()
+            on = f" {pool.key}" if pool is not None else " (select a pool in the scaling view)"
+            for pool_spec in POOL_ACTIONS:
+                out.append((f"{pool_spec.title}{on}", partial(app.start_pool_action, pool_spec.name), pool_spec.help))
         return out
 
     async def discover(self) -> Hits:

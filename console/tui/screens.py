@@ -1,5 +1,6 @@
 """Pushed screens: the worker detail (Enter), the confirm dialog for capacity-removing actions,
-the small forms actions need (sleep level, LoRA name and source), and help (``?``)."""
+the small forms actions need (sleep level, LoRA name and source, a pool's replica count), and help
+(``?``). Dialog text wraps: at 80x24 a question longer than the dialog must not be cut."""
 
 from __future__ import annotations
 
@@ -11,10 +12,20 @@ from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, Input, Label, OptionList, Sparkline, Static
 
-from dynamod.console.actions.specs import ACTIONS
-from dynamod.console.present import fmt_age, fmt_bytes_rate, fmt_count, fmt_ms, fmt_ms_value, fmt_pct
+from dynamod.console.actions.scaling import check_replicas
+from dynamod.console.actions.specs import ACTIONS, POOL_ACTIONS
+from dynamod.console.present import (
+    fmt_age,
+    fmt_budget,
+    fmt_bytes_rate,
+    fmt_count,
+    fmt_ms,
+    fmt_ms_value,
+    fmt_pct,
+)
 from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.records import fmt_id
+from dynamod.console.state.scaling import PoolScaling
 from dynamod.console.tui.style import STATUS_STYLE, severity_text
 from dynamod.shared.protocol.routing import STAGE_AGG
 
@@ -151,12 +162,14 @@ class ConfirmScreen(ModalScreen[bool]):
 
 
 class SleepLevelScreen(ModalScreen[int | None]):
-    """Picks the sleep level: 1 keeps weights in host memory (fast wake), 2 drops them."""
+    """Picks the sleep level: 1 keeps weights in host memory (fast wake), 2 drops them. Its labels
+    wrap (``width: 100%``): at 80 columns the question is longer than the dialog is wide."""
 
     BINDINGS = [Binding("1", "pick(1)", "Level 1"), Binding("2", "pick(2)", "Level 2"), Binding("escape", "pick(0)", "Cancel")]
     DEFAULT_CSS = """
     SleepLevelScreen { align: center middle; }
     SleepLevelScreen > Vertical { width: 60; max-width: 95%; height: auto; border: thick $warning; background: $surface; padding: 1 2; }
+    SleepLevelScreen Label { width: 100%; }
     """
 
     def __init__(self, target: str) -> None:
@@ -182,8 +195,8 @@ class LoraLoadScreen(ModalScreen[tuple[str, str] | None]):
     LoraLoadScreen { align: center middle; }
     LoraLoadScreen > Grid { grid-size: 2; grid-columns: 10 1fr; grid-rows: auto; width: 70; max-width: 98%; height: auto;
         border: thick $primary; background: $surface; padding: 1 2; }
-    LoraLoadScreen #lora-error { column-span: 2; color: $error; height: auto; }
-    LoraLoadScreen #lora-help { column-span: 2; height: auto; }
+    LoraLoadScreen #lora-error { column-span: 2; color: $error; height: auto; width: 100%; }
+    LoraLoadScreen #lora-help { column-span: 2; height: auto; width: 100%; margin-bottom: 1; }
     """
 
     def __init__(self, target: str) -> None:
@@ -226,6 +239,7 @@ class LoraUnloadScreen(ModalScreen[str | None]):
     LoraUnloadScreen { align: center middle; }
     LoraUnloadScreen > Vertical { width: 60; max-width: 95%; height: auto; max-height: 80%; border: thick $warning;
         background: $surface; padding: 1 2; }
+    LoraUnloadScreen Label { width: 100%; }
     LoraUnloadScreen OptionList { height: auto; max-height: 12; }
     """
 
@@ -246,9 +260,68 @@ class LoraUnloadScreen(ModalScreen[str | None]):
         self.dismiss(None)
 
 
+class ScaleScreen(ModalScreen[tuple[int, str] | None]):
+    """Asks for a pool's replica count (and, optionally, why): the operator's override."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    DEFAULT_CSS = """
+    ScaleScreen { align: center middle; }
+    ScaleScreen > Vertical { width: 70; max-width: 98%; height: auto; border: thick $primary; background: $surface;
+        padding: 1 2; }
+    ScaleScreen Label { width: 100%; }
+    ScaleScreen Horizontal { height: auto; }
+    ScaleScreen .field { width: 10; padding-top: 1; }
+    ScaleScreen Input { width: 1fr; }
+    ScaleScreen #scale-error { color: $error; height: auto; }
+    """
+
+    def __init__(self, pool: PoolScaling) -> None:
+        super().__init__()
+        self.pool = pool
+
+    def compose(self) -> ComposeResult:
+        p = self.pool
+        now = f"{p.ready} ready"
+        if p.desired is not None:
+            now += f", planner wants {p.desired}"
+        if p.override is not None:
+            now += f", override {p.override.replicas}"
+        with Vertical():
+            yield Label(f"Hold {p.key} at how many replicas? ({now}; budget {fmt_budget(p)})")
+            yield Label("Enter sets it until cleared (x), Esc cancels.", classes="dim")
+            with Horizontal():
+                yield Label("replicas", classes="field")
+                yield Input(placeholder="0 or more", type="integer", id="scale-replicas")
+            with Horizontal():
+                yield Label("reason", classes="field")
+                yield Input(placeholder="optional: shown beside the override", id="scale-reason")
+            yield Label("", id="scale-error")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        text = self.query_one("#scale-replicas", Input).value.strip()
+        try:
+            replicas = int(text)
+        except ValueError:
+            self.query_one("#scale-error", Label).update("replicas must be a whole number")
+            self.query_one("#scale-replicas", Input).focus()
+            return
+        bad = check_replicas(replicas)
+        if bad is not None:
+            self.query_one("#scale-error", Label).update(bad)
+            self.query_one("#scale-replicas", Input).focus()
+            return
+        if event.input.id == "scale-replicas" and not self.query_one("#scale-reason", Input).value:
+            self.query_one("#scale-reason", Input).focus()
+            return
+        self.dismiss((replicas, self.query_one("#scale-reason", Input).value.strip()))
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
 HELP_KEYS: tuple[tuple[str, str], ...] = (
-    (":", "jump to a view (topology, workers, models, events, router); → completes"),
-    ("1-5", "jump to view 1..5"),
+    (":", "jump to a view (topology, workers, models, events, router, scaling); → completes"),
+    ("1-6", "jump to view 1..6"),
     ("/", "filter the current view (Enter keeps it, Esc clears)"),
     ("Enter", "drill in (worker detail; a model shows its workers)"),
     ("Esc", "back / clear filter"),
@@ -282,6 +355,9 @@ class HelpScreen(ModalScreen[None]):
             for spec in ACTIONS:
                 mark = " (asks to confirm)" if spec.removes_capacity else ""
                 table.add_row(spec.key, f"{spec.title}: {spec.help}{mark}")
+            table.add_row("", Text("in the scaling view, on the selected pool:", style="dim"))
+            for pool_spec in POOL_ACTIONS:
+                table.add_row(pool_spec.key, f"{pool_spec.title}: {pool_spec.help}")
         with VerticalScroll():
             yield Static(Text("dynamo-console keys", style="bold"))
             yield Static(table)

@@ -59,7 +59,9 @@ def test_recording_events_newest_first(recorded_state: ClusterState) -> None:
         assert kind in kinds, kind
     drain = recorded_state.recent_events(kinds=["drain"])
     assert len(drain) == 1 and drain[0].instance_id == WORKER_C
-    assert "prefill queue empty" in recorded_state.recent_events(kinds=["scaling"])[0].message
+    scaling = [e.message for e in recorded_state.recent_events(kinds=["scaling"])]
+    assert any("dynamo/prefill: scale down 2 -> 1 (queue_low: prefill queue empty" in m for m in scaling)
+    assert any(m.startswith("override dynamo/agg = 4 by ops@bastion") for m in scaling)
 
 
 def test_event_filter_matches_any_word(recorded_state: ClusterState) -> None:

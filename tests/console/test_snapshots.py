@@ -13,10 +13,11 @@ from textual.pilot import Pilot
 
 from dynamod.console.state.recording import replay
 from dynamod.console.tui.app import ConsoleApp
-from tests.console.fixtures.make_recording import DECODE_2, WORKER_A, WORKER_B
+from tests.console.factories import make_state, register
+from tests.console.fixtures.make_recording import DECODE_2, WORKER_A, WORKER_B, WORKER_D
 from tests.console.pilot import cursor_to_worker
 
-VIEWS = ("topology", "workers", "models", "events", "router")
+VIEWS = ("topology", "workers", "models", "events", "router", "scaling")
 SIZES = ((80, 24), (160, 50))
 
 
@@ -57,7 +58,46 @@ def test_help(snap_compare, recording) -> None:
     assert snap_compare(_app(recording), press=["question_mark"], terminal_size=(80, 24))
 
 
-@pytest.mark.parametrize("view", ("topology", "workers", "router"))
+def test_sleep_dialog(snap_compare, recording) -> None:
+    """80x24: the sleep dialog's question wraps inside the dialog instead of being cut."""
+    assert snap_compare(_app(recording), run_before=_on_worker_press(WORKER_A, "s"), terminal_size=(80, 24))
+
+
+def test_sleep_confirm(snap_compare, recording) -> None:
+    async def run_before(pilot: Pilot) -> None:
+        await cursor_to_worker(pilot, WORKER_D)
+        await pilot.press("s", "2")
+        await pilot.pause()
+
+    assert snap_compare(_app(recording), run_before=run_before, terminal_size=(80, 24))
+
+
+def test_workers_status_changes_after_first_draw(snap_compare) -> None:
+    """80x24: workers first drawn ``ready`` then turned ``draining``/``sleeping`` read in full
+    (the table used to keep the column as wide as ``ready`` and cut them to ``draini``)."""
+    state, _ = make_state()
+    for iid in (0x11, 0x22, 0x33):
+        register(state, iid)
+
+    async def run_before(pilot: Pilot) -> None:
+        await pilot.pause()
+        register(state, 0x22, status="draining")
+        register(state, 0x33, status="sleeping")
+        pilot.app.refresh_now()
+        await pilot.pause()
+
+    assert snap_compare(ConsoleApp(state, initial_view="workers"), run_before=run_before, terminal_size=(80, 24))
+
+
+def test_scale_dialog(snap_compare, disagg_recording) -> None:
+    async def run_before(pilot: Pilot) -> None:
+        await pilot.press("down", "s")
+        await pilot.pause()
+
+    assert snap_compare(_app(disagg_recording, "scaling"), run_before=run_before, terminal_size=(80, 24))
+
+
+@pytest.mark.parametrize("view", ("topology", "workers", "router", "scaling"))
 def test_disagg_view(snap_compare, disagg_recording, view: str) -> None:
     """A disaggregated cluster at 80x24: the pool strip, role and transfer columns, the two-stage
     router table with the remote/local prefill summary."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from dynamod.console.state.decisions import describe_planner_decision
 from dynamod.console.state.event_log import DECODE_ERROR_REPEAT_S, EventLog
 from dynamod.console.state.frontends import LATENCY_WINDOW_S, FrontendScrapes
 from dynamod.console.state.imbalance import IMBALANCE_REPEAT_S, ImbalanceWatch
@@ -14,11 +13,13 @@ from dynamod.console.state.load import ORPHAN_STATS_TTL_S, LoadTally
 from dynamod.console.state.prom import FrontendScrape
 from dynamod.console.state.recording import ManualClock
 from dynamod.console.state.records import ClusterEvent, EndpointInstance, Worker, WorkerStats
+from dynamod.console.state.scaling import describe_decision
 from dynamod.console.state.topology import GONE_RETENTION_S, Topology
 from dynamod.console.state.versions import Versions
 from dynamod.shared.protocol.keys import instance_key
 from dynamod.shared.protocol.kv_events import KvCleared, KvRemoved, KvStored, RouterEvent, StoredBlock
 from dynamod.shared.protocol.load import LoadMetrics
+from dynamod.shared.protocol.planner import PlannerDecision
 from tests.console.factories import make_instance, make_state, register
 
 # -- EventLog ---------------------------------------------------------------------------------------
@@ -205,6 +206,9 @@ def test_counters_are_read_from_the_managers() -> None:
 
 
 def test_planner_decision_line() -> None:
-    assert describe_planner_decision({"message": "scale up", "component": "prefill", "replicas": 3, "ts": 1.0,
-                                      "detail": {"x": 1}}) == "planner: scale up (component=prefill replicas=3)"
-    assert describe_planner_decision({}) == "planner decision"
+    d = PlannerDecision(decision_id=3, ts=1.0, namespace="ns", planner="load", pool="prefill", component="prefill",
+                        current=2, desired=3, action="scale_up", reason="queue_high", detail="12 waiting > 10")
+    assert describe_decision(d) == "planner load ns/prefill: scale up 2 -> 3 (queue_high: 12 waiting > 10)"
+    failed = PlannerDecision(decision_id=4, ts=1.0, namespace="ns", planner="sla", pool="decode", component="backend",
+                             current=2, desired=2, action="hold", reason="grace_period", dry_run=True, error="k8s 403")
+    assert describe_decision(failed) == "planner sla ns/decode: hold stays 2 (grace_period) [dry run] failed: k8s 403"

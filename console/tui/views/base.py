@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from rich.text import Text
 from textual.widgets import DataTable
+from textual.widgets.data_table import CellKey, ColumnKey, RowKey
 
 from dynamod.console.state.cluster import ClusterState
 
@@ -39,21 +40,33 @@ class LiveTable(DataTable):
 
     ``DataTable.update_cell`` repaints per call; at 256 workers with load moving ten times a
     second that is thousands of repaints per refresh and the console's main cost. ``update_cells``
-    writes the cells and invalidates the render caches once (the same two steps ``update_cell``
-    takes, done once), falling back to ``update_cell`` if the table's internals ever change.
+    writes the cells and invalidates the render caches once (the same steps ``update_cell`` takes
+    with ``update_width=True``, done once), falling back to ``update_cell`` if the table's internals
+    ever change.
+
+    Auto-width columns grow to a wider value: a column first drawn with ``ready`` must not cut a
+    later ``draining`` to ``draini``. Columns given a fixed width keep it (DataTable only widens
+    auto-width ones).
     """
 
     def update_cells(self, changes: list[tuple[str, str, Cell]]) -> None:
         if not changes:
             return
         data = getattr(self, "_data", None)
-        if not isinstance(data, dict) or not isinstance(getattr(self, "_update_count", None), int):
+        updated = getattr(self, "_updated_cells", None)
+        if (
+            not isinstance(data, dict)
+            or not isinstance(getattr(self, "_update_count", None), int)
+            or not isinstance(updated, set)
+        ):
             for row, col, value in changes:
-                self.update_cell(row, col, value)
+                self.update_cell(row, col, value, update_width=True)
             return
         for row, col, value in changes:
             data[row][col] = value  # RowKey/ColumnKey hash and compare equal to their strings
+            updated.add(CellKey(RowKey(row), ColumnKey(col)))
         self._update_count += 1
+        self._require_update_dimensions = True
         self.refresh()
 
 
@@ -79,7 +92,7 @@ def sync_table(table: DataTable, rows: list[Row], cache: dict[str, tuple[Cell, .
             table.update_cells(changes)
         else:
             for key, col, cell in changes:
-                table.update_cell(key, col, cell)
+                table.update_cell(key, col, cell, update_width=True)
         return
     cursor_key = None
     if table.row_count and 0 <= table.cursor_row < table.row_count:
@@ -123,7 +136,7 @@ def sync_slots(table: DataTable, rows: list[Sequence[Cell]], cache: dict[str, tu
         table.update_cells(changes)
     else:
         for key, col, cell in changes:
-            table.update_cell(key, col, cell)
+            table.update_cell(key, col, cell, update_width=True)
     for i in range(len(cache), len(rows)):
         table.add_row(*rows[i], key=str(i))
         cache[str(i)] = tuple(rows[i])

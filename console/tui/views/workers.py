@@ -57,6 +57,12 @@ SCROLLBAR = 1
 TRANSFER_COLUMNS = ("XFER/S", "XFER50", "XFER99", "XFAIL", "HELD")
 
 
+def column_width(col: str, measured: dict[str, int]) -> int:
+    """The content width a column is drawn with: fixed, so a cell that later grows (a worker going
+    from ``ready`` to ``draining``) is never cut, and the fit below is exact."""
+    return max(len(col), COLUMN_WIDTH[col], measured.get(col, 0))
+
+
 def fit_columns(width: int, disaggregated: bool, measured: dict[str, int], *, transfers: bool = True) -> tuple[str, ...]:
     """The columns that fit ``width`` terminal columns, in display order: taken by priority, a
     column too wide for what is left is skipped (a narrower one after it may still fit). Until
@@ -67,7 +73,7 @@ def fit_columns(width: int, disaggregated: bool, measured: dict[str, int], *, tr
     if not transfers:
         order = tuple(c for c in order if c not in TRANSFER_COLUMNS) + TRANSFER_COLUMNS
     for col in order:
-        need = max(len(col), COLUMN_WIDTH[col], measured.get(col, 0)) + CELL_PADDING
+        need = column_width(col, measured) + CELL_PADDING
         if need <= room:
             chosen.add(col)
             room -= need
@@ -176,7 +182,7 @@ class WorkersView(Vertical, ViewMixin):
     def __init__(self, *, id: str | None = None) -> None:  # noqa: A002 - Textual's parameter name
         super().__init__(id=id)
         self._row_cache: dict[str, tuple[Cell, ...]] = {}
-        self._columns: tuple[str, ...] = ()
+        self._columns: tuple[tuple[str, int], ...] = ()
         self._seen: tuple[int, int, int] = (-1, -1, -1)
         self._ids: dict[str, int] = {}
         self._spark: dict[int, tuple[int, float, str]] = {}
@@ -192,7 +198,8 @@ class WorkersView(Vertical, ViewMixin):
     def table(self) -> DataTable:
         return self.query_one("#workers-table", DataTable)
 
-    def _wanted_columns(self, state: ClusterState, workers: list[Worker], disaggregated: bool) -> tuple[str, ...]:
+    def _wanted_columns(self, state: ClusterState, workers: list[Worker], disaggregated: bool) -> tuple[tuple[str, int], ...]:
+        """(column, width) pairs: a wider measured column (a longer node name) rebuilds the table."""
         measured = {
             "COMPONENT": max((len(f"{w.namespace}/{w.component}") for w in workers), default=0),
             "MODEL": max((len(w.model or "-") for w in workers), default=0),
@@ -200,7 +207,8 @@ class WorkersView(Vertical, ViewMixin):
             "NODE": max((len(w.node or "-") for w in workers), default=0),
         }
         transfers = any(p.transfers_seen for p in state.pools().values())
-        return fit_columns(self.app.size.width, disaggregated, measured, transfers=transfers)
+        chosen = fit_columns(self.app.size.width, disaggregated, measured, transfers=transfers)
+        return tuple((col, column_width(col, measured)) for col in chosen)
 
     def refresh_from(self, state: ClusterState, *, force: bool = False) -> None:
         seen = (state.versions.topology, state.versions.load, self.app.size.width)
@@ -210,13 +218,14 @@ class WorkersView(Vertical, ViewMixin):
         pools = state.pools()
         disaggregated = is_disaggregated(pools)
         workers = [w for w in state.worker_list() if worker_matches(w, self.filter_text)]
-        columns = self._wanted_columns(state, workers, disaggregated)
+        wanted = self._wanted_columns(state, workers, disaggregated)
+        columns = tuple(col for col, _ in wanted)
         table = self.table
-        if columns != self._columns:
+        if wanted != self._columns:
             table.clear(columns=True)
-            for col in columns:
-                table.add_column(col, key=col)
-            self._columns = columns
+            for col, width in wanted:
+                table.add_column(col, key=col, width=width)
+            self._columns = wanted
             self._row_cache.clear()
         now = state.clock()
         scale = worker_load_scale(workers)

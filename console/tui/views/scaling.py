@@ -1,0 +1,259 @@
+"""Scaling: one row per pool (namespace x pool) with ready vs desired replicas, the operator's
+override, the planner's budget, its predicted load and the SLA targets against what the frontends
+measure; below it, the selected pool's facts and its recent decisions with their reasons (newest
+first), and the global routers with the pools they route to.
+
+``s`` holds the selected pool at N replicas (an override; it asks first when that lowers
+capacity) and ``x`` clears the override; both are refused in read-only mode. Columns are chosen
+by priority to fit the terminal, like the Workers view: at 80 columns the pool, its sizes and the
+SLA cells come first.
+"""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.widgets import DataTable, Static
+
+from dynamod.console.actions.specs import POOL_ACTIONS
+from dynamod.console.present import (
+    SCALING_COLUMNS,
+    fmt_age,
+    fmt_budget,
+    fmt_ms_value,
+    fmt_rate,
+    fmt_value,
+    global_router_line,
+    scaling_row,
+    sla_breached,
+)
+from dynamod.console.state.cluster import ClusterState
+from dynamod.console.state.scaling import PoolScaling
+from dynamod.console.tui.views.base import (
+    Cell,
+    LiveTable,
+    Row,
+    ViewMixin,
+    selected_key,
+    sync_slots,
+    sync_table,
+)
+
+# What is kept first when columns must go: sizes and the SLA before the prediction's details.
+PRIORITY = ("POOL", "READY", "WANT", "OVERRIDE", "TTFT", "ITL", "REQ/S", "BUDGET", "PLANNER", "LAST", "ISL", "OSL")
+MIN_WIDTH = {"POOL": 12, "READY": 5, "WANT": 4, "OVERRIDE": 8, "TTFT": 9, "ITL": 8, "REQ/S": 6, "BUDGET": 6,
+             "PLANNER": 7, "LAST": 10, "ISL": 5, "OSL": 4}
+CELL_PADDING = 2
+SCROLLBAR = 1
+DECISION_COLUMNS = ("AGE", "ACTION", "SIZE", "REASON", "DETAIL")
+_DECISION_WIDTHS = {"AGE": 4, "ACTION": 10, "SIZE": 6, "REASON": 17}
+_COL_INDEX = {c: i for i, c in enumerate(SCALING_COLUMNS)}
+
+
+def fit_scaling_columns(width: int, rows: list[tuple[str, ...]]) -> tuple[tuple[str, int], ...]:
+    """(column, width) pairs that fit ``width``, in display order, widths from the content."""
+    room = width - SCROLLBAR
+    chosen: dict[str, int] = {}
+    for col in PRIORITY:
+        i = _COL_INDEX[col]
+        w = max(len(col), MIN_WIDTH[col], *(len(r[i]) for r in rows)) if rows else max(len(col), MIN_WIDTH[col])
+        if w + CELL_PADDING <= room:
+            chosen[col] = w
+            room -= w + CELL_PADDING
+    return tuple((c, chosen[c]) for c in SCALING_COLUMNS if c in chosen)
+
+
+def pool_cells(p: PoolScaling, row: tuple[str, ...], columns: tuple[str, ...]) -> tuple[Cell, ...]:
+    """A pool's row with colour where it matters: an override stands out, a breached SLA is red,
+    a pool short of its target is yellow."""
+    out: list[Cell] = []
+    for col in columns:
+        cell = row[_COL_INDEX[col]]
+        if col == "OVERRIDE" and p.override is not None:
+            out.append(Text(cell, style="bold yellow"))
+        elif col == "TTFT" and sla_breached(p.ttft_ms, p.targets.get("ttft_ms")):
+            out.append(Text(cell, style="bold red"))
+        elif col == "ITL" and sla_breached(p.itl_ms, p.targets.get("itl_ms")):
+            out.append(Text(cell, style="bold red"))
+        elif col == "READY" and p.target is not None and p.ready < p.target:
+            out.append(Text(cell, style="yellow"))
+        else:
+            out.append(cell)
+    return tuple(out)
+
+
+def pool_matches(p: PoolScaling, needle: str) -> bool:
+    if not needle:
+        return True
+    hay = f"{p.key} {p.component} {p.planner} {p.last.reason if p.last else ''}"
+    return needle.lower() in hay.lower()
+
+
+def _line(text: str, width: int, style: str = "") -> Text:
+    line = Text(text, style=style, no_wrap=True, overflow="ellipsis")
+    line.truncate(width, overflow="ellipsis")
+    return line
+
+
+def _sla_text(name: str, p50: float | None, p99: float | None, target: float | None) -> Text:
+    """``TTFT p50 45ms/200ms ok (p99 400ms)``: the p50 against the target, red when over."""
+    breached = sla_breached(p50, target)
+    out = Text(f"{name} p50 ")
+    out.append(fmt_ms_value(p50) + (f"/{fmt_ms_value(target)}" if target is not None else ""),
+               style="bold red" if breached else "")
+    if target is not None:
+        out.append(" over" if breached else (" ok" if p50 is not None else " ?"), style="bold red" if breached else "green")
+    if p99 is not None:
+        out.append(f" (p99 {fmt_ms_value(p99)})")
+    return out
+
+
+def pool_facts(p: PoolScaling, width: int) -> Group:
+    """The selected pool in four lines (each cut to ``width``): sizes, override, prediction, SLA."""
+    room = max(20, width - 2)
+    head = f"{p.key} ({p.component})  "
+    if p.planner:
+        head += f"{p.planner} planner, {p.connector or '?'} connector{', DRY RUN' if p.dry_run else ''}"
+    else:
+        head += "no planner"
+    sizes = f"ready {p.ready} of {p.live}"
+    if p.current is not None or p.desired is not None:
+        sizes += f"  planner counts {p.current if p.current is not None else '-'}, wants {p.desired if p.desired is not None else '-'}"
+    sizes += f"  budget {fmt_budget(p)}"
+    if p.scaled is not None:
+        sizes += f"  scaled to {p.scaled}"
+    if p.override is not None:
+        o = p.override
+        over = _line(f"override {o.replicas}" + (f" by {o.set_by}" if o.set_by else "") + (f": {o.reason}" if o.reason else "")
+                     + "  (x clears)", room, "bold yellow")
+    else:
+        over = _line("no override (s sets one)", room, "dim")
+    pred = p.predicted
+    predicted = (f"predicted {fmt_rate(pred.get('request_rate'))}  ISL {fmt_value(pred.get('isl'))}  "
+                 f"OSL {fmt_value(pred.get('osl'))}") if pred else "predicted -"
+    sla = _sla_text("TTFT", p.ttft_ms, p.measured.ttft_p99, p.targets.get("ttft_ms"))
+    sla.append("  ")
+    sla.append_text(_sla_text("ITL", p.itl_ms, p.measured.itl_p99, p.targets.get("itl_ms")))
+    sla.truncate(room, overflow="ellipsis")
+    sla.no_wrap = True
+    return Group(_line(head, room, "bold"), _line(sizes, room), over, _line(predicted, room), sla)
+
+
+class ScalingView(Vertical, ViewMixin):
+    view_name = "scaling"
+    BINDINGS = [Binding(a.key, f"pool_action('{a.name}')", a.short, tooltip=a.help) for a in POOL_ACTIONS]
+    DEFAULT_CSS = """
+    ScalingView #scaling-pools { height: auto; max-height: 8; }
+    ScalingView #scaling-facts { height: auto; padding: 0 1; background: $boost; }
+    ScalingView #scaling-routers { height: auto; max-height: 3; padding: 0 1; color: $text-muted; display: none; }
+    ScalingView #scaling-routers.shown { display: block; }
+    ScalingView #scaling-decisions { height: 1fr; }
+    ScalingView #scaling-empty { height: auto; padding: 1 2; color: $text-muted; display: none; }
+    ScalingView #scaling-empty.shown { display: block; }
+    """
+    empty_hint = ("No pools yet: no workers, no planner. Start one with `dynamod up --planner load`; "
+                  "an override (s) needs a pool to hold.")
+
+    def __init__(self, *, id: str | None = None) -> None:  # noqa: A002 - Textual's parameter name
+        super().__init__(id=id)
+        self._row_cache: dict[str, tuple[Cell, ...]] = {}
+        self._decision_cache: dict[str, tuple[Cell, ...]] = {}
+        self._columns: tuple[tuple[str, int], ...] = ()
+        self._decision_room = -1
+        self._seen: tuple[int, ...] = ()
+        self._pools: dict[str, PoolScaling] = {}
+        self._shown_pool: str | None = None
+        self._state: ClusterState | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Static("", id="scaling-empty")
+        yield LiveTable(id="scaling-pools", cursor_type="row", zebra_stripes=False)
+        yield Static("", id="scaling-facts")
+        yield Static("", id="scaling-routers")
+        yield LiveTable(id="scaling-decisions", cursor_type="none", zebra_stripes=False)
+
+    @property
+    def table(self) -> DataTable:
+        return self.query_one("#scaling-pools", DataTable)
+
+    def refresh_from(self, state: ClusterState, *, force: bool = False) -> None:
+        self._state = state
+        now = state.clock()
+        width = self.app.size.width
+        v = state.versions
+        # Decision ages tick over once a second even when nothing new arrived.
+        seen = (v.scaling, v.topology, v.models, int(now), width)
+        if not force and seen == self._seen:
+            return
+        self._seen = seen
+        pools = [p for p in state.scaling_pools() if pool_matches(p, self.filter_text)]
+        self._pools = {p.key: p for p in pools}
+        rows_text = [scaling_row(p) for p in pools]
+        wanted = fit_scaling_columns(width, rows_text)
+        table = self.table
+        if wanted != self._columns:
+            table.clear(columns=True)
+            for col, w in wanted:
+                table.add_column(col, key=col, width=w)
+            self._columns = wanted
+            self._row_cache.clear()
+        columns = tuple(c for c, _ in wanted)
+        rows: list[Row] = [(p.key, pool_cells(p, r, columns)) for p, r in zip(pools, rows_text, strict=True)]
+        sync_table(table, rows, self._row_cache)
+        empty = self.query_one("#scaling-empty", Static)
+        if not rows:
+            empty.update(f"No pool matches /{self.filter_text}" if self.filter_text else self.empty_hint)
+        empty.set_class(not rows, "shown")
+        routers = state.global_routers()
+        strip = self.query_one("#scaling-routers", Static)
+        strip.update(Group(*(_line(global_router_line(g), max(20, width - 2)) for g in routers)))
+        strip.set_class(bool(routers), "shown")
+        self._show_pool(now, width)
+
+    def _show_pool(self, now: float, width: int) -> None:
+        """Facts and decisions of the pool under the cursor."""
+        p = self.selected_pool()
+        self._shown_pool = p.key if p is not None else None
+        facts = self.query_one("#scaling-facts", Static)
+        facts.update(pool_facts(p, width) if p is not None else "")
+        facts.display = p is not None
+        dec = self.query_one("#scaling-decisions", DataTable)
+        room = max(16, width - sum(w + CELL_PADDING for w in _DECISION_WIDTHS.values()) - CELL_PADDING - SCROLLBAR)
+        if room != self._decision_room:
+            dec.clear(columns=True)
+            for col in DECISION_COLUMNS:
+                dec.add_column(col, key=col, width=_DECISION_WIDTHS.get(col, room))
+            self._decision_room = room
+            self._decision_cache.clear()
+        rows: list[list[Cell]] = []
+        for d in p.decisions if p is not None else []:
+            detail = Text(d.detail or "-", style="bold red" if d.error else "")
+            if d.error:
+                detail = Text(f"failed: {d.error}", style="bold red")
+            detail.truncate(room, overflow="ellipsis")
+            size = f"{d.current}->{d.desired}" if d.desired != d.current else str(d.current)
+            action = Text(d.action, style="" if d.action == "hold" else "bold")
+            rows.append([fmt_age(now - d.ts), action, size, d.reason[: _DECISION_WIDTHS["REASON"]], detail])
+        sync_slots(dec, rows, self._decision_cache)
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        event.stop()
+        if self._state is not None and event.row_key.value != self._shown_pool:
+            self._show_pool(self._state.clock(), self.app.size.width)
+
+    def selected_pool(self) -> PoolScaling | None:
+        key = selected_key(self.table)
+        return self._pools.get(key) if key else None
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "pool_action" and getattr(self.app, "read_only", False):
+            return False
+        return True
+
+    def action_pool_action(self, name: str) -> None:
+        start = getattr(self.app, "start_pool_action", None)
+        if start is not None:
+            start(name)
