@@ -12,6 +12,11 @@ import socket
 from dataclasses import dataclass, field
 
 from dynamod.shared.errors import ConfigError
+from dynamod.shared.transport.liveness import (
+    DEFAULT_HEARTBEAT_INTERVAL_S,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    HeartbeatConfig,
+)
 
 DISCOVERY_BACKENDS = ("etcd", "file", "mem")
 REQUEST_PLANES = ("tcp", "nats")
@@ -35,6 +40,10 @@ class RuntimeSettings:
     system_host: str = "127.0.0.1"
     system_port: int | None = None  # None: no status server; 0: ephemeral port
     lease_ttl_s: float = 10.0
+    # Request-plane liveness: ping interval (0: off) and the silence after which a peer with open
+    # streams is declared dead (frozen/hung) and its streams fail over. See transport/liveness.py.
+    request_plane_heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    request_plane_heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     node_name: str = field(default_factory=socket.gethostname)
     log_level: str | None = None
 
@@ -49,7 +58,12 @@ class RuntimeSettings:
             raise ConfigError(f"lease TTL must be above 0.5 s, got {self.lease_ttl_s}")
         if not self.namespace or "/" in self.namespace or "." in self.namespace:
             raise ConfigError(f"namespace must be a non-empty name without '/' or '.', got {self.namespace!r}")
+        self.request_plane_heartbeat.validate()
         return self
+
+    @property
+    def request_plane_heartbeat(self) -> HeartbeatConfig:
+        return HeartbeatConfig(self.request_plane_heartbeat_interval_s, self.request_plane_heartbeat_timeout_s)
 
 
 def _env(name: str) -> str | None:
@@ -84,6 +98,19 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--system-port", type=int, help="port of /health,/live,/metrics; 0 = any free port [env DYN_SYSTEM_PORT, default off]")
     g.add_argument("--system-host", help="address of the status server [env DYN_SYSTEM_HOST, default 127.0.0.1]")
     g.add_argument("--lease-ttl", type=float, help="discovery lease TTL in seconds [env DYN_LEASE_TTL, default 10]")
+    g.add_argument(
+        "--request-plane-heartbeat-interval",
+        type=float,
+        help="seconds between request-plane pings to a worker with open streams; 0 = off (TCP keep-alive only) "
+        f"[env DYN_REQUEST_PLANE_HEARTBEAT_INTERVAL, default {DEFAULT_HEARTBEAT_INTERVAL_S:g}]",
+    )
+    g.add_argument(
+        "--request-plane-heartbeat-timeout",
+        type=float,
+        help="seconds of silence (no data, no pong) after which a frozen or hung worker's connection is declared "
+        "dead and its streams migrate; at least twice the interval "
+        f"[env DYN_REQUEST_PLANE_HEARTBEAT_TIMEOUT, default {DEFAULT_HEARTBEAT_TIMEOUT_S:g}]",
+    )
     g.add_argument("--log-level", help="log level [env DYN_LOG, default info]")
 
 
@@ -117,6 +144,16 @@ def settings_from_args(ns: argparse.Namespace, **overrides: object) -> RuntimeSe
     try:
         s.system_port = int(port) if port is not None else None  # type: ignore[arg-type]
         s.lease_ttl_s = float(pick("lease_ttl", "DYN_LEASE_TTL", 10.0))  # type: ignore[arg-type]
+        s.request_plane_heartbeat_interval_s = float(
+            pick(  # type: ignore[arg-type]
+                "request_plane_heartbeat_interval", "DYN_REQUEST_PLANE_HEARTBEAT_INTERVAL", DEFAULT_HEARTBEAT_INTERVAL_S
+            )
+        )
+        s.request_plane_heartbeat_timeout_s = float(
+            pick(  # type: ignore[arg-type]
+                "request_plane_heartbeat_timeout", "DYN_REQUEST_PLANE_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_TIMEOUT_S
+            )
+        )
     except ValueError as exc:
         raise ConfigError(f"bad numeric setting: {exc}") from exc
     level = pick("log_level", "DYN_LOG", None)

@@ -2,7 +2,8 @@
 
 ``EngineStream`` yields the worker's ``EngineOutput`` frames (plain dicts, as the request plane
 decodes them: no per-token conversion). When the stream breaks (``TransportError``: the worker
-died or its connection dropped; ``UnavailableError`` or an ``abort`` finish the client did not ask
+died, its connection dropped, it went silent for the request plane's heartbeat timeout (frozen or
+hung) or it left discovery; ``UnavailableError`` or an ``abort`` finish the client did not ask
 for: the worker is draining or went to sleep) the request is re-sent to another worker with the
 tokens generated so far appended to the prompt and ``max_tokens`` reduced by as many, up to the
 migration limit. The caller sees one stream: no token twice, none missing.
@@ -39,6 +40,7 @@ from dynamod.shared.errors import NoInstancesError, TransportError, UnavailableE
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.llm import FINISH_ABORT, FINISH_LENGTH, PreprocessedRequest
 from dynamod.shared.protocol.routing import STAGE_DECODE
+from dynamod.shared.runtime.client import InstanceGoneError
 
 logger = logging.getLogger(__name__)
 
@@ -274,7 +276,9 @@ class EngineStream:
                         return
                 raise TransportError(f"worker {worker_id:x} ended the stream without a finish reason")
             except _MIGRATABLE as exc:
-                if isinstance(exc, TransportError):
+                # A worker that left discovery is routed to by nobody already; quarantining it
+                # would only delay it when its record comes back (a frozen worker thawing).
+                if isinstance(exc, TransportError) and not isinstance(exc, InstanceGoneError):
                     self._d.report_dead(worker_id)
                 exclude.add(worker_id)
                 if req.direct_ids is not None or req.migrations >= req.migration_limit:

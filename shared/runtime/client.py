@@ -3,16 +3,25 @@
 The instance list comes from a discovery watch (``InstanceSet``); only instances with status
 ``ready`` get routed work, while ``direct`` reaches any live instance (control endpoints must reach
 a draining or sleeping worker).
+
+A stream is remembered (weakly) under the instance it went to, and when that instance leaves
+discovery (its record deleted, its lease ended: not a status change) every stream still open to it
+fails at once with ``InstanceGoneError``, a ``TransportError`` the frontend migrates. Without this a
+stream to a process whose lease expired would wait for the connection to break, which for a frozen
+or partitioned process is the heartbeat timeout at best. A graceful stop keeps its records
+(``draining``) until its streams finished, so it causes no failover.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import random
+import weakref
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from dynamod.shared.errors import NoInstancesError
+from dynamod.shared.errors import NoInstancesError, TransportError
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.keys import instances_prefix
 from dynamod.shared.runtime.instances import InstanceSet
@@ -21,9 +30,18 @@ from dynamod.shared.transport.plane import ServerAddress
 if TYPE_CHECKING:
     from dynamod.shared.runtime.distributed import DistributedRuntime
 
+logger = logging.getLogger(__name__)
+
 ROUTE_ROUND_ROBIN = "round-robin"
 ROUTE_RANDOM = "random"
 ROUTE_DIRECT = "direct"
+
+
+class InstanceGoneError(TransportError):
+    """The instance serving a stream left discovery while the stream was open. Migratable like
+    any lost connection, but no sign that the instance is unreachable: it is simply not there."""
+
+    code = "instance_gone"
 
 
 def endpoint_path(namespace: str, component: str, endpoint: str, instance_id: int) -> str:
@@ -38,7 +56,10 @@ class EndpointClient:
         self.component = component
         self.endpoint = endpoint
         self.instance_set = InstanceSet(runtime.store, instances_prefix(namespace, component, endpoint))
+        self.instance_set.add_gone_listener(self._instance_gone)
         self._rr = itertools.count()
+        # Open streams by instance id, held weakly: a finished stream its caller dropped goes by itself.
+        self._streams: dict[int, weakref.WeakSet[Any]] = {}
 
     async def start(self) -> EndpointClient:
         await self.instance_set.start()
@@ -89,8 +110,9 @@ class EndpointClient:
         timeout_s: float | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[Any]:
-        """Streams one request to a chosen instance."""
-        return self._rt.request_client.stream(
+        """Streams one request to a chosen instance; it fails with InstanceGoneError if the
+        instance leaves discovery before the stream ends."""
+        stream = self._rt.request_client.stream(
             ServerAddress(instance.transport, instance.address),
             endpoint_path(self.namespace, self.component, self.endpoint, instance.instance_id),
             body,
@@ -98,6 +120,32 @@ class EndpointClient:
             timeout_s=timeout_s,
             request_id=request_id,
         )
+        if hasattr(stream, "fail"):  # every transport's ClientStream; not the unknown-transport stub
+            streams = self._streams.get(instance.instance_id)
+            if streams is None:
+                streams = self._streams[instance.instance_id] = weakref.WeakSet()
+            streams.add(stream)
+        return stream
+
+    def _instance_gone(self, instance: Instance) -> None:
+        streams = self._streams.pop(instance.instance_id, None)
+        if not streams:
+            return
+        message = (
+            f"instance {instance.instance_id:x} of {self.namespace}/{self.component}/{self.endpoint} "
+            "left discovery (lease ended or record deleted) while the stream was open"
+        )
+        # One exception per stream: each reader's task raises (and adds a traceback to) its own.
+        failed = sum(1 for stream in list(streams) if stream.fail(InstanceGoneError(message)))
+        if failed:
+            logger.warning(
+                "instance left discovery with streams open path=%s/%s/%s instance_id=%x streams=%d action=fail_over",
+                self.namespace,
+                self.component,
+                self.endpoint,
+                instance.instance_id,
+                failed,
+            )
 
     def generate(
         self,

@@ -34,6 +34,10 @@ RECONCILE_INTERVAL_S = 5.0
 Listener = Callable[[str, Instance | None], None]
 """Called with (key, instance) on add/update and (key, None) on removal."""
 
+GoneListener = Callable[[Instance], None]
+"""Called with the instance when its id is no longer served under the prefix (its record was
+deleted or its lease ended). A status change (``draining``) is an update, never a removal."""
+
 
 class InstanceSet:
     def __init__(
@@ -46,6 +50,7 @@ class InstanceSet:
         self._key_of: dict[int, str] = {}  # instance id -> the key its index entry came from
         self._by_id_view: Mapping[int, Instance] = MappingProxyType(self._by_id)
         self._listeners: list[Listener] = []
+        self._gone_listeners: list[GoneListener] = []
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
         self._reconciler: asyncio.Task[None] | None = None
@@ -74,6 +79,10 @@ class InstanceSet:
 
     def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
+
+    def add_gone_listener(self, listener: GoneListener) -> None:
+        """``listener(instance)`` runs when an instance id leaves the set (see ``GoneListener``)."""
+        self._gone_listeners.append(listener)
 
     @property
     def instances(self) -> list[Instance]:
@@ -115,6 +124,9 @@ class InstanceSet:
             self._unindex(key, inst.instance_id)
             for listener in self._listeners:
                 listener(key, None)
+            if inst.instance_id not in self._by_id:
+                for gone in self._gone_listeners:
+                    gone(inst)
 
     def _unindex(self, key: str, instance_id: int) -> None:
         """Drops the id entry ``key`` put there; another key holding the same id (a wider prefix:

@@ -114,6 +114,19 @@ class ClientStream(ABC):
         self._error = exc
         self._wake()
 
+    def fail(self, exc: BaseException) -> bool:
+        """Ends the stream with ``exc`` from outside the transport (its instance left discovery):
+        the server is told to stop, if it still listens, and the reader raises ``exc`` now. A
+        stream not sent yet never will be. Returns False when the stream had already ended."""
+        if self._done or self._finished:
+            return False
+        if self._opened:
+            self._send_cancel()
+        else:
+            self._opened = True  # nothing to send any more: the first read raises ``exc``
+        self.push_error(exc)
+        return True
+
     @property
     def buffered(self) -> int:
         """Response bodies received and not yet read."""
@@ -173,6 +186,8 @@ class ClientStream(ABC):
         try:
             if timeout is None:
                 await self._open()
+                if self._done:  # failed while connecting: the request went out, call it back
+                    self._send_cancel()
             else:
                 if timeout <= 0:
                     raise DeadlineExceededError(
@@ -185,6 +200,9 @@ class ClientStream(ABC):
                 except TimeoutError as exc:
                     raise DeadlineExceededError(f"deadline of {timeout}s exceeded while connecting") from exc
                 remaining = timeout - (self._loop.time() - start)
+                if self._done:  # failed while connecting: the request went out, call it back
+                    self._send_cancel()
+                    return
                 # A weak reference, so a stream its reader dropped is collected (and cancelled) now,
                 # not when its deadline fires.
                 self._deadline_handle = self._loop.call_later(

@@ -11,6 +11,7 @@ from typing import Any
 
 from dynamod.shared.errors import ConfigError, TransportError
 from dynamod.shared.transport.framing import DEFAULT_WINDOW_FRAMES
+from dynamod.shared.transport.liveness import HeartbeatConfig, RequestPlaneMetrics
 from dynamod.shared.transport.nats_client import NatsRequestClient
 from dynamod.shared.transport.nats_server import NatsRequestServer
 from dynamod.shared.transport.plane import (
@@ -44,10 +45,17 @@ def make_server(
 
 
 def make_client(
-    *, nats_url: str | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    *,
+    nats_url: str | None = None,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    heartbeat: HeartbeatConfig | None = None,
+    metrics: RequestPlaneMetrics | None = None,
 ) -> RequestPlaneClient:
-    """One client for instances of either transport."""
-    return MultiTransportClient(nats_url=nats_url, max_frame_bytes=max_frame_bytes)
+    """One client for instances of either transport. ``heartbeat`` sets how quickly a frozen or
+    hung server is given up on (both transports); ``metrics`` counts those give-ups."""
+    return MultiTransportClient(
+        nats_url=nats_url, max_frame_bytes=max_frame_bytes, heartbeat=heartbeat, metrics=metrics
+    )
 
 
 class _UnknownTransportStream:
@@ -77,18 +85,33 @@ class MultiTransportClient:
         nats_url: str | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         window_frames: int = DEFAULT_WINDOW_FRAMES,
+        heartbeat: HeartbeatConfig | None = None,
+        metrics: RequestPlaneMetrics | None = None,
     ) -> None:
         self._nats_url = nats_url
         self._max_frame_bytes = max_frame_bytes
         self._window_frames = window_frames
-        self.tcp = TcpRequestClient(max_frame_bytes=max_frame_bytes, window_frames=window_frames)
+        self._heartbeat = (heartbeat or HeartbeatConfig()).validate()
+        self._metrics = metrics
+        self.tcp = TcpRequestClient(
+            max_frame_bytes=max_frame_bytes, window_frames=window_frames, heartbeat=heartbeat, metrics=metrics
+        )
         self._nats: NatsRequestClient | None = None
 
     @property
     def nats(self) -> NatsRequestClient:
         if self._nats is None:
+            hb = self._heartbeat
+            # NATS has no connection per server to ping: the server heartbeats each stream instead,
+            # at the interval this client asks for, and the client gives up after the same timeout.
+            # (Off for TCP keeps NATS at its own defaults: NATS has no keep-alive to fall back on.)
+            extra = {"heartbeat_s": hb.interval_s, "silence_timeout_s": hb.timeout_s} if hb.enabled else {}
             self._nats = NatsRequestClient(
-                self._nats_url, max_frame_bytes=self._max_frame_bytes, window_frames=self._window_frames
+                self._nats_url,
+                max_frame_bytes=self._max_frame_bytes,
+                window_frames=self._window_frames,
+                metrics=self._metrics,
+                **extra,  # type: ignore[arg-type]
             )
         return self._nats
 

@@ -6,10 +6,22 @@ DESIGN.md, so other implementations can speak the protocol from the design card 
 - client -> server, ``ClientFrame``:
   - request ``{stream_id, endpoint, headers, body, request_id?, timeout_s?, credit}``;
   - window update ``{stream_id, credit}`` (the client read ``credit`` more frames of the stream);
-  - cancel ``{stream_id, cancel: true}``.
+  - cancel ``{stream_id, cancel: true}``;
+  - ping ``{stream_id: 0, ping: n}`` (connection heartbeat, see below).
 - server -> client, ``ServerFrame``: ``{stream_id, data}``, ``{stream_id, error}`` or
-  ``{stream_id, end: true}``. ``stream_id`` 0 is the connection itself: an error there means the
-  server is about to close the connection (oversize or unreadable frame).
+  ``{stream_id, end: true}``; pong ``{stream_id: 0, pong: n}`` answers ping ``n``. ``stream_id`` 0
+  is the connection itself: an error there means the server is about to close the connection
+  (oversize or unreadable frame), or, before any pong, that the server predates the heartbeat.
+
+Heartbeat: while a connection has open streams the client pings it every interval (about 20 bytes
+on the wire) and the server's event loop answers at once. Any byte from the server counts as life,
+so a busy stream needs no pong to stay up; a connection silent for the heartbeat timeout is
+declared dead and its streams fail as if it had dropped. This catches what TCP keep-alive cannot:
+a frozen (SIGSTOP) or hung server process whose kernel still acknowledges everything. A long
+prefill that yields nothing for minutes is not silent: the server loop still answers pings.
+Compatibility: a server never sends a pong unasked, so an old client is unaffected; an old server
+answers a ping with a connection-level ``protocol_error`` (and keeps the connection), which tells
+the client to stop pinging that connection and fall back to TCP keep-alive alone.
 
 Flow control is per stream and counted in frames: the request grants ``credit`` data frames and the
 client grants more as its reader consumes them, so neither side buffers more than the window of a
@@ -38,7 +50,8 @@ HEADER_SIZE = HEADER.size
 _HEADER_PLACEHOLDER = bytes(HEADER_SIZE)
 
 CONNECTION_STREAM_ID = 0
-"""Stream id of connection-level frames (errors sent before the server closes a connection)."""
+"""Stream id of connection-level frames: heartbeats, and errors sent before the server closes a
+connection."""
 
 DEFAULT_WINDOW_FRAMES = 128
 """Data frames a stream may have in flight before the server waits for the client's reader."""
@@ -62,15 +75,17 @@ class ClientFrame(msgspec.Struct, gc=False):
     timeout_s: float | UnsetType = UNSET
     credit: int | UnsetType = UNSET
     cancel: bool | UnsetType = UNSET
+    ping: int | UnsetType = UNSET
 
 
 class ServerFrame(msgspec.Struct, gc=False):
-    """A frame from server to client: one response body, the stream's error, or its end."""
+    """A frame from server to client: one response body, the stream's error, its end, or a pong."""
 
     stream_id: int
     data: Any = UNSET
     error: dict[str, Any] | UnsetType = UNSET
     end: bool | UnsetType = UNSET
+    pong: int | UnsetType = UNSET
 
 
 @dataclass(frozen=True, slots=True)

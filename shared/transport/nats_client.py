@@ -4,6 +4,11 @@ Each stream gets its own reply inbox under one wildcard subscription, so a strea
 subscription round trip. Responses must arrive with consecutive sequence numbers; a gap, a "no
 responders" status (nobody serves the subject any more) or a stream silent for several heartbeats
 raises TransportError, the same signal the TCP plane gives for a lost connection.
+
+The heartbeats come from a timer on the serving process's event loop, so a server that is frozen
+(SIGSTOP) or whose loop hangs falls silent like a dead one and its streams fail within
+``silence_timeout_s`` (the request plane's heartbeat timeout), while a long prefill that yields
+nothing keeps its stream: the server loop still sends heartbeats.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dynamod.shared.errors import FrameTooLargeError, ProtocolError, TransportEr
 from dynamod.shared.transport import nats_wire as wire
 from dynamod.shared.transport.client_stream import ClientStream
 from dynamod.shared.transport.framing import DEFAULT_WINDOW_FRAMES
+from dynamod.shared.transport.liveness import RequestPlaneMetrics
 from dynamod.shared.transport.plane import DEFAULT_MAX_FRAME_BYTES, ServerAddress
 
 logger = logging.getLogger(__name__)
@@ -73,7 +79,7 @@ class NatsClientStream(ClientStream):
             raise FrameTooLargeError(f"request of {len(payload)} bytes exceeds the maximum of {limit} bytes")
         self._sid, self.inbox = client.register(self)
         self._last_rx = time.monotonic()
-        self._arm_watchdog(client.heartbeat_s * wire.MISSED_HEARTBEATS)
+        self._arm_watchdog(client.silence_timeout_s)
         self._body = None
         try:
             await client.publish(
@@ -142,9 +148,18 @@ class NatsClientStream(ClientStream):
         self._watchdog = None
         if self._done or self._finished:
             return
-        allowed = self._client.heartbeat_s * wire.MISSED_HEARTBEATS
+        allowed = self._client.silence_timeout_s
         silent = time.monotonic() - self._last_rx
         if silent >= allowed:
+            logger.warning(
+                "request_plane.nats.peer_dead server=%s request_id=%s silent_s=%.1f timeout_s=%.1f",
+                self.address.address,
+                self._request_id,
+                silent,
+                allowed,
+            )
+            if self._client.metrics is not None:
+                self._client.metrics.peer_dead("nats")
             self._lost(
                 TransportError(f"server at {self.address.address} silent for {silent:.1f}s: presumed lost")
             )
@@ -184,12 +199,19 @@ class NatsRequestClient:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         window_frames: int = DEFAULT_WINDOW_FRAMES,
         heartbeat_s: float = wire.DEFAULT_HEARTBEAT_S,
+        silence_timeout_s: float | None = None,
         connection: Any = None,
+        metrics: RequestPlaneMetrics | None = None,
     ) -> None:
         self.nats_url = wire.resolve_nats_url(nats_url)
         self.max_frame_bytes = max_frame_bytes
         self.window_frames = window_frames
         self.heartbeat_s = heartbeat_s
+        # How long a stream may hear nothing (not even a server heartbeat) before it is lost.
+        self.silence_timeout_s = (
+            silence_timeout_s if silence_timeout_s is not None else heartbeat_s * wire.MISSED_HEARTBEATS
+        )
+        self.metrics = metrics
         self._nc = connection
         self._owns_connection = connection is None
         self._inbox_prefix = ""

@@ -5,6 +5,13 @@ are routed to their stream from ``data_received`` without a task per stream; the
 stream only wakes up when its buffer was empty. When the connection drops, every open stream on
 it raises TransportError (the caller may migrate the request) and the next ``stream()`` to that
 address reconnects.
+
+A connection with open streams is also watched for silence (``liveness``): one timer per
+connection, never per stream or token, pings the server every heartbeat interval, and when nothing
+at all (data, end, pong) arrived for the heartbeat timeout the server is presumed frozen or hung:
+the connection is aborted and its streams fail with TransportError, exactly as if it had dropped.
+The connection is forgotten at once, so the next stream to that address dials afresh (a thawed
+server is reachable again without any state to clear).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from typing import Any
 
 from msgspec import UNSET
 
-from dynamod.shared.errors import ProtocolError, TransportError, error_from_wire
+from dynamod.shared.errors import DynamoError, ProtocolError, TransportError, error_from_wire
 from dynamod.shared.transport.client_stream import ClientStream
 from dynamod.shared.transport.framing import (
     CONNECTION_STREAM_ID,
@@ -28,6 +35,7 @@ from dynamod.shared.transport.framing import (
     OversizeFrame,
     ServerFrame,
 )
+from dynamod.shared.transport.liveness import HeartbeatConfig, RequestPlaneMetrics
 from dynamod.shared.transport.plane import DEFAULT_MAX_FRAME_BYTES, ServerAddress
 from dynamod.shared.transport.tcp_connection import FrameConnection
 
@@ -50,7 +58,12 @@ class _ClientConnection(FrameConnection):
     """One connection to one server, shared by every stream this process opens to it."""
 
     def __init__(
-        self, address: str, max_frame_bytes: int, on_closed: Callable[[_ClientConnection], None]
+        self,
+        address: str,
+        max_frame_bytes: int,
+        on_closed: Callable[[_ClientConnection], None],
+        heartbeat: HeartbeatConfig | None = None,
+        metrics: RequestPlaneMetrics | None = None,
     ) -> None:
         super().__init__(max_frame_bytes, address)
         self.address = address
@@ -58,6 +71,17 @@ class _ClientConnection(FrameConnection):
         self._on_closed = on_closed
         self._writable: asyncio.Future[None] | None = None
         self._next_sid = 1
+        # Heartbeat state. ``_rx`` is a flag, not a timestamp, so the receive path pays one store
+        # and no clock read; the timer turns it into ``_last_rx`` once per interval.
+        self._heartbeat = heartbeat or HeartbeatConfig(0.0)
+        self._metrics = metrics
+        self._pinging = self._heartbeat.enabled  # False too once the server proved it predates pings
+        self._hb_handle: asyncio.TimerHandle | None = None
+        self._hb_due = 0.0
+        self._rx = False
+        self._last_rx = 0.0
+        self._pings_sent = 0
+        self._pong_seen = False
         # Weak references: a stream its reader dropped (``break`` without ``aclose``) is collected,
         # and its finalizer sends the cancel.
         self.streams: dict[int, weakref.ref[TcpClientStream]] = {}
@@ -70,6 +94,7 @@ class _ClientConnection(FrameConnection):
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        self._rx = True  # any byte proves the server's loop is alive
         streams = self.streams
         for frame in self._reader.feed(data):
             if type(frame) is ServerFrame:
@@ -84,6 +109,8 @@ class _ClientConnection(FrameConnection):
                         stream.push_end()
                 elif frame.error is not UNSET:
                     self._on_error_frame(frame.stream_id, frame.error)  # type: ignore[arg-type]
+                elif frame.pong is not UNSET:
+                    self._pong_seen = True
                 else:
                     self._fail(
                         ProtocolError(f"server {self.address} sent a frame with no data, error or end")
@@ -107,6 +134,15 @@ class _ClientConnection(FrameConnection):
     def _on_error_frame(self, sid: int, err: dict[str, Any]) -> None:
         if sid == CONNECTION_STREAM_ID:
             exc = error_from_wire(err)
+            if isinstance(exc, ProtocolError) and self._pings_sent and not self._pong_seen:
+                # A server that predates the heartbeat rejects the ping as malformed but keeps the
+                # connection: stop pinging it and rely on TCP keep-alive, as before.
+                self._pinging = False
+                self._stop_heartbeat()
+                logger.info(
+                    "request_plane.tcp.heartbeat_unsupported address=%s action=keepalive_only", self.address
+                )
+                return
             logger.warning(
                 "request_plane.tcp.connection_error address=%s code=%s message=%s",
                 self.address,
@@ -121,6 +157,7 @@ class _ClientConnection(FrameConnection):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._stop_heartbeat()
         self._on_closed(self)
         if self.streams:
             logger.info(
@@ -154,6 +191,73 @@ class _ClientConnection(FrameConnection):
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
 
+    # -- heartbeat ----------------------------------------------------------------------------
+
+    def watch(self) -> None:
+        """A stream opened: make sure the connection's heartbeat timer runs. Idle connections
+        have no timer (nothing waits on them; the next stream re-arms it)."""
+        if self._hb_handle is None and self._pinging and not self.closed:
+            now = self._loop.time()
+            self._rx = False
+            self._last_rx = now  # silence is counted from when someone started waiting
+            self._arm(now)
+
+    def _arm(self, now: float) -> None:
+        self._hb_due = now + self._heartbeat.interval_s
+        self._hb_handle = self._loop.call_at(self._hb_due, self._tick)
+
+    def _stop_heartbeat(self) -> None:
+        if self._hb_handle is not None:
+            self._hb_handle.cancel()
+            self._hb_handle = None
+
+    def _tick(self) -> None:
+        self._hb_handle = None
+        if self.closed or not self._pinging:
+            return
+        now = self._loop.time()
+        if self._rx:
+            self._rx = False
+            self._last_rx = now
+        elif now - self._hb_due > self._heartbeat.interval_s:
+            # Our own loop was stalled: the server's bytes may be sitting unread in the socket
+            # (uvloop runs timers before polling), so this tick is no evidence either way.
+            pass
+        elif now - self._last_rx >= self._heartbeat.timeout_s:
+            self._declare_dead(now - self._last_rx)
+            return
+        if not self.streams:
+            return  # idle: stop until the next stream opens
+        self._pings_sent += 1
+        try:
+            self.write_frame(ClientFrame(CONNECTION_STREAM_ID, ping=self._pings_sent))
+        except DynamoError as exc:  # closed under us; connection_lost does the rest
+            logger.debug("request_plane.tcp.ping_not_sent address=%s reason=%s", self.address, exc)
+            return
+        self._arm(now)
+
+    def _declare_dead(self, silent_s: float) -> None:
+        """The server said nothing for the heartbeat timeout: presumed frozen or hung. Its streams
+        fail now (migratable) and the connection is aborted, not closed: a frozen peer would
+        never take the bytes a graceful close waits to send."""
+        open_streams = len(self.streams)
+        logger.warning(
+            "request_plane.tcp.peer_dead address=%s silent_s=%.1f timeout_s=%.1f open_streams=%d action=abort",
+            self.address,
+            silent_s,
+            self._heartbeat.timeout_s,
+            open_streams,
+        )
+        if self._metrics is not None:
+            self._metrics.peer_dead("tcp")
+        self._fail_streams(
+            TransportError(
+                f"server {self.address} sent nothing for {silent_s:.1f}s (heartbeat timeout "
+                f"{self._heartbeat.timeout_s:g}s): presumed frozen or hung"
+            )
+        )
+        self.abort()
+
     # -- teardown -----------------------------------------------------------------------------
 
     def _fail_streams(self, exc: BaseException) -> None:
@@ -171,10 +275,23 @@ class _ClientConnection(FrameConnection):
 
     def close(self) -> None:
         """Sends what is queued (cancels, credit), then closes."""
+        self._stop_heartbeat()
         self.close_transport()
         if not self.closed:
             self.closed = True
             self._on_closed(self)
+
+    def abort(self) -> None:
+        """Drops the connection without sending what is queued."""
+        self._stop_heartbeat()
+        self._wbuf = bytearray()
+        if not self.closed:
+            self.closed = True
+            self._on_closed(self)
+        transport = self._transport
+        if transport is not None:
+            transport.abort()
+        self._wake_writers()
 
 
 class TcpClientStream(ClientStream):
@@ -213,6 +330,7 @@ class TcpClientStream(ClientStream):
         )
         conn.write_frame(frame)  # FrameTooLargeError / ProtocolError / TransportError leave no trace
         conn.streams[sid] = weakref.ref(self)
+        conn.watch()
         self._conn = conn
         self._sid = sid
         self._body = None  # the request is on its way; do not pin a large prompt for the stream's life
@@ -240,10 +358,14 @@ class TcpRequestClient:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         window_frames: int = DEFAULT_WINDOW_FRAMES,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        heartbeat: HeartbeatConfig | None = None,
+        metrics: RequestPlaneMetrics | None = None,
     ) -> None:
         self.max_frame_bytes = max_frame_bytes
         self.window_frames = window_frames
         self.connect_timeout_s = connect_timeout_s
+        self.heartbeat = (heartbeat or HeartbeatConfig()).validate()
+        self.metrics = metrics
         self._conns: dict[str, _ClientConnection] = {}
         self._connecting: dict[str, asyncio.Task[_ClientConnection]] = {}
         self._closed = False
@@ -292,7 +414,11 @@ class TcpRequestClient:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, conn = await loop.create_connection(
-                    lambda: _ClientConnection(key, self.max_frame_bytes, self._forget), host, port
+                    lambda: _ClientConnection(
+                        key, self.max_frame_bytes, self._forget, self.heartbeat, self.metrics
+                    ),
+                    host,
+                    port,
                 )
         except (OSError, TimeoutError) as exc:
             logger.info(

@@ -8,6 +8,11 @@ is slow.
 A connection that sends an oversize frame gets a connection-level error frame and is closed; a
 frame that does not decode gets an error frame (for its stream when its id can be read) and the
 connection carries on. Neither affects other connections.
+
+A ping (``{stream_id: 0, ping: n}``) is answered with a pong from ``data_received`` itself: the
+answer proves that this process's event loop runs, which is all the client's heartbeat asks. A
+server that is frozen or whose loop is blocked answers nothing and its clients give up on it; a
+handler that is merely slow (a long prefill) does not stop the loop, so its streams live on.
 """
 
 from __future__ import annotations
@@ -153,6 +158,13 @@ class _ServerConnection(FrameConnection):
                     stream.ctx.request_id,
                 )
                 stream.cancel(None)
+        elif frame.ping is not UNSET:
+            # Written even while paused: a pong is a few bytes, and a client whose reader is slow
+            # must not also conclude that we are dead.
+            try:
+                self.write_frame(ServerFrame(CONNECTION_STREAM_ID, pong=frame.ping))
+            except DynamoError as exc:
+                logger.debug("request_plane.tcp.pong_not_sent peer=%s reason=%s", self.peer, exc)
         else:
             self._on_malformed(
                 MalformedFrame(sid or None, "frame is neither a request, a window update nor a cancel")

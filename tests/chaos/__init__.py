@@ -1,0 +1,1 @@
+"""Outage tests: real processes frozen, killed or stopped under load (``@pytest.mark.chaos``)."""
