@@ -151,11 +151,15 @@ class WorkerService:
         """Marks the endpoints draining (routers stop sending), lets in-flight requests finish up
         to ``grace_s``, deregisters, then stops the engine. The records stay until the requests
         finished: a client fails its streams to an instance the moment its record goes."""
-        for served in self._served:
+        async def mark_draining(served: ServedInstance) -> None:
             try:
                 await served.set_status(STATUS_DRAINING)  # not _set_status: no operator intent to record
             except DynamoError as exc:  # discovery down: stopping must go on; the lease ends it anyway
                 logger.warning("draining status not published worker_id=%x path=%s error=%s", self.worker_id, served.path, exc)
+
+        # In parallel: with discovery away each write waits for its timeout, and a worker has a
+        # record per endpoint.
+        await asyncio.gather(*(mark_draining(served) for served in self._served))
         for lora in self.engine.list_loras():
             await self.component.runtime.store.delete(self._card_key(lora.name))
         await self.component.runtime.store.delete(self._card_key(None))
