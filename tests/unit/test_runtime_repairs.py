@@ -36,7 +36,7 @@ from dynamod.shared.transport.address import advertised_host
 from dynamod.shared.transport.plane import RequestContext
 from dynamod.shared.transport.tcp_client import TcpRequestClient
 from dynamod.shared.transport.tcp_server import TcpRequestServer
-from tests.fixtures.discovery_faults import delete_before_watch
+from tests.fixtures.discovery_faults import FlakyStore, delete_before_watch
 from tests.unit.mocker.factories import make_config
 from tests.unit.runtime.support import until
 
@@ -45,28 +45,6 @@ def _record(iid: int) -> bytes:
     return encode_instance(
         Instance(namespace="ns", component="c", endpoint="e", instance_id=iid, transport="tcp", address="127.0.0.1:1")
     )
-
-
-class FlakyStore(MemStore):
-    """A mem store whose next writes under ``fail_prefix`` fail, as on a discovery outage."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fail_prefix = ""
-        self.failures_left = 0
-
-    def _maybe_fail(self, key: str) -> None:
-        if self.failures_left and self.fail_prefix and key.startswith(self.fail_prefix):
-            self.failures_left -= 1
-            raise DiscoveryError(f"discovery unreachable (injected) key={key}")
-
-    async def put(self, key, value, lease=None):  # type: ignore[override]
-        self._maybe_fail(key)
-        await super().put(key, value, lease)
-
-    async def delete(self, key):  # type: ignore[override]
-        self._maybe_fail(key)
-        await super().delete(key)
 
 
 # -- dead peers on the TCP request plane ---------------------------------------------------------

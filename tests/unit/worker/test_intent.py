@@ -17,46 +17,23 @@ from dynamod.daemon.worker.metrics import WorkerMetrics
 from dynamod.daemon.worker.service import WorkerService
 from dynamod.shared.config import RuntimeSettings
 from dynamod.shared.discovery.file import FileStore
-from dynamod.shared.discovery.mem import MemStore
-from dynamod.shared.errors import ConfigError, DiscoveryError, NotFoundError, UnavailableError
+from dynamod.shared.errors import ConfigError, NotFoundError, UnavailableError
 from dynamod.shared.protocol.instance import decode_instance
 from dynamod.shared.protocol.intent import WorkerIntent, decode_intent, encode_intent
 from dynamod.shared.protocol.keys import instances_prefix, intent_key, mdc_key
 from dynamod.shared.protocol.model_card import ModelCard
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from dynamod.shared.runtime.intent import IntentRecorder, clear_intent, list_intents
+from tests.fixtures.discovery_faults import FlakyStore
 from tests.unit.mocker.factories import make_config
 from tests.unit.runtime.support import until
 
 KEY = intent_key("ns", "backend", "decode-0")
 
 
-class FailingStore(MemStore):
-    """A mem store whose next ``failures`` writes (of ``fail_key`` only, when set) fail, as during
-    a discovery outage."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.failures = 0
-        self.fail_key: str | None = None
-
-    def _maybe_fail(self, key: str) -> None:
-        if self.failures and self.fail_key in (None, key):
-            self.failures -= 1
-            raise DiscoveryError(f"discovery unreachable (injected) key={key}")
-
-    async def put(self, key, value, lease=None):  # type: ignore[override]
-        self._maybe_fail(key)
-        await super().put(key, value, lease)
-
-    async def delete(self, key):  # type: ignore[override]
-        self._maybe_fail(key)
-        await super().delete(key)
-
-
 @pytest.fixture
 async def store():
-    s = FailingStore()
+    s = FlakyStore()
     await s.start()
     yield s
     await s.close()
@@ -100,7 +77,7 @@ def test_empty_means_nothing_to_reapply() -> None:
 # -- the recorder ----------------------------------------------------------------------------------
 
 
-async def test_recorder_writes_without_lease_and_deletes_when_nothing_is_left(store: FailingStore) -> None:
+async def test_recorder_writes_without_lease_and_deletes_when_nothing_is_left(store: FlakyStore) -> None:
     rec = IntentRecorder(store, "ns", "backend", "decode-0")
     assert (await rec.load()).empty
     await rec.set_status("sleeping", 2, set_by="sleep")
@@ -120,29 +97,29 @@ async def test_recorder_writes_without_lease_and_deletes_when_nothing_is_left(st
     assert (await again.load()).empty
 
 
-async def test_recorder_retries_a_failed_write_until_it_lands(store: FailingStore) -> None:
+async def test_recorder_retries_a_failed_write_until_it_lands(store: FlakyStore) -> None:
     rec = IntentRecorder(store, "ns", "backend", "decode-0")
     await rec.load()
-    store.failures = 10**6  # discovery away
+    store.failures_left = 10**6  # discovery away
     assert await rec.set_status("draining", set_by="drain") is False
     assert rec.pending and rec.current.draining and await store.get(KEY) is None
-    store.failures = 0  # back
+    store.failures_left = 0  # back
     await until(lambda: not rec.pending, timeout=10)
     assert decode_intent(await store.get(KEY)).draining
     await rec.close()
 
 
-async def test_recorder_skips_writes_that_change_nothing(store: FailingStore) -> None:
+async def test_recorder_skips_writes_that_change_nothing(store: FlakyStore) -> None:
     rec = IntentRecorder(store, "ns", "backend", "decode-0")
     await rec.load()
     await rec.set_status("ready", set_by="wake_up")  # nothing stored, nothing to delete
     await rec.set_status("draining", set_by="drain")
-    store.failures = 1  # a write now would fail: proves none is attempted
+    store.failures_left = 1  # a write now would fail: proves none is attempted
     await rec.set_status("draining", set_by="drain")
-    assert store.failures == 1
+    assert store.failures_left == 1
 
 
-async def test_unreadable_intent_is_ignored_at_load(store: FailingStore) -> None:
+async def test_unreadable_intent_is_ignored_at_load(store: FlakyStore) -> None:
     await store.put(KEY, b'{"status": "asleep"}')
     rec = IntentRecorder(store, "ns", "backend", "decode-0")
     assert (await rec.load()).empty
@@ -150,12 +127,12 @@ async def test_unreadable_intent_is_ignored_at_load(store: FailingStore) -> None
     assert decode_intent(await store.get(KEY)).draining
 
 
-def test_recorder_refuses_a_worker_name_that_is_not_a_key_segment(store: FailingStore) -> None:
+def test_recorder_refuses_a_worker_name_that_is_not_a_key_segment(store: FlakyStore) -> None:
     with pytest.raises(Exception, match="worker name"):
         IntentRecorder(store, "ns", "backend", "a/b")
 
 
-async def test_list_and_clear_intents(store: FailingStore) -> None:
+async def test_list_and_clear_intents(store: FlakyStore) -> None:
     await IntentRecorder(store, "ns", "backend", "w1").set_status("draining", set_by="drain")
     await IntentRecorder(store, "ns", "prefill", "p0").add_lora("sql", "s", set_by="load_lora")
     await IntentRecorder(store, "other", "backend", "w1").set_status("sleeping", 1, set_by="sleep")
@@ -229,7 +206,7 @@ def _card(info: EngineInfo) -> ModelCard:
 
 
 @pytest.fixture
-async def runtime(store: FailingStore):
+async def runtime(store: FlakyStore):
     rt = await DistributedRuntime.create(RuntimeSettings(discovery_backend="mem", event_plane="zmq", namespace="ns"), store=store)
     yield rt
     await rt.shutdown(0)
@@ -325,21 +302,21 @@ async def test_a_sleep_the_engine_refuses_at_restart_registers_draining(runtime:
 
 
 async def test_an_intent_write_discovery_refuses_is_reported_pending_and_lands_later(
-    runtime: DistributedRuntime, store: FailingStore
+    runtime: DistributedRuntime, store: FlakyStore
 ) -> None:
     svc = await _worker(runtime)
     try:
-        store.fail_key, store.failures = KEY, 10**6  # the instance records take the drain; the intent waits
+        store.fail_prefix, store.failures_left = KEY, 10**6  # the instance records take the drain; the intent waits
         reply = await _call(svc._drain, {"wait": False})
         assert reply["status"] == "ok" and reply["discovery_pending"] is True and "not answering" in reply["message"]
         assert reply["state"] == "draining" and svc.status == "draining"  # the drain itself stands
         assert await store.get(KEY) is None
-        store.failures = 0
+        store.failures_left = 0
         await until(lambda: svc._intent is not None and not svc._intent.pending, timeout=10)
         assert decode_intent(await store.get(KEY)).draining
 
         assert (await _call(svc._load_lora, {"lora_name": "sql", "source": "s"}))["status"] == "ok"
-        store.failures = 1  # one failed write: the retry lands within the reply's wait
+        store.failures_left = 1  # one failed write: the retry lands within the reply's wait
         reply = await _call(svc._unload_lora, {"lora_name": "sql"})
         assert reply["status"] == "ok" and "discovery_pending" not in reply
         assert svc.engine.list_loras() == [] and decode_intent(await store.get(KEY)).loras == {}
@@ -350,14 +327,14 @@ async def test_an_intent_write_discovery_refuses_is_reported_pending_and_lands_l
 
 
 async def test_sleep_during_an_outage_saves_the_level_when_discovery_answers(
-    runtime: DistributedRuntime, store: FailingStore
+    runtime: DistributedRuntime, store: FlakyStore
 ) -> None:
     svc = await _worker(runtime)
     try:
-        store.fail_key, store.failures = KEY, 10**6
+        store.fail_prefix, store.failures_left = KEY, 10**6
         assert (await _call(svc._sleep, {"level": 2}))["discovery_pending"] is True
         assert svc.status == "sleeping"
-        store.failures = 0
+        store.failures_left = 0
         await until(lambda: svc._intent is not None and not svc._intent.pending, timeout=10)
         stored = decode_intent(await store.get(KEY))
         assert stored.sleeping and stored.sleep_level == 2
