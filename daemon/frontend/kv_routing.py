@@ -178,7 +178,11 @@ class KvRouting:
 
     def __init__(self, args: argparse.Namespace, runtime: DistributedRuntime, sync: RoutingSync) -> None:
         config: KvRouterConfig = config_from_args(args)
-        replicas = getattr(args, "num_frontends", 1) > 1 or getattr(args, "frontend_group_pid", None) is not None
+        replicas = (
+            getattr(args, "num_frontends", 1) > 1
+            or getattr(args, "frontend_group_pid", None) is not None
+            or getattr(args, "reuse_port", False)
+        )
         if replicas and not config.router_replica_sync:
             config = dataclasses.replace(config, router_replica_sync=True)
         self.config = config

@@ -56,6 +56,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-frontends", type=int, default=1,
                    help="frontend processes sharing the HTTP port (SO_REUSEPORT) [default 1]")
     g.add_argument("--frontend-group-pid", type=int, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--reuse-port", action="store_true",
+                   help="share the HTTP port with other frontend processes started separately (SO_REUSEPORT), "
+                        "as `dynamod up --num-frontends N` does; they share routing state like a fleet")
     add_prefill_timeout_arg(g)
     add_runtime_args(parser)
     add_kv_router_args(parser)
@@ -130,7 +133,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         await routers.start()
         await registry.start()
         # Only a fleet shares its port: a second, unrelated frontend on a taken port must fail.
-        reuse_port = config.num_frontends > 1 or args.frontend_group_pid is not None
+        reuse_port = config.num_frontends > 1 or args.frontend_group_pid is not None or args.reuse_port
         try:
             sock = bind_socket(config.http_host, config.http_port, reuse_port=reuse_port)
         except OSError as exc:

@@ -13,6 +13,12 @@ only in a file. A child's output reaches its log through a pipe the supervisor r
 memory for that report). A child that keeps dying (``CrashLoopPolicy``: 5 deaths within 60 s by default) is
 not restarted again: the supervisor records a ``CrashLoop`` and sets ``gave_up``, and its owner
 stops the rest and exits with one message naming the child and its log.
+
+Children can come and go while the supervisor runs (the planner's scaler, ``scaler.py``):
+``add_child`` starts one under the same restart and crash-loop rules as the first ones, and
+``retire`` stops one for good. Retirement goes through the child's own watch task, which is the
+only code that spawns its processes: a retire that lands while a crashed child is being restarted
+then stops the new process too, instead of leaving it running unwatched.
 """
 
 from __future__ import annotations
@@ -103,6 +109,9 @@ class Child:
     _log: RotatingLog | None = field(default=None, repr=False)
     _pump: LogPump | None = field(default=None, repr=False)  # the current run's output reader
     _old_pumps: list[LogPump] = field(default_factory=list, repr=False)
+    retiring: bool = False  # being stopped for good: its deaths are not crashes, it is not restarted
+    _retire: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    _retire_grace_s: float = 30.0
 
     @property
     def pid(self) -> int | None:
@@ -149,7 +158,7 @@ class Supervisor:
         self._log_dir = log_dir
         self._log_max_bytes = log_max_bytes
         self._log_backups = log_backups
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stopping = False
         self._policy = crash_policy or CrashLoopPolicy()
         self._report_to = report
@@ -162,7 +171,48 @@ class Supervisor:
             await asyncio.to_thread(self._log_dir.mkdir, parents=True, exist_ok=True)
         for child in self.children:
             await self._spawn(child)
-        self._tasks = [asyncio.create_task(self._watch(c), name=f"supervise-{c.spec.name}") for c in self.children]
+        for child in self.children:
+            self._tasks[child.spec.name] = asyncio.create_task(self._watch(child), name=f"supervise-{child.spec.name}")
+
+    async def add_child(self, spec: ChildSpec) -> Child:
+        """Starts one more child, supervised like the others (restarts, crash loop, log file)."""
+        if self._stopping:
+            raise DynamoError(f"cannot start {spec.name}: the supervisor is stopping")
+        if any(c.spec.name == spec.name for c in self.children):
+            raise DynamoError(f"a child named {spec.name!r} is already supervised")
+        child = Child(spec, (self._log_dir / f"{spec.name}.log") if self._log_dir else None)
+        self.children.append(child)
+        try:
+            await self._spawn(child)
+        except BaseException:
+            self.children.remove(child)
+            raise
+        self._tasks[spec.name] = asyncio.create_task(self._watch(child), name=f"supervise-{spec.name}")
+        return child
+
+    async def retire(self, name: str, grace_s: float) -> int | None:
+        """Stops child ``name`` for good (SIGTERM, then SIGKILL after ``grace_s``) and forgets it:
+        it is not restarted and its death is no crash. Returns its exit code (None if it was not
+        running). The caller drains it first; SIGTERM's own graceful path is the second net."""
+        child = self.child(name)
+        task = self._tasks.get(name)
+        child.retiring = True
+        child._retire_grace_s = grace_s
+        child._retire.set()
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)
+        code = child.proc.returncode if child.proc is not None else None
+        pumps = [p for p in (*child._old_pumps, child._pump) if p is not None]
+        await asyncio.to_thread(lambda: [p.join(_DRAIN_WAIT_S) for p in pumps])
+        child._pump, child._old_pumps = None, []
+        if child._log is not None:
+            child._log.close()
+            child._log = None
+        if child in self.children:
+            self.children.remove(child)
+        self._tasks.pop(name, None)
+        logger.info("child retired name=%s code=%s", name, code)
+        return code
 
     def child(self, name: str) -> Child:
         for c in self.children:
@@ -212,8 +262,11 @@ class Supervisor:
         while not self._stopping:
             proc = child.proc
             assert proc is not None
-            reason = await self._until_dead(child, proc)
+            reason = await self._until_dead_or_retired(child, proc)
             if self._stopping:
+                return
+            if reason is None:
+                await self._terminate(child, proc, child._retire_grace_s)
                 return
             now = time.monotonic()
             ran_s = now - child.started_at
@@ -240,8 +293,9 @@ class Supervisor:
             )
             self._report(child, reason, ran_s, f"restarting it in {delay:g}s", tail, repeated=tail == last_tail)
             last_tail = tail
-            await asyncio.sleep(delay)
-            if self._stopping:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(child._retire.wait(), delay)
+            if self._stopping or child.retiring:
                 return
             child.restarts += 1
             await self._spawn(child)
@@ -273,6 +327,38 @@ class Supervisor:
         except (OSError, ValueError):  # a closed terminal must not stop the supervision
             pass
 
+    async def _until_dead_or_retired(self, child: Child, proc: asyncio.subprocess.Process) -> str | None:
+        """Why the child died, or None when it is to be retired (it may still be running)."""
+        if child.retiring:
+            return None
+        dead = asyncio.ensure_future(self._until_dead(child, proc))
+        retire = asyncio.ensure_future(child._retire.wait())
+        try:
+            await asyncio.wait([dead, retire], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for fut in (dead, retire):
+                if not fut.done():
+                    fut.cancel()
+            await asyncio.gather(dead, retire, return_exceptions=True)
+        if child.retiring:
+            return None
+        return dead.result()
+
+    async def _terminate(self, child: Child, proc: asyncio.subprocess.Process, grace_s: float) -> None:
+        """SIGTERM, wait up to ``grace_s``, SIGKILL."""
+        if proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), grace_s)
+        except TimeoutError:
+            logger.warning("child did not stop in time name=%s pid=%d action=kill", child.spec.name, proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+        logger.info("child stopped name=%s pid=%d code=%s", child.spec.name, proc.pid, proc.returncode)
+
     async def _until_dead(self, child: Child, proc: asyncio.subprocess.Process) -> str:
         """Returns why the child is gone: its exit, or a liveness URL that stopped answering."""
         url = child.spec.live_url
@@ -300,9 +386,10 @@ class Supervisor:
     async def stop(self, order: list[list[str]], grace_s: float) -> None:
         """Stops children group by group (names in ``order``): SIGTERM, wait, SIGKILL stragglers."""
         self._stopping = True
-        for task in self._tasks:
+        tasks = list(self._tasks.values())
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         named = {c.spec.name: c for c in self.children}
         groups = [[named[n] for n in group if n in named] for group in order]
         listed = {id(c) for group in groups for c in group}

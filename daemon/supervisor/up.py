@@ -2,6 +2,11 @@
 
     dynamod up [--workers 2] [--http-port 8000] [--engine mocker] [--model tiny] [--speedup-ratio R]
     dynamod up --prefill-workers P --decode-workers D [...]     disaggregated: two pools
+    dynamod up --planner load|sla --min-workers N --max-workers M  a planner sizes the pools
+
+With ``--planner`` (or ``--accept-scaling`` for a planner started elsewhere) the supervisor also
+runs the scaler (``scaler.py``): it adds and removes worker children on the planner's request,
+and the planner itself is one more child (``--role planner --connector local``), stopped first.
 
 Aggregated (default): ``--workers`` agg workers each prefill and decode their own requests.
 Disaggregated: ``--prefill-workers`` and ``--decode-workers`` start the two pools *instead of* agg
@@ -44,14 +49,18 @@ from dynamod.daemon.frontend.routing import ROUTER_MODES
 from dynamod.daemon.supervisor.children import ChildSpec, CrashLoopError, CrashLoopPolicy, Supervisor
 from dynamod.daemon.supervisor.launcher import daemon_child, daemon_env
 from dynamod.daemon.supervisor.logfile import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, parse_size
+from dynamod.daemon.supervisor.scaler import DEFAULT_DRAIN_TIMEOUT_S, PoolBudget, PoolTemplate, Scaler
 from dynamod.daemon.worker.main import COMPONENT_BY_ROLE
-from dynamod.shared.config import DEFAULT_NAMESPACE
+from dynamod.shared.config import DEFAULT_NAMESPACE, RuntimeSettings
 from dynamod.shared.discovery.factory import default_file_kv_dir
 from dynamod.shared.errors import ConfigError
+from dynamod.shared.protocol.planner import POOL_AGG, POOL_DECODE, POOL_PREFILL
+from dynamod.shared.runtime.distributed import DistributedRuntime
 
 logger = logging.getLogger(__name__)
 
 FRONTEND = "frontend"
+PLANNER = "planner"
 ROLE_AGG, ROLE_PREFILL, ROLE_DECODE = "agg", "prefill", "decode"
 # The worker daemon's components per role (daemon/worker/main.py, as Dynamo names them).
 PREFILL_COMPONENT, DECODE_COMPONENT = COMPONENT_BY_ROLE[ROLE_PREFILL], COMPONENT_BY_ROLE[ROLE_DECODE]
@@ -99,6 +108,22 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
     m.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks per worker")
     m.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once per worker")
+    s = parser.add_argument_group("scaling (a planner adds and removes workers)")
+    s.add_argument("--planner", choices=("load", "sla"), default=None,
+                   help="run a planner (`dynamod --role planner --connector local`) that sizes the worker pools "
+                        "within --min-workers..--max-workers; without --workers an agg cluster starts at "
+                        "--min-workers [default: no planner]")
+    s.add_argument("--min-workers", type=int, default=1, help="fewest workers per pool the planner keeps [default 1]")
+    s.add_argument("--max-workers", type=int, default=4,
+                   help="most workers per pool the planner may start; the supervisor clamps to it too [default 4]")
+    s.add_argument("--planner-args", default="",
+                   help='extra flags for the planner, e.g. "--adjustment-interval 5 --ttft 200" [default none]')
+    s.add_argument("--accept-scaling", action="store_true",
+                   help="let a planner started elsewhere on this host (`--connector local`, same discovery "
+                        "directory and namespace) add and remove workers; implied by --planner [default off]")
+    s.add_argument("--scale-drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="S",
+                   help="seconds a worker being removed gets to finish its in-flight requests before it is "
+                        f"stopped [default {DEFAULT_DRAIN_TIMEOUT_S:g}]")
 
 
 def _size(text: str) -> int:
@@ -177,37 +202,140 @@ def crash_policy(args: argparse.Namespace) -> CrashLoopPolicy:
     return CrashLoopPolicy(max_crashes=args.crash_limit, window_s=args.crash_window)
 
 
-def build_specs(args: argparse.Namespace, file_kv: str, namespace: str) -> list[ChildSpec]:
+class WorkerFactory:
+    """Builds the ``ChildSpec`` of any worker of this cluster: the first ones, and the ones the
+    scaler adds later (same flags, a status port not handed out before)."""
+
+    def __init__(self, args: argparse.Namespace, runtime: list[str], env: dict[str, str]) -> None:
+        self._args = args
+        self._runtime = runtime
+        self._env = env
+        self._passthrough: list[str] = []
+        for name in _WORKER_PASSTHROUGH:
+            value = getattr(args, name)
+            if value is not None:
+                self._passthrough += [f"--{name.replace('_', '-')}", str(value)]
+        self._extra = shlex.split(args.worker_args)
+        self._role_extra = {
+            ROLE_AGG: [], ROLE_PREFILL: shlex.split(args.prefill_args), ROLE_DECODE: shlex.split(args.decode_args),
+        }
+        self._ports: set[int] = set()
+
+    def spec(self, role: str, index: int) -> ChildSpec:
+        args = self._args
+        status_port = _free_port("127.0.0.1", avoid=self._ports)
+        self._ports.add(status_port)
+        # The child's name is its worker name: the operator's intent (drain, sleep, LoRAs)
+        # follows it across restarts, by the supervisor or of `up` itself.
+        worker = [
+            "--role", role, *self._runtime, "--engine", args.engine, "--model", args.model,
+            "--worker-name", child_name(role, index),
+            "--system-port", str(status_port), *self._passthrough, *self._extra, *self._role_extra[role],
+        ]
+        live = f"http://127.0.0.1:{status_port}/live"
+        return daemon_child(child_name(role, index), worker, live_url=live, env=self._env)
+
+
+def runtime_flags(file_kv: str, namespace: str) -> tuple[list[str], dict[str, str]]:
+    """Every child's runtime flags and environment: file discovery in ``file_kv``, ZMQ events."""
     runtime = ["--discovery-backend", "file", "--event-plane", "zmq", "--file-kv", file_kv, "--namespace", namespace]
     env = daemon_env({"DYN_FILE_KV": file_kv}, drop=("DYN_DISCOVERY_BACKEND", "DYN_EVENT_PLANE"))
+    return runtime, env
+
+
+def frontend_names(count: int) -> list[str]:
+    """``frontend``, then ``frontend-1``, ``frontend-2``, ... for ``--num-frontends``."""
+    return [FRONTEND, *(f"{FRONTEND}-{i}" for i in range(1, count))]
+
+
+def build_specs(
+    args: argparse.Namespace, file_kv: str, namespace: str, workers: WorkerFactory | None = None
+) -> list[ChildSpec]:
+    runtime, env = runtime_flags(file_kv, namespace)
+    # --num-frontends N: N supervised children on one port (SO_REUSEPORT), not one frontend with
+    # N-1 copies of its own: killing any one leaves the others serving while it is restarted.
     frontend = [
         "--role", "frontend", *runtime,
         "--http-host", args.http_host, "--http-port", str(args.http_port),
-        "--router-mode", args.router_mode, "--num-frontends", str(args.num_frontends),
+        "--router-mode", args.router_mode, "--num-frontends", "1",
+        *(["--reuse-port"] if args.num_frontends > 1 else []),
         *shlex.split(args.frontend_args),
     ]
     host = "127.0.0.1" if args.http_host in ("0.0.0.0", "::") else args.http_host
-    specs = [daemon_child(FRONTEND, frontend, live_url=f"http://{host}:{args.http_port}/live", env=env)]
-    passthrough: list[str] = []
-    for name in _WORKER_PASSTHROUGH:
-        value = getattr(args, name)
-        if value is not None:
-            passthrough += [f"--{name.replace('_', '-')}", str(value)]
-    extra = shlex.split(args.worker_args)
-    role_extra = {ROLE_AGG: [], ROLE_PREFILL: shlex.split(args.prefill_args), ROLE_DECODE: shlex.split(args.decode_args)}
+    live = f"http://{host}:{args.http_port}/live"
+    specs = [daemon_child(name, frontend, live_url=live, env=env) for name in frontend_names(args.num_frontends)]
+    workers = workers or WorkerFactory(args, runtime, env)
     pools = resolve_pools(args)
-    ports: set[int] = set()
     for role, count in pools.by_role():
         for index in range(count):
-            status_port = _free_port("127.0.0.1", avoid=ports)
-            ports.add(status_port)
-            worker = [
-                "--role", role, *runtime, "--engine", args.engine, "--model", args.model,
-                "--system-port", str(status_port), *passthrough, *extra, *role_extra[role],
-            ]
-            live = f"http://127.0.0.1:{status_port}/live"
-            specs.append(daemon_child(child_name(role, index), worker, live_url=live, env=env))
+            specs.append(workers.spec(role, index))
+    if getattr(args, "planner", None):
+        specs.append(planner_spec(args, runtime, env, pools))
     return specs
+
+
+def planner_spec(args: argparse.Namespace, runtime: list[str], env: dict[str, str], pools: Pools) -> ChildSpec:
+    """``dynamod --role planner --connector local`` sizing this cluster's pools within the budget."""
+    planner = [
+        "--role", "planner", *runtime, "--connector", "local",
+        "--planner", args.planner, "--mode", "disagg" if pools.disaggregated else "agg",
+        "--min-workers", str(args.min_workers), "--max-workers", str(args.max_workers),
+        *shlex.split(args.planner_args),
+    ]
+    return daemon_child(PLANNER, planner, env=env)
+
+
+def scaling_budget(args: argparse.Namespace, pools: Pools) -> dict[str, PoolBudget]:
+    """pool -> what the scaler may run: up to ``--max-workers`` each, never fewer than one
+    serving worker (the planner's minimum is its own; this only stops a stray key)."""
+    if pools.disaggregated:
+        return {POOL_PREFILL: PoolBudget(0, args.max_workers), POOL_DECODE: PoolBudget(1, args.max_workers)}
+    return {POOL_AGG: PoolBudget(1, args.max_workers)}
+
+
+def scaling_templates(pools: Pools, workers: WorkerFactory) -> dict[str, PoolTemplate]:
+    roles = [ROLE_PREFILL, ROLE_DECODE] if pools.disaggregated else [ROLE_AGG]
+    return {
+        role: PoolTemplate(role, child_name(role, 0).rsplit("-", 1)[0], lambda i, r=role: workers.spec(r, i))
+        for role in roles
+    }
+
+
+def resolve_scaling(args: argparse.Namespace) -> None:
+    """Checks the scaling flags; with a planner and no ``--workers``, an agg cluster starts at
+    ``--min-workers`` (the planner grows it)."""
+    if not (args.planner or args.accept_scaling):
+        return
+    if args.min_workers < 1:
+        raise ConfigError("--min-workers must be 1 or more")
+    if args.max_workers < args.min_workers:
+        raise ConfigError(f"--max-workers ({args.max_workers}) must be at least --min-workers ({args.min_workers})")
+    disagg = args.prefill_workers is not None or args.decode_workers is not None
+    if not disagg and args.workers is None:
+        args.workers = args.min_workers
+    for flag, value in (("--workers", args.workers), ("--decode-workers", args.decode_workers),
+                        ("--prefill-workers", args.prefill_workers)):
+        if value is not None and value > args.max_workers:
+            raise ConfigError(f"{flag} {value} is above --max-workers {args.max_workers}")
+
+
+async def start_scaler(
+    args: argparse.Namespace, supervisor: Supervisor, pools: Pools, workers: WorkerFactory, file_kv: str, namespace: str
+) -> tuple[Scaler, DistributedRuntime]:
+    """The scaler and the runtime it drains workers and holds its record with (file discovery,
+    no event plane: it only reads and writes keys and calls ``drain``)."""
+    settings = RuntimeSettings(namespace=namespace, discovery_backend="file", file_kv=file_kv, event_plane="zmq")
+    runtime = await DistributedRuntime.create(settings, events=False)
+    scaler = Scaler(
+        supervisor, runtime, scaling_templates(pools, workers), scaling_budget(args, pools),
+        drain_timeout_s=args.scale_drain_timeout, stop_grace_s=args.shutdown_grace, ready_timeout_s=args.ready_timeout,
+    )
+    try:
+        await scaler.start()
+    except BaseException:
+        await runtime.shutdown(grace_s=0)
+        raise
+    return scaler, runtime
 
 
 def child_name(role: str, index: int) -> str:
@@ -277,6 +405,7 @@ async def _set_when(source: asyncio.Event, target: asyncio.Event) -> None:
 
 
 async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    resolve_scaling(args)
     pools = resolve_pools(args)
     policy = crash_policy(args)
     file_kv = args.file_kv or default_file_kv_dir()
@@ -287,7 +416,8 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
             f"port {args.http_port} on {args.http_host} is in use (another `dynamod up`?); pick one with --http-port"
         )
     log_dir = None if args.log_to_console else Path(args.log_dir or Path(file_kv).parent / "logs")
-    specs = build_specs(args, file_kv, namespace)
+    workers = WorkerFactory(args, *runtime_flags(file_kv, namespace))
+    specs = build_specs(args, file_kv, namespace, workers)
     if args.log_backups < 0:
         raise ConfigError("--log-backups must be 0 or more")
     supervisor = Supervisor(
@@ -299,8 +429,12 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     # Either Ctrl-C/SIGTERM or a child in a crash loop ends the cluster.
     halt = asyncio.Event()
     watchers = [asyncio.create_task(_set_when(stop, halt)), asyncio.create_task(_set_when(supervisor.gave_up, halt))]
-    await supervisor.start()
+    scaling: tuple[Scaler, DistributedRuntime] | None = None
+    if args.planner or args.accept_scaling:
+        # Before the children: the planner's local connector waits for the scaler's record.
+        scaling = await start_scaler(args, supervisor, pools, workers, file_kv, namespace)
     try:
+        await supervisor.start()
         for child in supervisor.children:
             logger.info("cluster child name=%s pid=%s", child.spec.name, child.pid)
         models = await _wait_ready(base_url, pools, args.ready_timeout, halt)
@@ -319,12 +453,18 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     finally:
         for task in watchers:
             task.cancel()
+        if scaling is not None:
+            # No more workers come or go once stopping; the record goes with the scaler's lease.
+            await scaling[0].close()
+            await scaling[1].shutdown(grace_s=0)
         # Frontend first (it finishes its streams), then the workers that serve them, and the
         # prefill pool last: decode workers may still be reading KV blocks from it.
-        names = [c.spec.name for c in supervisor.children if c.spec.name != FRONTEND]
+        # The planner goes first of all: it must not ask for workers while they are stopping.
+        frontends = frontend_names(args.num_frontends)
+        names = [c.spec.name for c in supervisor.children if c.spec.name not in (*frontends, PLANNER)]
         prefill = [n for n in names if n.startswith(f"{ROLE_PREFILL}-")]
         serving = [n for n in names if n not in prefill]
-        await supervisor.stop([[FRONTEND], serving, prefill], args.shutdown_grace)
+        await supervisor.stop([[PLANNER], frontends, serving, prefill], args.shutdown_grace)
     if supervisor.crash_loop is not None:
         raise CrashLoopError(supervisor.crash_loop.message())
     return 0

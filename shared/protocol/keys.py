@@ -80,6 +80,12 @@ def planner_scaled_key(namespace: str) -> str:
     return f"{PLANNER_ROOT}{_check_segment(namespace, 'namespace')}/scaled"
 
 
+def planner_scaler_key(namespace: str) -> str:
+    """A ``ScalerRecord`` under the lease of whoever carries ``DesiredReplicas`` out on this host
+    (the ``dynamod up`` supervisor): the local connector's proof that someone will act."""
+    return f"{PLANNER_ROOT}{_check_segment(namespace, 'namespace')}/scaler"
+
+
 def planner_override_key(namespace: str, pool: str) -> str:
     """An operator's ``ScaleOverride`` for one pool (no lease; deleted to clear it)."""
     return f"{PLANNER_ROOT}{_check_segment(namespace, 'namespace')}/override/{_check_segment(pool, 'pool')}"

@@ -14,6 +14,8 @@ Where each lives (keys in ``keys.py``):
   lease). The planner's virtual and local connectors write the first; whoever carries it out (the
   ``dynamod up`` supervisor, an external orchestrator) writes the second with the decision id it
   acted on and the counts it reached.
+- ``ScalerRecord``: ``v1/planner/{ns}/scaler`` (JSON) under the lease of the process that carries
+  ``desired`` out on one host (the ``dynamod up`` supervisor); the local connector waits for it.
 - ``ScaleOverride``: ``v1/planner/{ns}/override/{pool}`` (JSON, no lease): ``dynamoctl scale POOL N``.
   The planner keeps the pool at N (clamped to nothing: the operator wins) until the key is deleted.
 """
@@ -110,6 +112,18 @@ class ScaledReplicas(msgspec.Struct, kw_only=True, omit_defaults=True):
     ts: float = 0.0
     by: str = ""  # "supervisor", the orchestrator's name
     error: str = ""
+
+
+class ScalerRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``v1/planner/{ns}/scaler`` under the scaler's lease: a process that watches ``desired`` for
+    this namespace and will act on it (the ``dynamod up`` supervisor). Gone when that process is,
+    so the local connector can tell "nobody will act" from "not acted yet"."""
+
+    by: str  # "supervisor"
+    pid: int = 0
+    node: str = ""
+    max_replicas: dict[str, int] = {}  # pool -> the most workers it will run
+    ts: float = 0.0
 
 
 class ScaleOverride(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -142,7 +142,7 @@ def test_cluster_up_status_logs_down(sshd: PrivateSshd, tmp_path: Path) -> None:
         again = ctl("cluster", "up", "--inventory", str(inv), "--json")
         assert again.returncode == 0 and json.loads(again.stdout)[0]["state"] == "already running"
         logs = ctl("cluster", "logs", "--inventory", str(inv), "-n", "200")
-        assert logs.returncode == 0 and "==> local/agg-0 <==" in logs.stdout and "worker ready" in logs.stdout
+        assert logs.returncode == 0 and "==> local/agg-0 <==" in logs.stdout and "worker registered" in logs.stdout
     finally:
         down = ctl("cluster", "down", "--inventory", str(inv), "--json")
     assert down.returncode == 0, down.stderr

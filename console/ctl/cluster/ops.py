@@ -1,5 +1,9 @@
 """``dynamoctl cluster up|down|status|logs``: one operation on every selected host.
 
+The inventory, the SSH session and the steps on one role live in ``shared/cluster`` (the planner's
+SSH connector starts and stops workers with the same code); this module fans them out over hosts
+and makes the rows ``dynamoctl`` prints.
+
 Hosts run in parallel; the roles of a host run in inventory order for ``up`` and in reverse for
 ``down``, so listing the frontend first means it starts first and stops last.
 """
@@ -11,9 +15,17 @@ import logging
 import time
 from dataclasses import dataclass
 
-from dynamod.console.ctl.cluster import commands as cmds
-from dynamod.console.ctl.cluster.inventory import ClusterSpec, HostSpec, Inventory, RoleSpec
-from dynamod.console.ctl.cluster.ssh import HostSession, SshError
+from dynamod.shared.cluster import commands as cmds
+from dynamod.shared.cluster.inventory import ClusterSpec, HostSpec, Inventory, RoleSpec
+from dynamod.shared.cluster.roles import (
+    parse_state,
+    role_health,
+    role_mode,
+    role_status,
+    start_role,
+    stop_role,
+)
+from dynamod.shared.cluster.ssh import HostSession, SshError
 
 logger = logging.getLogger(__name__)
 
@@ -48,32 +60,6 @@ class RoleStatus:
         }
 
 
-async def _mode(session: HostSession, cluster: ClusterSpec, role: RoleSpec) -> str:
-    if cluster.supervisor == "process":
-        return cmds.MODE_PROCESS
-    res = await session.run(cmds.mode_command(cluster, role))
-    detected = res.stdout.strip() or cmds.MODE_PROCESS
-    if cluster.supervisor == "systemd" and detected == cmds.MODE_PROCESS:
-        raise SshError(f"{session.host.name}: cluster.supervisor is systemd but the host has no usable systemd")
-    return detected
-
-
-def _parse_state(line: str) -> tuple[str, int]:
-    parts = line.strip().split()
-    if not parts:
-        return "unknown", 0
-    pid = int(parts[-1]) if parts[-1].isdigit() else 0
-    word = " ".join(p for p in parts if not p.isdigit())
-    return word, pid
-
-
-async def _health(session: HostSession, cluster: ClusterSpec, role: RoleSpec) -> tuple[str, str]:
-    if role.system_port is None:
-        return "-", ""
-    res = await session.run(cmds.health_command(cluster, role), timeout_s=15)
-    return ("ok" if res.rc == 0 else "fail"), res.stdout.strip()[:200]
-
-
 async def _per_host(inv: Inventory, host: HostSpec, roles: list[RoleSpec], op: str, **kw: object) -> list[RoleStatus]:
     out = [RoleStatus(host.name, r.name, r.role) for r in roles]
     try:
@@ -94,22 +80,20 @@ async def _per_host(inv: Inventory, host: HostSpec, roles: list[RoleSpec], op: s
 
 async def _up(session: HostSession, cluster: ClusterSpec, roles: list[RoleSpec], out: list[RoleStatus], wait_s: float) -> None:
     for role, st in zip(roles, out, strict=True):
-        st.mode = await _mode(session, cluster, role)
-        res = await session.run(cmds.start_command(cluster, role, st.mode))
-        if res.rc != 0:
-            st.state, st.detail = "error", (res.stderr or res.stdout).strip()[:300]
+        started = await start_role(session, cluster, role)
+        st.mode, st.state, st.pid, st.detail = started.mode, started.state, started.pid, started.detail
+        if st.state == "error":
             continue
-        st.state, st.pid = _parse_state(res.stdout.strip().splitlines()[-1] if res.stdout.strip() else "")
         logger.info("role started host=%s name=%s mode=%s state=%s pid=%d", session.host.name, role.name, st.mode, st.state, st.pid)
     deadline = time.monotonic() + wait_s
     for role, st in zip(roles, out, strict=True):
         if st.state == "error" or role.system_port is None:
             continue
         while True:
-            st.health, st.detail = await _health(session, cluster, role)
+            st.health, st.detail = await role_health(session, cluster, role)
             if st.health == "ok" or time.monotonic() >= deadline:
                 break
-            state, _ = _parse_state((await session.run(cmds.status_command(cluster, role, st.mode))).stdout)
+            state, _ = parse_state((await session.run(cmds.status_command(cluster, role, st.mode))).stdout)
             if state == "failed":
                 st.detail = "the unit failed; see `dynamoctl cluster logs`"
                 break
@@ -120,20 +104,16 @@ async def _up(session: HostSession, cluster: ClusterSpec, roles: list[RoleSpec],
 
 async def _down(session: HostSession, cluster: ClusterSpec, roles: list[RoleSpec], out: list[RoleStatus]) -> None:
     for role, st in reversed(list(zip(roles, out, strict=True))):
-        st.mode = await _mode(session, cluster, role)
-        res = await session.run(cmds.stop_command(cluster, role, st.mode), timeout_s=cmds.STOP_TIMEOUT_S + 30)
-        if res.rc != 0:
-            st.state, st.detail = "error", (res.stderr or res.stdout).strip()[:300]
-        else:
-            st.state = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else "stopped"
+        stopped = await stop_role(session, cluster, role)
+        st.mode, st.state, st.detail = stopped.mode, stopped.state, stopped.detail
 
 
 async def _status(session: HostSession, cluster: ClusterSpec, roles: list[RoleSpec], out: list[RoleStatus]) -> None:
     for role, st in zip(roles, out, strict=True):
-        st.mode = await _mode(session, cluster, role)
-        st.state, st.pid = _parse_state((await session.run(cmds.status_command(cluster, role, st.mode))).stdout)
+        found = await role_status(session, cluster, role)
+        st.mode, st.state, st.pid = found.mode, found.state, found.pid
         if st.state == "running":
-            st.health, st.detail = await _health(session, cluster, role)
+            st.health, st.detail = await role_health(session, cluster, role)
 
 
 async def run_op(inv: Inventory, op: str, *, host: str | None = None, role: str | None = None, wait_s: float = 60.0) -> list[RoleStatus]:
@@ -151,7 +131,7 @@ async def gather_logs(inv: Inventory, *, host: str | None = None, role: str | No
             async with HostSession(h) as session:
                 out = []
                 for r in roles:
-                    mode = await _mode(session, inv.cluster, r)
+                    mode = await role_mode(session, inv.cluster, r)
                     res = await session.run(cmds.logs_command(inv.cluster, r, mode, lines))
                     out.append((h.name, r.name, res.stdout))
                 return out

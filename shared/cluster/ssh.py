@@ -1,7 +1,7 @@
 """A thin asyncssh wrapper: connect to an inventory host and run shell commands on it.
 
 Errors become ``SshError`` with the host and the reason in one line (bad key, refused, timeout,
-unknown host key), which is what ``dynamoctl cluster`` prints.
+unknown host key), which is what ``dynamoctl cluster`` prints and the planner's SSH connector logs.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import asyncssh
 
-from dynamod.console.ctl.cluster.inventory import HostSpec
+from dynamod.shared.cluster.inventory import HostSpec
 from dynamod.shared.errors import DynamoError
 
 logger = logging.getLogger(__name__)

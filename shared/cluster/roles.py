@@ -1,0 +1,85 @@
+"""One role on one host, over an open ``HostSession``: start it, stop it, ask how it is.
+
+These are the steps ``dynamoctl cluster up|down|status`` runs for every selected role and the
+planner's SSH connector runs for the one worker it adds or removes, so both judge "running" and
+"healthy" the same way. How a role runs (systemd unit or supervised process) is detected on the
+host the first time and remembered there (``commands.mode_command``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dynamod.shared.cluster import commands as cmds
+from dynamod.shared.cluster.inventory import ClusterSpec, RoleSpec
+from dynamod.shared.cluster.ssh import HostSession, SshError
+
+HEALTH_TIMEOUT_S = 15.0
+
+
+@dataclass(slots=True)
+class RoleState:
+    """What a start, stop or status step found: ``state`` is one of running, stopped, failed,
+    started, already running, not running, killed, error."""
+
+    mode: str
+    state: str
+    pid: int = 0
+    detail: str = ""
+
+
+def parse_state(line: str) -> tuple[str, int]:
+    """``"already running 123"`` -> ``("already running", 123)``."""
+    parts = line.strip().split()
+    if not parts:
+        return "unknown", 0
+    pid = int(parts[-1]) if parts[-1].isdigit() else 0
+    word = " ".join(p for p in parts if not p.isdigit())
+    return word, pid
+
+
+async def role_mode(session: HostSession, cluster: ClusterSpec, role: RoleSpec) -> str:
+    if cluster.supervisor == "process":
+        return cmds.MODE_PROCESS
+    res = await session.run(cmds.mode_command(cluster, role))
+    detected = res.stdout.strip() or cmds.MODE_PROCESS
+    if cluster.supervisor == "systemd" and detected == cmds.MODE_PROCESS:
+        raise SshError(f"{session.host.name}: cluster.supervisor is systemd but the host has no usable systemd")
+    return detected
+
+
+async def role_health(session: HostSession, cluster: ClusterSpec, role: RoleSpec) -> tuple[str, str]:
+    """(``ok`` | ``fail`` | ``-`` without a system port, the /health body or error)."""
+    if role.system_port is None:
+        return "-", ""
+    res = await session.run(cmds.health_command(cluster, role), timeout_s=HEALTH_TIMEOUT_S)
+    return ("ok" if res.rc == 0 else "fail"), res.stdout.strip()[:200]
+
+
+async def start_role(session: HostSession, cluster: ClusterSpec, role: RoleSpec, mode: str | None = None) -> RoleState:
+    """Starts ``role`` unless it already runs (``started`` / ``already running`` / ``error``)."""
+    mode = mode or await role_mode(session, cluster, role)
+    res = await session.run(cmds.start_command(cluster, role, mode))
+    if res.rc != 0:
+        return RoleState(mode, "error", detail=(res.stderr or res.stdout).strip()[:300])
+    out = res.stdout.strip()
+    state, pid = parse_state(out.splitlines()[-1] if out else "")
+    return RoleState(mode, state, pid)
+
+
+async def stop_role(session: HostSession, cluster: ClusterSpec, role: RoleSpec, mode: str | None = None) -> RoleState:
+    """Stops ``role``: SIGTERM, whose graceful path lets in-flight requests finish, then SIGKILL
+    after ``commands.STOP_TIMEOUT_S`` (``stopped`` / ``killed`` / ``not running`` / ``error``)."""
+    mode = mode or await role_mode(session, cluster, role)
+    res = await session.run(cmds.stop_command(cluster, role, mode), timeout_s=cmds.STOP_TIMEOUT_S + 30)
+    if res.rc != 0:
+        return RoleState(mode, "error", detail=(res.stderr or res.stdout).strip()[:300])
+    out = res.stdout.strip()
+    return RoleState(mode, out.splitlines()[-1] if out else "stopped")
+
+
+async def role_status(session: HostSession, cluster: ClusterSpec, role: RoleSpec, mode: str | None = None) -> RoleState:
+    """``running`` (with its pid), ``stopped`` or ``failed``."""
+    mode = mode or await role_mode(session, cluster, role)
+    state, pid = parse_state((await session.run(cmds.status_command(cluster, role, mode))).stdout)
+    return RoleState(mode, state, pid)
