@@ -64,6 +64,7 @@ from dynamod.shared.protocol.model_card import (
     ModelCard,
     encode_card,
 )
+from dynamod.shared.runtime.distributed import deregister_all, mark_all_draining
 from dynamod.shared.runtime.model_cards import ModelCardSet
 from dynamod.shared.transport.plane import RequestContext
 
@@ -168,13 +169,10 @@ class GlobalRouterService:
         )
 
     async def stop(self, grace_s: float) -> None:
-        """Deregisters and withdraws the cards (frontends stop sending), waits up to ``grace_s``
-        for streams in flight, then stops following the pools."""
-        for served in self._served:
-            try:
-                await served.deregister()
-            except DynamoError as exc:
-                logger.warning("deregister failed endpoint=%s error=%s", served.path, exc)
+        """Marks its records draining and withdraws the cards (frontends stop sending new work),
+        waits up to ``grace_s`` for streams in flight, deregisters, then stops following the
+        pools. Deregistering first would make the frontends fail their open streams over."""
+        await mark_all_draining(self._served)
         for cards in self._card_sets:
             await cards.close()  # first: a card arriving now must not publish ours again
         self._card_sets.clear()
@@ -189,6 +187,7 @@ class GlobalRouterService:
                 await asyncio.wait_for(self._idle.wait(), grace_s)
             except TimeoutError:
                 logger.warning("global router stopping with requests in flight count=%d", self.inflight)
+        await deregister_all(self._served)
         for client in self._clients.values():
             await client.close()
 

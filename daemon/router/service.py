@@ -61,6 +61,7 @@ from dynamod.shared.protocol.keys import mdc_prefix, parse_key
 from dynamod.shared.protocol.llm import PreprocessedRequest
 from dynamod.shared.protocol.model_card import ModelCard
 from dynamod.shared.protocol.routing import STAGE_DECODE, STAGE_PREFILL, RoutingDecision
+from dynamod.shared.runtime.distributed import deregister_all, mark_all_draining
 from dynamod.shared.runtime.model_cards import ModelCardSet
 from dynamod.shared.transport.plane import RequestContext
 
@@ -149,18 +150,17 @@ class RouterService:
         )
 
     async def stop(self, grace_s: float) -> None:
-        """Deregisters (callers stop sending), waits up to ``grace_s`` for streams, then closes."""
-        for served in self._served:
-            try:
-                await served.deregister()
-            except DynamoError as exc:
-                logger.warning("deregister failed endpoint=%s error=%s", served.path, exc)
+        """Marks its records draining (callers stop sending new work), waits up to ``grace_s``
+        for streams in flight, deregisters, then closes. Deregistering first would make every
+        caller fail its open streams over at once."""
+        await mark_all_draining(self._served)
         if self.inflight:
             logger.info("router draining inflight=%d grace_s=%.1f", self.inflight, grace_s)
             try:
                 await asyncio.wait_for(self._idle.wait(), grace_s)
             except TimeoutError:
                 logger.warning("router stopping with requests in flight count=%d", self.inflight)
+        await deregister_all(self._served)
         await self.card_set.close()
         if self._client is not None:
             await self._client.close()

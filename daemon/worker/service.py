@@ -40,7 +40,7 @@ from dynamod.daemon.worker.engine import Engine, EngineInfo, KvTransferEngine, L
 from dynamod.daemon.worker.kv_transfer import KvTransferContext, KvTransferSettings, KvTransferStats
 from dynamod.daemon.worker.metrics import WorkerMetrics
 from dynamod.shared.discovery.store import Lease
-from dynamod.shared.errors import DynamoError, InvalidRequestError, NotFoundError, UnavailableError
+from dynamod.shared.errors import InvalidRequestError, NotFoundError, UnavailableError
 from dynamod.shared.events.plane import TOPIC_KV_EVENTS, TOPIC_KV_METRICS, EventPublisher
 from dynamod.shared.kv.transfer.directory import KvTransferDirectory
 from dynamod.shared.kv.transfer.factory import create_agent
@@ -51,7 +51,7 @@ from dynamod.shared.protocol.kv_events import router_event_encoder
 from dynamod.shared.protocol.llm import PreprocessedRequest
 from dynamod.shared.protocol.load import LoadMetrics, load_encoder
 from dynamod.shared.protocol.model_card import ModelCard, encode_card
-from dynamod.shared.runtime.distributed import Component, ServedInstance
+from dynamod.shared.runtime.distributed import Component, ServedInstance, deregister_all, mark_all_draining
 from dynamod.shared.runtime.intent import IntentRecorder
 from dynamod.shared.transport.plane import RequestContext
 
@@ -151,23 +151,14 @@ class WorkerService:
         """Marks the endpoints draining (routers stop sending), lets in-flight requests finish up
         to ``grace_s``, deregisters, then stops the engine. The records stay until the requests
         finished: a client fails its streams to an instance the moment its record goes."""
-        async def mark_draining(served: ServedInstance) -> None:
-            try:
-                await served.set_status(STATUS_DRAINING)  # not _set_status: no operator intent to record
-            except DynamoError as exc:  # discovery down: stopping must go on; the lease ends it anyway
-                logger.warning("draining status not published worker_id=%x path=%s error=%s", self.worker_id, served.path, exc)
-
-        # In parallel: with discovery away each write waits for its timeout, and a worker has a
-        # record per endpoint.
-        await asyncio.gather(*(mark_draining(served) for served in self._served))
+        await mark_all_draining(self._served)  # not _set_status: no operator intent to record
         for lora in self.engine.list_loras():
             await self.component.runtime.store.delete(self._card_key(lora.name))
         await self.component.runtime.store.delete(self._card_key(None))
         deadline = time.monotonic() + grace_s
         if not await self._wait_idle(grace_s):
             logger.warning("stopping with requests in flight worker_id=%x count=%d", self.worker_id, self.engine.num_active_requests)
-        for served in self._served:
-            await served.deregister()
+        await deregister_all(self._served)
         if self._intent is not None:
             await self._intent.close()
         ctx = self.kv_transfer

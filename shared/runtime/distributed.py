@@ -15,7 +15,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import msgspec
@@ -183,26 +183,10 @@ class DistributedRuntime:
         self._stopping = True
         logger.info("runtime stopping served=%d inflight=%d grace_s=%.1f", len(self._served), self.inflight, grace_s)
         served_all = list(self._served)
-
-        async def mark_draining(served: ServedInstance) -> None:
-            await served.cancel_pending_write()
-            try:
-                await served.set_status(STATUS_DRAINING)
-            except DynamoError as exc:
-                logger.warning("draining status not published endpoint=%s error=%s", served.path, exc)
-
-        async def deregister(served: ServedInstance) -> None:
-            try:
-                await served.deregister()
-            except DynamoError as exc:
-                logger.warning("deregister failed endpoint=%s error=%s", served.path, exc)
-
-        # Each record in parallel: while discovery is away every write waits out its timeout, and
-        # one after another they would hold a stopping process for a minute.
-        await asyncio.gather(*(mark_draining(s) for s in served_all))
+        await mark_all_draining(served_all)
         if self._server:
             await self._server.stop(grace_s)
-        await asyncio.gather(*(deregister(s) for s in served_all))
+        await deregister_all(served_all)
         await self.request_client.close()
         if self.events:
             await self.events.close()
@@ -217,6 +201,35 @@ class DistributedRuntime:
         await self.store.close()
         self._closed = True
         logger.info("runtime stopped")
+
+
+async def mark_all_draining(served: Iterable[ServedInstance]) -> None:
+    """First step of a graceful stop: every record says ``draining`` (routers stop sending new
+    work) while it stays registered, so streams in flight finish instead of failing over (clients
+    fail streams to an instance the moment its record goes). A record that cannot be written is
+    logged and skipped: stopping goes on, the lease ends it anyway. In parallel, so that with
+    discovery away the per-write timeouts do not add up."""
+
+    async def one(s: ServedInstance) -> None:
+        await s.cancel_pending_write()
+        try:
+            await s.set_status(STATUS_DRAINING)
+        except DynamoError as exc:
+            logger.warning("draining status not published endpoint=%s error=%s", s.path, exc)
+
+    await asyncio.gather(*(one(s) for s in served))
+
+
+async def deregister_all(served: Iterable[ServedInstance]) -> None:
+    """Last step of a graceful stop, once the streams finished: the records go, in parallel."""
+
+    async def one(s: ServedInstance) -> None:
+        try:
+            await s.deregister()
+        except DynamoError as exc:
+            logger.warning("deregister failed endpoint=%s error=%s", s.path, exc)
+
+    await asyncio.gather(*(one(s) for s in served))
 
 
 class Namespace:

@@ -310,18 +310,24 @@ async def test_decisions_are_published_for_the_console(clients) -> None:
     assert data["ts"] > 0 and data["reason"]
 
 
-async def test_sigterm_leaves_discovery_then_finishes_streams(cluster, clients) -> None:
-    """Last in the module: it stops the router."""
+async def test_sigterm_drains_finishes_streams_then_leaves_discovery(cluster, clients) -> None:
+    """Last in the module: it stops the router. On SIGTERM it is marked draining (no new work),
+    its open stream runs to the end on it (no fail-over), and only then does its record go."""
     _c, router = cluster
     generate, _best, _rt = clients
     stream = generate.generate(request("drained", prompt(40, 2), max_tokens=1000), timeout_s=60.0)
     outs = [await anext(stream)]
     router.proc.popen.send_signal(signal.SIGTERM)
-    await poll(lambda: _no_router(generate), 10.0, "router to leave discovery")
+    await poll(lambda: _router_draining(generate), 10.0, "router to be marked draining")
     outs += [out async for out in stream]
     assert sum(len(o.get("token_ids") or []) for o in outs) == 1000
     assert outs[-1]["finish_reason"] == "length"
     assert await asyncio.to_thread(router.proc.popen.wait, 15) == 0
+    await poll(lambda: _no_router(generate), 10.0, "router to leave discovery")
+
+
+async def _router_draining(client: EndpointClient) -> bool:
+    return bool(client.instances) and all(i.status == "draining" for i in client.instances)
 
 
 async def _no_router(client: EndpointClient) -> bool:
