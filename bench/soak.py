@@ -12,7 +12,8 @@ event loop from its ``/metrics`` (``dynamo_process_asyncio_tasks``; the supervis
 
 Prints JSON: per process, RSS and fd growth from the end of the first window (warm) to the end
 (the restarted worker's figures are its last incarnation's, and its restarts are counted); errors
-(failed streams, streams that ended without ``[DONE]``) and short streams (fewer tokens than asked);
+(failed streams, streams that ended without ``[DONE]``) and short streams (fewer tokens than asked:
+every request sets ``ignore_eos``, so a short stream is a truncated one);
 TTFT and ITL p50/p99 of the first ``--window`` seconds against the last; and whether the targets
 hold (RSS growth < 10 %, no fd growth, no task growth, zero errors). Task counts move with the
 streams in flight, so "no growth" means the last window's median is within the warm window's range.
@@ -238,7 +239,7 @@ async def load(url: str, model: str, args: argparse.Namespace, stop: asyncio.Eve
             kind = rng.choices(list(KINDS), weights=[v[2] for v in KINDS.values()])[0]
             _p, max_tokens, _s = KINDS[kind]
             body = json.dumps({
-                "model": model, "stream": True, "max_tokens": max_tokens,
+                "model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
                 "stream_options": {"include_usage": True},
                 "messages": [{"role": "user", "content": rng.choice(prompts[kind])}],
             }).encode()
