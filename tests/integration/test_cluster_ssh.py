@@ -80,7 +80,28 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateSshd]:
         server.stop()
 
 
-def write_inventory(path: Path, sshd: PrivateSshd, file_kv: str, workdir: Path, *, port: int | None = None, system_port: int) -> Path:
+def role_toml(name: str, args: list[str], system_port: int, role: str = "agg") -> str:
+    """One ``[[hosts.roles]]`` entry of the inventory's single host."""
+    argv = ", ".join(f'"{a}"' for a in args)
+    return f"""
+  [[hosts.roles]]
+  role = "{role}"
+  name = "{name}"
+  args = [{argv}]
+  system_port = {system_port}
+"""
+
+
+def write_inventory(
+    path: Path, sshd: PrivateSshd, file_kv: str | Path, workdir: Path, *, port: int | None = None,
+    system_port: int | None = None, roles: str | None = None,
+) -> Path:
+    """An inventory of one host (this machine, through the private sshd) with ``roles`` (default:
+    one agg role running two mocker workers on ``system_port``)."""
+    if roles is None:
+        assert system_port is not None
+        args = ["--engine", "mocker", "--model", "tiny", "--speedup-ratio", "10", "--num-workers", "2", "--lease-ttl", "3"]
+        roles = role_toml("agg-0", args, system_port)
     env = {"DYN_LOG": "info"}
     if os.environ.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
@@ -106,13 +127,7 @@ connect_timeout_s = 5
 [[hosts]]
 name = "local"
 address = "127.0.0.1"
-
-  [[hosts.roles]]
-  role = "agg"
-  name = "agg-0"
-  args = ["--engine", "mocker", "--model", "tiny", "--speedup-ratio", "10", "--num-workers", "2", "--lease-ttl", "3"]
-  system_port = {system_port}
-""")
+{roles}""")
     return path
 
 

@@ -43,7 +43,14 @@ from dynamod.shared.protocol.llm import EngineOutput
 from dynamod.shared.protocol.planner import DesiredReplicas, ScaledReplicas
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from tests.fixtures.servers import EtcdServer, free_port
-from tests.integration.test_cluster_ssh import DYNAMOD, SSHD, PrivateSshd, sshd  # noqa: F401  (the fixture)
+from tests.integration.test_cluster_ssh import (  # noqa: F401  (sshd: the fixture)
+    DYNAMOD,
+    SSHD,
+    PrivateSshd,
+    role_toml,
+    sshd,
+    write_inventory,
+)
 from tests.integration.test_frontend_support import clean_env
 from tests.integration.test_worker_daemon import request
 
@@ -240,40 +247,9 @@ async def test_local_connector_without_a_supervisor_says_so(tmp_path: Path) -> N
 
 
 def _ssh_inventory(path: Path, server: PrivateSshd, file_kv: Path, workdir: Path) -> Path:
-    import getpass
-
-    env = {"DYN_LOG": "info", **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {})}
-    env_toml = ", ".join(f'{k} = "{v}"' for k, v in env.items())
-    roles = "".join(f"""
-  [[hosts.roles]]
-  role = "agg"
-  name = "agg-{i}"
-  args = ["--engine", "mocker", "--model", "tiny", "--speedup-ratio", "4", "--lease-ttl", "3"]
-  system_port = {free_port()}
-""" for i in range(2))
-    path.write_text(f"""
-[cluster]
-namespace = "dynamo"
-discovery = "file"
-file_kv = "{file_kv}"
-event_plane = "zmq"
-dynamod = "{DYNAMOD}"
-python = "{sys.executable}"
-workdir = "{workdir}"
-env = {{ {env_toml} }}
-
-[ssh]
-user = "{getpass.getuser()}"
-key = "{server.client_key}"
-port = {server.port}
-known_hosts = "none"
-connect_timeout_s = 5
-
-[[hosts]]
-name = "local"
-address = "127.0.0.1"
-{roles}""")
-    return path
+    args = ["--engine", "mocker", "--model", "tiny", "--speedup-ratio", "4", "--lease-ttl", "3"]
+    roles = "".join(role_toml(f"agg-{i}", args, free_port()) for i in range(2))
+    return write_inventory(path, server, file_kv, workdir, roles=roles)
 
 
 @pytest.mark.skipif(not os.path.exists(SSHD), reason="needs openssh-server (/usr/sbin/sshd)")
