@@ -25,7 +25,7 @@ import msgspec
 
 from dynamod.console.state.event_log import EventLog
 from dynamod.console.state.models import ModelCatalog
-from dynamod.console.state.records import EV_SCALING, ROLE_AGG, ROLE_DECODE, ROLE_PREFILL, Worker
+from dynamod.console.state.records import EV_SCALING, Worker
 from dynamod.console.state.topology import Topology
 from dynamod.console.state.versions import Versions
 from dynamod.shared.protocol.instance import STATUS_READY
@@ -42,6 +42,7 @@ from dynamod.shared.protocol.planner import (
     PlannerStatus,
     ScaledReplicas,
     ScaleOverride,
+    pool_of_role,
 )
 
 RECENT_DECISIONS = 20  # per pool: enough to see a trend, small enough for 80x24
@@ -50,8 +51,6 @@ POOLS_LABEL = "pools"  # a global router's label: the namespaces (pools) it rout
 
 PlannerRecord = PlannerStatus | ScaleOverride | DesiredReplicas | ScaledReplicas
 
-# A worker's role names its pool (``shared/protocol/planner.py``: decode and agg share a component).
-ROLE_POOL = {ROLE_PREFILL: POOL_PREFILL, ROLE_DECODE: POOL_DECODE, ROLE_AGG: POOL_AGG}
 _POOL_ORDER = {p: i for i, p in enumerate((POOL_AGG, POOL_PREFILL, POOL_DECODE))}
 
 
@@ -103,7 +102,7 @@ def convert_planner_record(key: str, value: object) -> PlannerRecord | None:
 
 
 def pool_of(worker: Worker) -> str | None:
-    return ROLE_POOL.get(worker.role)
+    return pool_of_role(worker.role)
 
 
 def describe_decision(d: PlannerDecision) -> str:

@@ -22,7 +22,7 @@ from dynamod.shared.events.plane import TOPIC_KV_METRICS, EventSubscriber
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.keys import instances_prefix
 from dynamod.shared.protocol.load import LoadMetrics, load_decoder
-from dynamod.shared.protocol.planner import POOL_AGG, POOL_DECODE, POOL_PREFILL, POOLS
+from dynamod.shared.protocol.planner import POOL_AGG, POOL_PREFILL, POOLS, pool_of_role
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from dynamod.shared.runtime.instances import InstanceSet
 
@@ -36,10 +36,12 @@ UNLISTED_REPORT_TTL_S = 30.0
 
 
 def pool_of(instance: Instance, prefill_component: str) -> str:
-    """The pool an instance of a worker component belongs to."""
-    if instance.component == prefill_component:
-        return POOL_PREFILL
-    return POOL_DECODE if instance.role == POOL_DECODE else POOL_AGG
+    """The pool an instance of a worker component belongs to: by its role, and for a record
+    without a worker role by its component (the components may be renamed by flag)."""
+    pool = pool_of_role(instance.role)
+    if pool is not None:
+        return pool
+    return POOL_PREFILL if instance.component == prefill_component else POOL_AGG
 
 
 class LoadWatch:

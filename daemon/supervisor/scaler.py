@@ -45,7 +45,7 @@ import msgspec
 from dynamod.daemon.supervisor.children import Child, ChildSpec, Supervisor
 from dynamod.shared.cluster.drain import drain_instances
 from dynamod.shared.cluster.pools import count_ready, pool_instances
-from dynamod.shared.discovery.store import WatchEventKind
+from dynamod.shared.discovery.key_watch import watch_key
 from dynamod.shared.errors import DynamoError
 from dynamod.shared.protocol.keys import (
     instances_prefix,
@@ -269,14 +269,7 @@ class Scaler:
     # -- the loop -------------------------------------------------------------------------------
 
     async def _watch_desired(self) -> None:
-        async for event in self.store.watch_prefix(self.desired_key):
-            if event.key != self.desired_key or event.kind is not WatchEventKind.PUT or event.value is None:
-                continue
-            try:
-                desired = msgspec.json.decode(event.value, type=DesiredReplicas)
-            except msgspec.DecodeError as exc:
-                logger.warning("undecodable desired replicas key=%s error=%s", event.key, exc)
-                continue
+        async for desired in watch_key(self.store, self.desired_key, DesiredReplicas):
             self._latest = desired
             self._wake.set()
 

@@ -16,7 +16,7 @@ import msgspec
 from dynamod.shared.discovery.store import DiscoveryStore
 from dynamod.shared.protocol.instance import Instance, decode_instance
 from dynamod.shared.protocol.keys import instances_prefix
-from dynamod.shared.protocol.planner import POOL_COMPONENT, POOL_ROLE, POOLS
+from dynamod.shared.protocol.planner import POOL_COMPONENT, POOLS, pool_of_role
 
 GENERATE_ENDPOINT = "generate"
 
@@ -25,10 +25,8 @@ def pool_of(inst: Instance) -> str | None:
     """The planner pool a ``generate`` instance belongs to, or None (another endpoint or role)."""
     if inst.endpoint != GENERATE_ENDPOINT:
         return None
-    for pool in POOLS:
-        if inst.component == POOL_COMPONENT[pool] and inst.role == POOL_ROLE[pool]:
-            return pool
-    return None
+    pool = pool_of_role(inst.role)
+    return pool if pool is not None and inst.component == POOL_COMPONENT[pool] else None
 
 
 def pool_instances(records: Iterable[Instance]) -> dict[str, list[Instance]]:

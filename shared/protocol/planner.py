@@ -32,6 +32,13 @@ POOLS = (POOL_PREFILL, POOL_DECODE, POOL_AGG)
 # pool -> (component, worker role)
 POOL_COMPONENT = {POOL_PREFILL: "prefill", POOL_DECODE: "backend", POOL_AGG: "backend"}
 POOL_ROLE = {POOL_PREFILL: "prefill", POOL_DECODE: "decode", POOL_AGG: "agg"}
+ROLE_POOL = {role: pool for pool, role in POOL_ROLE.items()}
+
+
+def pool_of_role(role: str) -> str | None:
+    """The pool of a worker whose instance record has ``role`` (None: not a worker role). The role,
+    not the component, decides: decode and agg workers share the ``backend`` component."""
+    return ROLE_POOL.get(role)
 
 PLANNER_COMPONENT = "planner"
 

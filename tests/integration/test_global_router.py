@@ -20,23 +20,11 @@ import pytest
 from tests.fixtures.servers import free_port, wait_until
 from tests.integration.test_frontend_support import CLI, LocalCluster, Proc, get_json, get_text
 from tests.integration.test_router_role import RouterProc, metric_value
+from tests.unit.global_router.grids import agg_grid
 
 pytestmark = pytest.mark.timeout(120)
 
-GRID = {
-    "mode": "agg",
-    "enable_priority_retry": True,
-    "num_agg_pools": 2,
-    "agg_pool_dynamo_namespaces": ["fast", "slow"],
-    "agg_pool_selection_strategy": {
-        "isl_min": 0, "isl_max": 1024, "isl_resolution": 2,
-        "ttft_min_ms": 0, "ttft_max_ms": 1000, "ttft_resolution": 2,
-        "itl_min_ms": 0, "itl_max_ms": 100, "itl_resolution": 1,
-        # short prompts: fast only with a TTFT target under 500 ms; long prompts: always fast
-        "agg_pool_mapping": [[[0], [1]], [[0], [0]]],
-        "priority_overrides": [{"min_priority": 10, "max_priority": 100, "target_pool": 0}],
-    },
-}  # fmt: skip
+GRID = agg_grid(enable_priority_retry=True)  # short prompts: fast only with a TTFT target under 500 ms; long: fast
 SHORT = [(7 * i + 3) % 4000 for i in range(64)]
 LONG = [(11 * i + 5) % 4000 for i in range(700)]
 WORKER_FLAGS = ("--block-size", "16", "--num-gpu-blocks", "1024")

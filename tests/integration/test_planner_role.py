@@ -31,7 +31,7 @@ from dynamod.shared.protocol.planner import (
     decision_decoder,
 )
 from dynamod.shared.runtime.distributed import DistributedRuntime
-from tests.fixtures.servers import EtcdServer, NatsServer, free_port, wait_until
+from tests.fixtures.servers import EtcdServer, NatsServer, free_port, poll, wait_until
 from tests.integration.test_frontend_support import CLI, Proc, clean_env, get_json, get_text
 
 pytestmark = pytest.mark.timeout(180)
@@ -119,19 +119,6 @@ async def runtime(cluster: Cluster) -> AsyncIterator[DistributedRuntime]:
     await rt.shutdown(grace_s=0)
 
 
-async def eventually(check, timeout: float, what: str):  # noqa: ANN001, ANN201 - test helper
-    """Awaits ``check()`` until it returns something truthy; fails after ``timeout`` seconds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 class Decisions:
     """The ``planner_decisions`` stream, collected in the background."""
 
@@ -159,7 +146,7 @@ async def test_decisions_on_the_event_plane_and_status_in_discovery(cluster: Clu
             agg = [d for d in decisions.items if d.pool == "agg" and d.current == 2]
             return agg if len({d.decision_id for d in agg}) >= 3 else None
 
-        agg = await eventually(three, 30, "three planner passes over the agg pool")
+        agg = await poll(three, 30, "three planner passes over the agg pool")
     finally:
         task.cancel()
     ids = [d.decision_id for d in agg]
@@ -209,7 +196,7 @@ async def test_traffic_is_scraped_from_the_frontend(cluster: Cluster) -> None:
 
     sender = asyncio.create_task(stream_load(cluster.url))
     try:
-        g = await eventually(observed, 15, "the planner to observe the frontend's streams")
+        g = await poll(observed, 15, "the planner to observe the frontend's streams")
     finally:
         sender.cancel()
         await asyncio.gather(sender, return_exceptions=True)
@@ -227,7 +214,7 @@ async def test_override_shows_in_the_next_decision_at_once(cluster: Cluster, run
         async def overridden() -> PlannerDecision | None:
             return next((d for d in decisions.items if d.reason == "override"), None)
 
-        d = await eventually(overridden, 10, "a decision carrying the override")
+        d = await poll(overridden, 10, "a decision carrying the override")
         assert (d.pool, d.desired, d.override, d.current, d.action) == ("agg", 3, 3, 2, "scale_up")
         assert not d.acted and d.dry_run and "ops@test" in d.detail
     finally:
@@ -261,7 +248,7 @@ async def test_sla_planner_plans_from_the_frontends_traffic(cluster: Cluster, ru
             return next((d for d in decisions.items if d.planner == "sla" and d.inputs.get("request_rate", 0) > 0
                          and "ttft_ms" in d.inputs), None)
 
-        d = await eventually(planned, 20, "an SLA decision from measured traffic")
+        d = await poll(planned, 20, "an SLA decision from measured traffic")
     finally:
         sender.cancel()
         await asyncio.gather(sender, return_exceptions=True)

@@ -27,7 +27,7 @@ from dynamod.shared.events.plane import TOPIC_ROUTER_DECISIONS
 from dynamod.shared.protocol.llm import PreprocessedRequest, StopConditions
 from dynamod.shared.runtime.client import EndpointClient
 from dynamod.shared.runtime.distributed import DistributedRuntime
-from tests.fixtures.servers import free_port, wait_until
+from tests.fixtures.servers import free_port, poll, wait_until
 from tests.integration.test_frontend_support import CLI, LocalCluster, Proc, get_json, get_text
 
 pytestmark = pytest.mark.timeout(180)
@@ -117,19 +117,6 @@ async def run_stream(client: EndpointClient, body: dict, instance_id: int | None
 async def best(client: EndpointClient, tokens: list[int], instance_id: int | None = None, **extra: Any) -> dict:
     [answer] = await client.call({"token_ids": tokens, **extra}, instance_id=instance_id, timeout_s=10.0)
     return answer
-
-
-async def poll(check: Any, timeout: float, what: str) -> Any:
-    """Awaits ``check()`` until it returns something truthy; fails after ``timeout`` seconds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def wait_kv_events_flowing(

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import msgspec
 
 from dynamod.shared.cluster.pools import read_ready_replicas
-from dynamod.shared.discovery.store import DiscoveryStore, WatchEventKind
+from dynamod.shared.discovery.key_watch import watch_key
+from dynamod.shared.discovery.store import DiscoveryStore
 from dynamod.shared.errors import DiscoveryError, DynamoError
 from dynamod.shared.protocol.keys import planner_desired_key, planner_scaled_key
 from dynamod.shared.protocol.planner import DesiredReplicas, ScaledReplicas
@@ -137,12 +138,5 @@ class VirtualConnector:
     async def _watch_scaled(self) -> None:
         """The watch survives discovery outages (the store resumes it); a record that does not
         decode is logged and skipped, the orchestrator's bug must not stop the planner."""
-        async for event in self.store.watch_prefix(self.scaled_key):
-            if event.key != self.scaled_key or event.kind is not WatchEventKind.PUT or event.value is None:
-                continue
-            try:
-                scaled = msgspec.json.decode(event.value, type=ScaledReplicas)
-            except msgspec.DecodeError as exc:
-                logger.warning("undecodable scaled replicas key=%s error=%s", event.key, exc)
-                continue
+        async for scaled in watch_key(self.store, self.scaled_key, ScaledReplicas):
             self._on_scaled(scaled)
