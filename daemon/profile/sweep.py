@@ -37,7 +37,8 @@ class SweepPlan:
     engine_num_gpu: int = 1
 
     def prefill_points(self, context_length: int) -> list[int]:
-        return [i for i in self.isls if i <= context_length]
+        """Input lengths that leave room for the one output token a prefill point asks for."""
+        return [i for i in self.isls if i < context_length]
 
     def decode_points(self, context: int, max_kv_tokens: int, max_num_seqs: int, context_length: int) -> list[int]:
         """Concurrencies that fit the engine at ``context`` tokens each (plus the decoded tail)."""
@@ -87,12 +88,16 @@ def measure_decode(config: MockerConfig, context: int, n: int, osl: int) -> floa
 
 
 def sweep_mocker(config: MockerConfig, plan: SweepPlan | None = None) -> PerfProfile:
+    """The profile of a live mocker with ``config``: its step times are divided by
+    ``--speedup-ratio`` on the wall clock, so the profile's latencies are too (a planner compares
+    them with what the frontends measure)."""
     plan = plan or SweepPlan()
     gpus = plan.engine_num_gpu
     max_kv = config.kv_capacity_tokens
+    wall = 1.0 / config.speedup_ratio
     isls, ttfts, p_thpt = [], [], []
     for isl in plan.prefill_points(config.context_length):
-        ttft = measure_prefill(config, isl)
+        ttft = measure_prefill(config, isl) * wall
         if ttft > 0:
             isls.append(float(isl))
             ttfts.append(round(ttft, 4))
@@ -101,7 +106,7 @@ def sweep_mocker(config: MockerConfig, plan: SweepPlan | None = None) -> PerfPro
     for context in plan.contexts:
         usage, itls, d_thpt = [], [], []
         for n in plan.decode_points(context, max_kv, config.max_num_seqs, config.context_length):
-            itl = measure_decode(config, context, n, plan.decode_osl)
+            itl = measure_decode(config, context, n, plan.decode_osl) * wall
             if itl <= 0:
                 continue
             usage.append(round(n * (context + plan.decode_osl / 2) / max_kv, 6))
@@ -113,7 +118,8 @@ def sweep_mocker(config: MockerConfig, plan: SweepPlan | None = None) -> PerfPro
         "num_gpu_blocks": config.num_gpu_blocks, "block_size": config.block_size,
         "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
         "speedup_ratio": config.speedup_ratio, "enable_prefix_caching": config.enable_prefix_caching,
-        "decode_osl": plan.decode_osl, "source": "in-process mocker, simulated clock",
+        "decode_osl": plan.decode_osl,
+        "source": "in-process mocker, simulated clock scaled to the wall clock by speedup_ratio",
     }
     return PerfProfile(PrefillTable(isls, ttfts, p_thpt, gpus), DecodeTable(rows, max_kv, gpus),
                        engine="mocker", settings=settings).validate()

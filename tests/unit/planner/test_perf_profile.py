@@ -16,7 +16,7 @@ from dynamod.daemon.planner.perf_profile import (
     ProfileError,
     default_profile_path,
 )
-from dynamod.daemon.profile.sweep import SweepPlan, measure_decode, measure_prefill
+from dynamod.daemon.profile.sweep import SweepPlan, measure_decode, measure_prefill, sweep_mocker
 
 
 def small() -> PerfProfile:
@@ -93,3 +93,28 @@ def test_shipped_mocker_profile_loads_is_monotone_and_matches_a_fresh_measuremen
     context = int(row.context_length - osl / 2)
     for n, itl in zip((1, 2, 4), row.itl_ms[:3], strict=True):
         assert measure_decode(config, context, n, osl) == pytest.approx(itl, rel=1e-3)
+
+
+def test_a_slowed_mocker_profiles_at_its_wall_clock_speed() -> None:
+    """A live mocker at ``--speedup-ratio 0.25`` takes four times the simulated step time on the
+    wall clock, which is what frontends measure and the SLA planner compares with the profile."""
+    plan = SweepPlan(isls=(128, 512), contexts=(512,), concurrencies=(1, 4), decode_osl=8)
+    base = sweep_mocker(MockerConfig(vocab_size=32000), plan)
+    slow = sweep_mocker(MockerConfig(vocab_size=32000, speedup_ratio=0.25), plan)
+    assert slow.settings["speedup_ratio"] == 0.25
+    for fast_ttft, slow_ttft in zip(base.prefill.ttft_ms, slow.prefill.ttft_ms, strict=True):
+        assert slow_ttft == pytest.approx(4 * fast_ttft, rel=1e-3)
+    for fast_thpt, slow_thpt in zip(base.prefill.thpt_per_gpu, slow.prefill.thpt_per_gpu, strict=True):
+        assert slow_thpt == pytest.approx(fast_thpt / 4, rel=1e-3)
+    fast_row, slow_row = base.decode.rows[0], slow.decode.rows[0]
+    assert slow_row.itl_ms == pytest.approx([4 * x for x in fast_row.itl_ms], rel=1e-3)
+    assert slow_row.kv_usage == fast_row.kv_usage
+
+
+def test_prefill_points_leave_room_for_the_output_token() -> None:
+    """A 4096-token context cannot prefill a 4096-token prompt and still answer (the engine refuses
+    it): the sweep stops below the context length instead of failing the whole profile."""
+    assert SweepPlan(isls=(1024, 2048, 4096, 8192)).prefill_points(4096) == [1024, 2048]
+    profile = sweep_mocker(MockerConfig(vocab_size=32000, num_gpu_blocks=256, block_size=16, max_num_seqs=16),
+                           SweepPlan(isls=(1024, 2048, 4096), contexts=(512,), concurrencies=(1, 2)))
+    assert profile.prefill.isl == [1024.0, 2048.0]
