@@ -42,6 +42,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,7 @@ from dynamod.daemon.frontend.routing import ROUTER_MODES
 from dynamod.daemon.supervisor.children import ChildSpec, CrashLoopError, CrashLoopPolicy, Supervisor
 from dynamod.daemon.supervisor.launcher import daemon_child, daemon_env
 from dynamod.daemon.supervisor.logfile import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, parse_size
+from dynamod.daemon.supervisor.planner_profile import write_profile
 from dynamod.daemon.supervisor.scaler import DEFAULT_DRAIN_TIMEOUT_S, PoolBudget, PoolTemplate, Scaler
 from dynamod.daemon.worker.main import COMPONENT_BY_ROLE
 from dynamod.shared.config import DEFAULT_NAMESPACE, RuntimeSettings
@@ -221,6 +223,10 @@ class WorkerFactory:
         }
         self._ports: set[int] = set()
 
+    def engine_flags(self, role: str) -> list[str]:
+        """The flags a ``role`` worker gets beyond its runtime and identity: what shapes its engine."""
+        return [*self._passthrough, *self._extra, *self._role_extra[role]]
+
     def spec(self, role: str, index: int) -> ChildSpec:
         args = self._args
         status_port = _free_port("127.0.0.1", avoid=self._ports)
@@ -230,7 +236,7 @@ class WorkerFactory:
         worker = [
             "--role", role, *self._runtime, "--engine", args.engine, "--model", args.model,
             "--worker-name", child_name(role, index),
-            "--system-port", str(status_port), *self._passthrough, *self._extra, *self._role_extra[role],
+            "--system-port", str(status_port), *self.engine_flags(role),
         ]
         live = f"http://127.0.0.1:{status_port}/live"
         return daemon_child(child_name(role, index), worker, live_url=live, env=self._env)
@@ -270,19 +276,33 @@ def build_specs(
         for index in range(count):
             specs.append(workers.spec(role, index))
     if getattr(args, "planner", None):
-        specs.append(planner_spec(args, runtime, env, pools))
+        specs.append(planner_spec(args, runtime, env, pools, planner_profile_flags(args, pools, workers, file_kv)))
     return specs
 
 
-def planner_spec(args: argparse.Namespace, runtime: list[str], env: dict[str, str], pools: Pools) -> ChildSpec:
+def planner_spec(
+    args: argparse.Namespace, runtime: list[str], env: dict[str, str], pools: Pools, extra: Sequence[str] = ()
+) -> ChildSpec:
     """``dynamod --role planner --connector local`` sizing this cluster's pools within the budget."""
     planner = [
         "--role", "planner", *runtime, "--connector", "local",
         "--planner", args.planner, "--mode", "disagg" if pools.disaggregated else "agg",
         "--min-workers", str(args.min_workers), "--max-workers", str(args.max_workers),
-        *shlex.split(args.planner_args),
+        *extra, *shlex.split(args.planner_args),
     ]
     return daemon_child(PLANNER, planner, env=env)
+
+
+def planner_profile_flags(args: argparse.Namespace, pools: Pools, workers: WorkerFactory, file_kv: str) -> list[str]:
+    """``--profile PATH`` for an SLA planner over mocker workers: the profile of the mocker they
+    run, measured now (``planner_profile.py``), unless the operator named a profile."""
+    named = "--profile" in shlex.split(args.planner_args) or os.environ.get("DYN_PLANNER_PROFILE")
+    if args.planner != "sla" or args.engine != "mocker" or named:
+        return []
+    path = Path(file_kv).parent / f"{Path(file_kv).name}-planner-profile.json"
+    prefill = workers.engine_flags(ROLE_PREFILL) if pools.disaggregated else None
+    decode = workers.engine_flags(ROLE_DECODE if pools.disaggregated else ROLE_AGG)
+    return ["--profile", str(write_profile(path, prefill, decode))]
 
 
 def scaling_budget(args: argparse.Namespace, pools: Pools) -> dict[str, PoolBudget]:
@@ -417,7 +437,8 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         )
     log_dir = None if args.log_to_console else Path(args.log_dir or Path(file_kv).parent / "logs")
     workers = WorkerFactory(args, *runtime_flags(file_kv, namespace))
-    specs = build_specs(args, file_kv, namespace, workers)
+    # In a thread: with `--planner sla` it measures the workers' mocker first (a few seconds).
+    specs = await asyncio.to_thread(build_specs, args, file_kv, namespace, workers)
     if args.log_backups < 0:
         raise ConfigError("--log-backups must be 0 or more")
     supervisor = Supervisor(

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from dynamod.daemon.planner.perf_profile import PerfProfile, default_profile_path
 from dynamod.daemon.supervisor.children import ChildSpec, CrashLoopPolicy, Supervisor
 from dynamod.daemon.supervisor.scaler import PoolBudget, RunningWorker, plan_scaling
 from dynamod.daemon.supervisor.up import (
@@ -94,13 +95,14 @@ def test_up_planner_flags() -> None:
         resolve_scaling(_args("--planner", "sla", "--workers", "5", "--max-workers", "4"))
 
 
-def test_added_workers_get_the_flags_of_the_first_ones() -> None:
+def test_added_workers_get_the_flags_of_the_first_ones(tmp_path: Path) -> None:
     args = _args("--prefill-workers", "1", "--decode-workers", "1", "--speedup-ratio", "10", "--decode-args", "--x 1",
-                 "--planner", "sla")
+                 "--planner", "sla", "--planner-args", "--profile /somewhere/profile.json")
     resolve_scaling(args)
     pools = pools_of(args)
-    workers = WorkerFactory(args, *runtime_flags("/tmp/kv", "ns"))
-    first = build_specs(args, "/tmp/kv", "ns", workers)
+    kv = str(tmp_path / "kv")
+    workers = WorkerFactory(args, *runtime_flags(kv, "ns"))
+    first = build_specs(args, kv, "ns", workers)
     templates = scaling_templates(pools, workers)
     assert set(templates) == {"prefill", "decode"} and set(scaling_budget(args, pools)) == {"prefill", "decode"}
     added = templates["decode"].spec(3)
@@ -118,6 +120,33 @@ def test_added_workers_get_the_flags_of_the_first_ones() -> None:
     assert without_port_and_name(added.argv) == without_port_and_name(decode0.argv)
     ports = {s.argv[s.argv.index("--system-port") + 1] for s in [*first[1:3], added]}
     assert len(ports) == 3  # never one handed out before
+    planner = first[-1].argv
+    assert planner.count("--profile") == 1 and "/somewhere/profile.json" in planner  # the operator's, not measured
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_up_sla_planner_plans_from_the_mocker_its_workers_run(tmp_path: Path) -> None:
+    """Without ``--profile``, ``up --planner sla`` measures the workers' mocker (speedup, KV size):
+    each pool's table with that pool's flags; the shipped profile describes a default mocker."""
+    args = _args("--prefill-workers", "1", "--decode-workers", "1", "--speedup-ratio", "0.5",
+                 "--num-gpu-blocks", "512", "--block-size", "16", "--prefill-args", "--max-num-seqs 4",
+                 "--decode-args", "--max-num-seqs 32", "--planner", "sla")
+    resolve_scaling(args)
+    kv = tmp_path / "kv"
+    planner = build_specs(args, str(kv), "ns")[-1].argv
+    path = Path(planner[planner.index("--profile") + 1])
+    assert path == tmp_path / "kv-planner-profile.json"
+    profile = PerfProfile.load(path)
+    assert profile.settings["speedup_ratio"] == 0.5 and profile.settings["num_gpu_blocks"] == 512
+    assert profile.settings["max_num_seqs"] == 32 and profile.settings["prefill_settings"]["max_num_seqs"] == 4
+    assert profile.decode.max_kv_tokens == 512 * 16
+    shipped = PerfProfile.load(default_profile_path())
+    # Half the speed: each prefill takes twice the shipped (speedup 1) time.
+    assert profile.prefill.ttft(256) == pytest.approx(2 * shipped.prefill.ttft(256), rel=1e-3)
+    # The load planner, or another engine, gets no profile.
+    for other in (("--planner", "load"), ("--planner", "sla", "--engine", "vllm")):
+        argv = build_specs(_args("--workers", "1", *other), str(kv), "ns")[-1].argv
+        assert "--profile" not in argv
 
 
 # -- the supervisor under the scaler --------------------------------------------------------------------
