@@ -31,7 +31,7 @@ class TrafficSample:
     was measured (no requests finished in the interval)."""
 
     duration_s: float
-    num_requests: float  # requests that finished (or started; the source says) in the interval
+    num_requests: float  # requests that arrived in the interval (finished + growth of in-flight)
     isl: float | None  # mean prompt tokens
     osl: float | None  # mean output tokens
     ttft_ms: float | None  # mean time to first token

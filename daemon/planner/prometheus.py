@@ -17,7 +17,7 @@ import math
 import httpx
 
 from dynamod.daemon.planner.policy import TrafficSample
-from dynamod.daemon.planner.traffic import ISL, ITL, OSL, REQUESTS, TTFT
+from dynamod.daemon.planner.traffic import INFLIGHT, ISL, ITL, OSL, REQUESTS, TTFT
 from dynamod.shared.errors import UnavailableError
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,9 @@ def traffic_queries(window_s: float, model: str | None = None, extra_selector: s
         return f"sum(increase({metric}_sum{sel}{w})) / sum(increase({metric}_count{sel}{w}))"
 
     return {
-        "num_requests": f"sum(increase({REQUESTS}{sel}{w}))",
+        # Arrivals: finished plus the growth of in-flight (traffic.py says why); a fleet without
+        # the gauge counts finished requests only.
+        "num_requests": f"sum(increase({REQUESTS}{sel}{w})) + (sum(delta({INFLIGHT}{sel}{w})) or vector(0))",
         "ttft_s": mean(TTFT),
         "itl_s": mean(ITL),
         "isl": mean(ISL),
@@ -96,7 +98,7 @@ class PrometheusTraffic:
 
         return TrafficSample(
             duration_s=self._window_s,
-            num_requests=values["num_requests"],
+            num_requests=max(0.0, values["num_requests"]),
             isl=values["isl"],
             osl=values["osl"],
             ttft_ms=ms(values["ttft_s"]),

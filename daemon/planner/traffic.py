@@ -11,6 +11,11 @@ else their status server's ``system_url``) and from ``--metrics-url``. A fronten
 first time, or one whose last scrape failed, only sets a baseline: differencing across a gap would
 put two intervals of requests into one. A counter that went down (the frontend restarted) counts
 from zero.
+
+The request count is the *arrivals*: requests that finished plus the growth of the in-flight gauge.
+Finished requests alone cannot exceed what the pools serve, so a saturated cluster would look
+exactly as busy as its capacity and never grow; the requests piling up in flight are the demand
+it does not yet meet.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 # The frontend's series (daemon/frontend/metrics.py), Dynamo's names.
 REQUESTS = "dynamo_frontend_requests_total"
+INFLIGHT = "dynamo_frontend_inflight_requests"
 TTFT = "dynamo_frontend_time_to_first_token_seconds"
 ITL = "dynamo_frontend_inter_token_latency_seconds"
 ISL = "dynamo_frontend_input_sequence_tokens"
@@ -41,6 +47,7 @@ OSL = "dynamo_frontend_output_sequence_tokens"
 
 _SERIES = {
     REQUESTS: "requests",
+    INFLIGHT: "inflight",
     f"{TTFT}_sum": "ttft_sum", f"{TTFT}_count": "ttft_count",
     f"{ITL}_sum": "itl_sum", f"{ITL}_count": "itl_count",
     f"{ISL}_sum": "isl_sum", f"{ISL}_count": "isl_count",
@@ -65,7 +72,8 @@ class TrafficSource(Protocol):
 
 @dataclass(slots=True)
 class FrontendTotals:
-    """Cumulative figures of one ``/metrics`` page (or their difference between two pages)."""
+    """Cumulative figures of one ``/metrics`` page (or their difference between two pages), and
+    the requests in flight (a level: its difference may be negative)."""
 
     requests: float = 0.0
     ttft_sum: float = 0.0
@@ -76,13 +84,20 @@ class FrontendTotals:
     isl_count: float = 0.0
     osl_sum: float = 0.0
     osl_count: float = 0.0
+    inflight: float = 0.0
 
     def minus(self, earlier: FrontendTotals) -> FrontendTotals:
-        """The increase since ``earlier``; from zero when any series went down (a restart)."""
+        """The increase since ``earlier``; from zero when any counter went down (a restart, which
+        also started the in-flight count from zero)."""
         names = [f.name for f in fields(self)]
-        if any(getattr(self, n) < getattr(earlier, n) for n in names):
+        if any(getattr(self, n) < getattr(earlier, n) for n in names if n != "inflight"):
             return FrontendTotals(**{n: getattr(self, n) for n in names})
         return FrontendTotals(**{n: getattr(self, n) - getattr(earlier, n) for n in names})
+
+    @property
+    def arrivals(self) -> float:
+        """Of a difference: requests that came in (finished, or still in flight on top of before)."""
+        return max(0.0, self.requests + self.inflight)
 
     def plus(self, other: FrontendTotals) -> FrontendTotals:
         return FrontendTotals(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
@@ -110,7 +125,7 @@ def sample_from(delta: FrontendTotals, duration_s: float) -> TrafficSample:
 
     return TrafficSample(
         duration_s=duration_s,
-        num_requests=delta.requests,
+        num_requests=delta.arrivals,
         isl=mean(delta.isl_sum, delta.isl_count),
         osl=mean(delta.osl_sum, delta.osl_count),
         ttft_ms=mean(delta.ttft_sum, delta.ttft_count, 1000.0),

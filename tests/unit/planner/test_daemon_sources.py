@@ -31,11 +31,14 @@ NS = "test"
 
 
 def page(requests: float, ttft: tuple[float, float], itl: tuple[float, float], isl: tuple[float, float],
-         osl: tuple[float, float], model: str = "tiny") -> str:
+         osl: tuple[float, float], model: str = "tiny", inflight: float = 0) -> str:
     """A frontend /metrics page with cumulative (sum, count) per histogram."""
     lines = ["# TYPE dynamo_frontend_requests counter",
              f'dynamo_frontend_requests_total{{model="{model}",endpoint="chat_completions",request_type="stream",status="success"}} {requests}',
-             'dynamo_frontend_requests_total{model="other",endpoint="chat_completions",request_type="stream",status="success"} 1000']
+             'dynamo_frontend_requests_total{model="other",endpoint="chat_completions",request_type="stream",status="success"} 1000',
+             "# TYPE dynamo_frontend_inflight_requests gauge",
+             f'dynamo_frontend_inflight_requests{{model="{model}"}} {inflight}',
+             'dynamo_frontend_inflight_requests{model="other"} 7']
     for name, (total, count) in (("time_to_first_token_seconds", ttft), ("inter_token_latency_seconds", itl),
                                  ("input_sequence_tokens", isl), ("output_sequence_tokens", osl)):
         lines += [f"# TYPE dynamo_frontend_{name} histogram",
@@ -49,6 +52,29 @@ def test_parse_totals_filters_the_model_case_insensitively() -> None:
     text = page(10, (1.0, 10), (0.5, 100), (1000, 10), (200, 10))
     assert parse_totals(text, "TINY") == FrontendTotals(10, 1.0, 10, 0.5, 100, 1000, 10, 200, 10)
     assert parse_totals(text).requests == 1010
+    assert parse_totals(page(1, (0, 0), (0, 0), (0, 0), (0, 0), inflight=3), "tiny").inflight == 3
+
+
+async def test_frontend_scrape_counts_arrivals_not_only_finished_requests() -> None:
+    """A saturated cluster finishes what it can serve; the requests piling up in flight are
+    demand too, and requests draining from flight are not new ones."""
+    bodies = [page(100, (0, 0), (0, 0), (0, 0), (0, 0), inflight=4),
+              page(110, (0, 0), (0, 0), (0, 0), (0, 0), inflight=34),   # +10 finished, +30 queued
+              page(150, (0, 0), (0, 0), (0, 0), (0, 0), inflight=4),    # +40 finished, 30 of them old
+              page(150, (0, 0), (0, 0), (0, 0), (0, 0), inflight=0),    # only draining: none came
+              page(2, (0, 0), (0, 0), (0, 0), (0, 0), inflight=5)]      # restarted: from zero
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text=bodies.pop(0))
+
+    source = FrontendScrape(None, NS, urls=["http://a/metrics"], model="tiny",
+                            client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    try:
+        await source.start()
+        counts = [(await source.sample()).num_requests for _ in range(4)]  # type: ignore[union-attr]
+    finally:
+        await source.close()
+    assert counts == [40, 10, 0, 7]
 
 
 async def test_frontend_scrape_differences_each_page_and_restarts_from_zero() -> None:
@@ -103,7 +129,9 @@ async def test_frontend_scrape_without_traffic_reports_unknown_latency_and_all_d
 
 def test_prometheus_queries_follow_dynamo() -> None:
     q = traffic_queries(4.2, model="tiny", extra_selector='namespace="prod"')
-    assert q["num_requests"] == 'sum(increase(dynamo_frontend_requests_total{model="tiny",namespace="prod"}[5s]))'
+    assert q["num_requests"] == (
+        'sum(increase(dynamo_frontend_requests_total{model="tiny",namespace="prod"}[5s])) + '
+        '(sum(delta(dynamo_frontend_inflight_requests{model="tiny",namespace="prod"}[5s])) or vector(0))')
     assert q["ttft_s"] == ('sum(increase(dynamo_frontend_time_to_first_token_seconds_sum{model="tiny",namespace="prod"}[5s])) / '
                            'sum(increase(dynamo_frontend_time_to_first_token_seconds_count{model="tiny",namespace="prod"}[5s]))')
 
