@@ -125,6 +125,16 @@ def _median(values: list[int]) -> float | None:
     return float(v[mid]) if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
 
 
+def _each_minute(run: list[tuple[float, int, int, int, int, int]]) -> list[tuple[float, int, int, int, int, int]]:
+    """The first sample at or after each whole minute of ``run`` (by its time field)."""
+    out, next_t = [], 0.0
+    for s in run:
+        if s[0] >= next_t:
+            out.append(s)
+            next_t = (int(s[0] // 60) + 1) * 60.0
+    return out
+
+
 @dataclass
 class Series:
     """One process label's samples: (t, pid, rss_kb, fds, threads, asyncio tasks or -1)."""
@@ -175,6 +185,9 @@ class Series:
             "fd_growth": last[3] - base[3],
             "threads_baseline": base[4],
             "threads_end": last[4],
+            # RSS each minute of the last incarnation: a plateau is warm-up (caches filling), a
+            # steady climb is a leak.
+            "rss_mb_by_minute": [round(s[2] / 1024, 1) for s in _each_minute(run)],
             **self.tasks(run, warm_t),
         }
 
