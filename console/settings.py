@@ -2,7 +2,9 @@
 
 With no flags they find a ``dynamod up`` cluster on this machine: file discovery in
 ``default_file_kv_dir()`` and ZMQ events. ``--discovery etcd`` switches to etcd and NATS.
-``--namespace`` limits the view to one namespace; without it every namespace is shown.
+``--namespace`` limits the view to one namespace; without it every namespace is shown. The security
+flags (cluster token, request-plane TLS, etcd and NATS TLS and credentials) are the daemons' own
+(``shared.security.settings``), with the same ``DYN_*`` variables, so one environment file serves both.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 
 from dynamod.shared.config import DEFAULT_ETCD, DEFAULT_NAMESPACE, DEFAULT_NATS, RuntimeSettings
 from dynamod.shared.errors import ConfigError
+from dynamod.shared.security.settings import SecuritySettings, add_security_args, security_from_args
 
 DISCOVERY_CHOICES = ("file", "etcd")
 # Where `dynamod up` serves HTTP by default: scraped when nothing else is known, so the Models view
@@ -37,6 +40,7 @@ class ConsoleSettings:
     scrape_interval_s: float = 2.0
     probe_interval_s: float = 2.0
     retry_max_s: float = 5.0
+    security: SecuritySettings = field(default_factory=SecuritySettings)
 
     @property
     def resolved_event_plane(self) -> str:
@@ -70,6 +74,7 @@ class ConsoleSettings:
         s.event_plane = self.resolved_event_plane
         s.nats_server = self.nats_server
         s.system_port = None
+        s.security = self.security
         return s.validate()
 
 
@@ -92,6 +97,7 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="also scrape this frontend's /metrics (repeatable); registered frontends are found on their own",
     )
+    add_security_args(parser)
 
 
 def settings_from_args(ns: argparse.Namespace) -> ConsoleSettings:
@@ -112,4 +118,5 @@ def settings_from_args(ns: argparse.Namespace) -> ConsoleSettings:
         s.frontend_urls = [LOCAL_FRONTEND_URL]
     if s.namespace is not None and ("/" in s.namespace or "." in s.namespace):
         raise ConfigError(f"namespace must be a name without '/' or '.', got {s.namespace!r}")
+    s.security = security_from_args(ns)
     return s

@@ -1,7 +1,9 @@
 """Runtime settings shared by every role: CLI flags with ``DYN_*`` environment fallbacks.
 
 Resolution order is CLI flag, then environment variable, then default; ``--help`` prints the
-variable name and the default of each. Roles add their own flags next to these.
+variable name and the default of each. Roles add their own flags next to these. The security flags
+(request-plane TLS and cluster token, etcd and NATS TLS and credentials) are defined in
+``shared.security.settings`` and added here, so every role gets the same ones.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import socket
 from dataclasses import dataclass, field
 
 from dynamod.shared.errors import ConfigError
+from dynamod.shared.security.settings import SecuritySettings, add_security_args, security_from_args
 from dynamod.shared.transport.liveness import (
     DEFAULT_HEARTBEAT_INTERVAL_S,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
@@ -46,6 +49,8 @@ class RuntimeSettings:
     request_plane_heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     node_name: str = field(default_factory=socket.gethostname)
     log_level: str | None = None
+    # Who this process lets in and how it logs in to etcd and NATS; empty: open (loopback dev).
+    security: SecuritySettings = field(default_factory=SecuritySettings)
 
     def validate(self) -> RuntimeSettings:
         if self.discovery_backend not in DISCOVERY_BACKENDS:
@@ -112,6 +117,7 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         f"[env DYN_REQUEST_PLANE_HEARTBEAT_TIMEOUT, default {DEFAULT_HEARTBEAT_TIMEOUT_S:g}]",
     )
     g.add_argument("--log-level", help="log level [env DYN_LOG, default info]")
+    add_security_args(parser)
 
 
 def settings_from_args(ns: argparse.Namespace, **overrides: object) -> RuntimeSettings:
@@ -158,4 +164,5 @@ def settings_from_args(ns: argparse.Namespace, **overrides: object) -> RuntimeSe
         raise ConfigError(f"bad numeric setting: {exc}") from exc
     level = pick("log_level", "DYN_LOG", None)
     s.log_level = str(level) if level else None
+    s.security = security_from_args(ns)
     return s.validate()

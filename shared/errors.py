@@ -18,6 +18,7 @@ error bodies with the right status, and CLIs can print one line and exit non-zer
     │   ├── ProtocolError            a malformed frame
     │   ├── DeadlineExceededError    the request's deadline passed
     │   ├── NoInstancesError         no live instance serves the endpoint
+    │   ├── UnauthenticatedError     the peer refused our credentials (cluster token, client cert)
     │   └── RemoteError              the handler raised; carries its type and message
     └── EngineError                  the engine failed a request
 
@@ -151,6 +152,14 @@ class NoInstancesError(RequestPlaneError):
     http_status = 503
 
 
+class UnauthenticatedError(RequestPlaneError):
+    """A request-plane server refused this process's credentials (missing or wrong cluster token,
+    no client certificate). A configuration problem, not a dead worker: not migrated."""
+
+    code = "unauthenticated"
+    http_status = 503
+
+
 class RemoteError(RequestPlaneError):
     """The remote handler raised. ``remote_code`` is the remote error's ``code``."""
 
@@ -200,7 +209,8 @@ def error_from_wire(err: dict[str, object]) -> DynamoError:
         | EngineError
         | FrameTooLargeError
         | ProtocolError
-        | DeadlineExceededError,
+        | DeadlineExceededError
+        | UnauthenticatedError,
     ):
         return cls(message)
     return RemoteError(message, remote_code=code, http_status=status)

@@ -80,7 +80,12 @@ async def _store(args: argparse.Namespace) -> AsyncIterator[DiscoveryStore]:
     from dynamod.shared.discovery.factory import make_store
 
     settings = _settings(args)
-    store = make_store(settings.discovery, etcd_endpoints=settings.etcd_endpoints, file_root=settings.file_kv)
+    store = make_store(
+        settings.discovery,
+        etcd_endpoints=settings.etcd_endpoints,
+        file_root=settings.file_kv,
+        etcd_security=settings.security.etcd,
+    )
     try:
         await asyncio.wait_for(store.start(), args.timeout)
     except TimeoutError:

@@ -58,6 +58,7 @@ from dynamod.shared.discovery.factory import default_file_kv_dir
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.protocol.planner import POOL_AGG, POOL_DECODE, POOL_PREFILL
 from dynamod.shared.runtime.distributed import DistributedRuntime
+from dynamod.shared.security.settings import add_security_args, security_env, security_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--scale-drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="S",
                    help="seconds a worker being removed gets to finish its in-flight requests before it is "
                         f"stopped [default {DEFAULT_DRAIN_TIMEOUT_S:g}]")
+    # The same security flags as every role; children inherit them as DYN_* variables.
+    add_security_args(parser)
 
 
 def _size(text: str) -> int:
@@ -344,7 +347,10 @@ async def start_scaler(
 ) -> tuple[Scaler, DistributedRuntime]:
     """The scaler and the runtime it drains workers and holds its record with (file discovery,
     no event plane: it only reads and writes keys and calls ``drain``)."""
-    settings = RuntimeSettings(namespace=namespace, discovery_backend="file", file_kv=file_kv, event_plane="zmq")
+    settings = RuntimeSettings(
+        namespace=namespace, discovery_backend="file", file_kv=file_kv, event_plane="zmq",
+        security=security_from_args(args),  # it calls the workers' drain: it needs the cluster token
+    )
     runtime = await DistributedRuntime.create(settings, events=False)
     scaler = Scaler(
         supervisor, runtime, scaling_templates(pools, workers), scaling_budget(args, pools),
@@ -425,6 +431,8 @@ async def _set_when(source: asyncio.Event, target: asyncio.Event) -> None:
 
 
 async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    security_from_args(args)  # a bad security flag is one error line now, not a crash loop of children
+    os.environ.update(security_env(args))  # children inherit the flags (paths and switches, no secrets)
     resolve_scaling(args)
     pools = resolve_pools(args)
     policy = crash_policy(args)

@@ -14,6 +14,10 @@ keep-alive helper gives up on a lost lease. Discovery needs both handled, so we 
   resume from the last revision seen. If that revision was compacted, or etcd's history diverged
   from what the watcher saw (the server restarted with an empty data dir), the watch re-lists the
   prefix and emits the PUT/DELETE diff, so the watcher's view is right again.
+* **Security**: ``https://`` endpoints open a TLS channel verified against ``--etcd-ca-file`` (the
+  system roots without one), presenting ``--etcd-cert-file`` when given; with ``--etcd-user`` the
+  store logs in first and every call carries etcd's auth token (``etcd_auth``), renewed when etcd
+  says it expired.
 """
 
 from __future__ import annotations
@@ -43,9 +47,12 @@ from etcd3aio._protobuf import (
     WatchStub,
 )
 
-from dynamod.shared.discovery.factory import format_etcd_endpoint, split_etcd_endpoint
+from dynamod.shared.discovery.etcd_auth import EtcdAuth, auth_hint
+from dynamod.shared.discovery.factory import etcd_scheme, format_etcd_endpoint, split_etcd_endpoint
 from dynamod.shared.discovery.store import DEFAULT_LEASE_TTL_S, WatchEvent, WatchEventKind
 from dynamod.shared.errors import ConfigError, DiscoveryError
+from dynamod.shared.security.settings import EtcdSecurity
+from dynamod.shared.security.tls import read_pem
 
 logger = logging.getLogger(__name__)
 
@@ -112,11 +119,21 @@ class EtcdStore:
 
     name = "etcd"
 
-    def __init__(self, endpoints: list[str], *, connect_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, endpoints: list[str], *, connect_timeout_s: float = 5.0, security: EtcdSecurity | None = None
+    ) -> None:
         if not endpoints:
             raise ConfigError("no etcd endpoints given; set --etcd-endpoints or ETCD_ENDPOINTS")
+        self._scheme = etcd_scheme(endpoints)
         self._addresses = [split_etcd_endpoint(e) for e in endpoints]
-        self.endpoints = [format_etcd_endpoint(h, p) for h, p in self._addresses]
+        self.endpoints = [format_etcd_endpoint(h, p, self._scheme) for h, p in self._addresses]
+        security = security or EtcdSecurity()
+        self._credentials = self._channel_credentials(security)
+        self._auth = (
+            EtcdAuth(security.user, security.password, max(connect_timeout_s, 1.0))
+            if security.user and security.password
+            else None
+        )
         self._connect_timeout_s = connect_timeout_s
         self._rpc_timeout_s = max(connect_timeout_s, 1.0)
         self._channel: grpc.aio.Channel | None = None
@@ -133,11 +150,21 @@ class EtcdStore:
         if self._channel is not None:
             return
         target = await self._target()
-        self._channel = grpc.aio.insecure_channel(target, options=[*_CHANNEL_OPTIONS, *self._lb_options()])
+        options = [*_CHANNEL_OPTIONS, *self._lb_options()]
+        interceptors = self._auth.interceptors() if self._auth is not None else None
+        if self._credentials is not None:
+            if len(self._addresses) > 1:  # resolved to IPs: the certificate names the first host
+                options.append(("grpc.ssl_target_name_override", self._addresses[0][0]))
+            self._channel = grpc.aio.secure_channel(target, self._credentials, options=options, interceptors=interceptors)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
         self._kv = KVStub(self._channel)
         self._lease_stub = LeaseStub(self._channel)
         self._watch_stub = WatchStub(self._channel)
         try:
+            if self._auth is not None:
+                self._auth.bind(self._channel)
+                await self._auth.login()
             await self._kv.Range(
                 RangeRequest(key=b"v1/", range_end=prefix_range_end(b"v1/"), count_only=True),
                 timeout=self._connect_timeout_s,
@@ -146,16 +173,50 @@ class EtcdStore:
         except grpc.aio.AioRpcError as exc:
             await self._channel.close()
             self._channel = None
+            hint = auth_hint(exc)
+            if hint:
+                raise DiscoveryError(
+                    f"etcd at {','.join(self.endpoints)} refused this process: {hint} ({exc.details()})"
+                ) from exc
             why = (
                 f"no answer within {self._connect_timeout_s:g}s"
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 else f"{exc.code().name}: {exc.details()}"
             )
+            tls = (
+                "; with https:// check --etcd-ca-file and the server's certificate (and --etcd-cert-file "
+                "if etcd requires client certificates)"
+                if self._credentials is not None
+                else ""
+            )
             raise DiscoveryError(
                 f"etcd unreachable at {','.join(self.endpoints)} ({why}); start etcd there, point "
-                "--etcd-endpoints/ETCD_ENDPOINTS at it, or use --discovery-backend file on one host"
+                f"--etcd-endpoints/ETCD_ENDPOINTS at it, or use --discovery-backend file on one host{tls}"
             ) from exc
-        logger.info("etcd discovery connected endpoints=%s", ",".join(self.endpoints))
+        logger.info(
+            "etcd discovery connected endpoints=%s tls=%s user=%s",
+            ",".join(self.endpoints),
+            self._credentials is not None,
+            self._auth.user if self._auth is not None else "-",
+        )
+
+    def _channel_credentials(self, security: EtcdSecurity) -> grpc.ChannelCredentials | None:
+        """TLS credentials for https:// endpoints; TLS files with http:// ones are a mistake to report."""
+        files = security.tls
+        if self._scheme != "https":
+            if files.any:
+                raise ConfigError(
+                    "etcd TLS files are set but the etcd endpoints are http://; use https:// endpoints"
+                )
+            return None
+        files.check("etcd")
+        if files.cert_file and not files.key_file:
+            raise ConfigError("etcd: a client certificate (--etcd-cert-file) needs its key (--etcd-key-file)")
+        return grpc.ssl_channel_credentials(
+            root_certificates=read_pem(files.ca_file, "etcd CA"),
+            private_key=read_pem(files.key_file, "etcd client key"),
+            certificate_chain=read_pem(files.cert_file, "etcd client certificate"),
+        )
 
     async def close(self) -> None:
         if self._closed:
@@ -235,6 +296,8 @@ class EtcdStore:
                         if not lease.revoked:
                             await self._regrant_locked(lease, lost=remaining <= 0)
             except (grpc.aio.AioRpcError, TimeoutError, DiscoveryError) as exc:
+                if self._auth is not None and await self._auth.refresh_if_stale(exc):
+                    continue
                 if failing_since is None:
                     failing_since = loop.time()
                     logger.warning(
@@ -406,6 +469,8 @@ class EtcdStore:
             except (grpc.aio.AioRpcError, _StreamEnded) as exc:
                 if self._closed:
                     return
+                if self._auth is not None:
+                    await self._auth.refresh_if_stale(exc)  # the next stream carries a fresh token
                 if lost_at is None:
                     lost_at = loop.time()
                     logger.warning(

@@ -11,6 +11,7 @@ import os
 
 from dynamod.shared.discovery.store import DiscoveryStore
 from dynamod.shared.errors import ConfigError
+from dynamod.shared.security.settings import EtcdSecurity
 
 BACKENDS = ("etcd", "file", "mem")
 DEFAULT_ETCD_ENDPOINT = "http://127.0.0.1:2379"
@@ -27,25 +28,30 @@ def default_file_kv_dir() -> str:
 
 
 def parse_etcd_endpoints(value: str) -> list[str]:
-    """``"host:port,http://host2:port"`` -> ``["http://host:port", "http://host2:port"]``.
+    """``"host:port,https://host2:port"`` -> ``["http://host:port", "https://host2:port"]``.
 
-    Accepts ``host``, ``host:port``, ``[v6]:port`` and ``http://`` forms (default port 2379);
-    raises ConfigError naming the bad item otherwise.
+    Accepts ``host``, ``host:port``, ``[v6]:port``, ``http://`` and ``https://`` forms (default port
+    2379, default scheme http); raises ConfigError naming the bad item otherwise, or when http and
+    https are mixed (one gRPC channel is either plaintext or TLS).
     """
     items = [item.strip() for item in value.split(",") if item.strip()]
     if not items:
         raise ConfigError(f"no etcd endpoints in {value!r}; expected e.g. http://127.0.0.1:2379")
-    return [_normalize_endpoint(item) for item in items]
+    endpoints = [_normalize_endpoint(item) for item in items]
+    etcd_scheme(endpoints)
+    return endpoints
 
 
-def split_etcd_endpoint(item: str) -> tuple[str, int]:
-    """``host`` / ``host:port`` / ``[v6]:port`` / ``http://host:port`` -> (host, port)."""
+def parse_etcd_endpoint(item: str) -> tuple[str, str, int]:
+    """``host`` / ``host:port`` / ``[v6]:port`` / ``http(s)://host:port`` -> (scheme, host, port)."""
     rest = item.strip()
+    scheme = "http"
     if "://" in rest:
         scheme, _, rest = rest.partition("://")
-        if scheme.lower() != "http":
+        scheme = scheme.lower()
+        if scheme not in ("http", "https"):
             raise ConfigError(
-                f"etcd endpoint {item!r}: only http:// endpoints are supported (TLS is not), e.g. http://127.0.0.1:2379"
+                f"etcd endpoint {item!r}: only http:// and https:// endpoints are supported, e.g. https://10.0.0.1:2379"
             )
     rest = rest.rstrip("/")
     if not rest or "/" in rest:
@@ -61,15 +67,30 @@ def split_etcd_endpoint(item: str) -> tuple[str, int]:
         host, port = rest, ""
     if not host or (port and not (port.isdigit() and 0 < int(port) < 65536)):
         raise ConfigError(f"etcd endpoint {item!r} is not host:port, e.g. 127.0.0.1:2379")
-    return host, int(port) if port else DEFAULT_ETCD_PORT
+    return scheme, host, int(port) if port else DEFAULT_ETCD_PORT
 
 
-def format_etcd_endpoint(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def split_etcd_endpoint(item: str) -> tuple[str, int]:
+    """``host`` / ``host:port`` / ``[v6]:port`` / ``http(s)://host:port`` -> (host, port)."""
+    _, host, port = parse_etcd_endpoint(item)
+    return host, port
+
+
+def etcd_scheme(endpoints: list[str]) -> str:
+    """``http`` or ``https`` for a list of endpoints; ConfigError when they mix the two."""
+    schemes = {parse_etcd_endpoint(e)[0] for e in endpoints}
+    if len(schemes) > 1:
+        raise ConfigError(f"etcd endpoints mix http:// and https:// ({', '.join(endpoints)}); use one")
+    return schemes.pop() if schemes else "http"
+
+
+def format_etcd_endpoint(host: str, port: int, scheme: str = "http") -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def _normalize_endpoint(item: str) -> str:
-    return format_etcd_endpoint(*split_etcd_endpoint(item))
+    scheme, host, port = parse_etcd_endpoint(item)
+    return format_etcd_endpoint(host, port, scheme)
 
 
 def make_store(
@@ -77,11 +98,13 @@ def make_store(
     *,
     etcd_endpoints: list[str] | None = None,
     file_root: str | None = None,
+    etcd_security: EtcdSecurity | None = None,
 ) -> DiscoveryStore:
     """An un-started store (call ``await store.start()``).
 
     ``etcd_endpoints`` defaults to ``$ETCD_ENDPOINTS`` or http://127.0.0.1:2379, ``file_root`` to
-    ``default_file_kv_dir()``.
+    ``default_file_kv_dir()``. ``etcd_security``: TLS files (with ``https://`` endpoints) and the
+    etcd user to log in as.
     """
     name = (backend or "").strip().lower()
     if name == "etcd":
@@ -90,7 +113,7 @@ def make_store(
         endpoints = etcd_endpoints or parse_etcd_endpoints(
             os.environ.get("ETCD_ENDPOINTS") or DEFAULT_ETCD_ENDPOINT
         )
-        return EtcdStore(endpoints)
+        return EtcdStore(endpoints, security=etcd_security)
     if name == "file":
         from dynamod.shared.discovery.file import FileStore
 

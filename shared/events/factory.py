@@ -10,6 +10,7 @@ from __future__ import annotations
 from dynamod.shared.discovery.store import DiscoveryStore, Lease
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.events.plane import EventPlane
+from dynamod.shared.security.settings import NatsSecurity
 
 EVENT_PLANE_NAMES = ("nats", "zmq")
 
@@ -21,18 +22,20 @@ def make_event_plane(
     store: DiscoveryStore | None = None,
     lease: Lease | None = None,
     host: str = "127.0.0.1",
+    nats_security: NatsSecurity | None = None,
 ) -> EventPlane:
     """Builds (does not start) the event plane called ``name``.
 
-    ``nats`` needs ``nats_url``; ``zmq`` needs the process's discovery ``store`` and ``lease`` (its
-    publishers are registered under that lease) and binds its PUB sockets on ``host``.
+    ``nats`` needs ``nats_url`` (and logs in with ``nats_security``); ``zmq`` needs the process's
+    discovery ``store`` and ``lease`` (its publishers are registered under that lease) and binds its
+    PUB sockets on ``host``.
     """
     if name == "nats":
         if not nats_url:
             raise ConfigError("event plane 'nats' needs a NATS URL: pass --nats-server or set NATS_SERVER")
         from dynamod.shared.events.nats_plane import NatsEventPlane
 
-        return NatsEventPlane(nats_url)
+        return NatsEventPlane(nats_url, security=nats_security)
     if name == "zmq":
         missing = [
             what for what, value in (("a discovery store", store), ("a lease", lease)) if value is None

@@ -19,6 +19,8 @@ Behaviour an operator relies on:
   size and age) and waits for the server's acknowledgement in the background, retrying with a
   message id so a retry is never stored twice. ``subscribe(..., durable_name="x")`` reads through a
   durable consumer, so a subscriber that was down receives what was published meanwhile.
+- ``security`` logs in with TLS and credentials (``shared.security.nats``); a process configured
+  for TLS refuses a server that does not use it, rather than publishing in the clear.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from dynamod.shared.events.dropqueue import DropOldestQueue, QueueClosed
 from dynamod.shared.events.nats_jetstream import NatsDurableSubscriber, StreamLimits, ensure_stream
 from dynamod.shared.events.nats_subjects import scope_subject
 from dynamod.shared.events.plane import ConnectionListener, EventMessage
+from dynamod.shared.security import nats as nats_security
+from dynamod.shared.security.settings import NatsSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +80,11 @@ class NatsEventPlane:
         reconnect_wait_s: float = 0.1,
         reconnect_wait_max_s: float = 2.0,
         ping_interval_s: int = 10,
+        security: NatsSecurity | None = None,
     ) -> None:
         self.url = url
+        self._security = security
+        self._connect_options = nats_security.connect_options(security)  # ConfigError now, not at start
         self.client_name = name
         self.connect_timeout_s = connect_timeout_s
         self.publish_buffer = publish_buffer
@@ -122,6 +129,7 @@ class NatsEventPlane:
             disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,
             closed_cb=self._on_closed,
+            **self._connect_options,
         )
         try:
             await asyncio.wait_for(connect, self.connect_timeout_s)
@@ -132,10 +140,19 @@ class NatsEventPlane:
             finally:
                 self._closing = False
             cause = self._last_error or exc
+            hint = nats_security.refusal_hint(cause) or "is nats-server running? (--nats-server / NATS_SERVER)"
             raise EventPlaneError(
                 f"cannot connect to NATS at {self.url} within {self.connect_timeout_s:g}s "
-                f"({type(cause).__name__}: {cause}); is nats-server running? (--nats-server / NATS_SERVER)"
+                f"({type(cause).__name__}: {cause}); {hint}"
             ) from exc
+        refusal = nats_security.tls_missing(nc, self.url, self._security)
+        if refusal is not None:
+            self._closing = True
+            try:
+                await nc.close()
+            finally:
+                self._closing = False
+            raise EventPlaneError(refusal)
         self._nc = nc
         self._js = nc.jetstream(timeout=_ACK_TIMEOUT_S)
         self._connected.set()
@@ -246,7 +263,11 @@ class NatsEventPlane:
                 logger.exception("event plane connection listener failed connected=%s", connected)
 
     async def _on_error(self, exc: Exception) -> None:
-        self._last_error = exc
+        # A refusal (credentials, TLS) says more than the broken pipes of the retries that follow it.
+        if nats_security.refusal_hint(exc) or not (
+            self._last_error is not None and nats_security.refusal_hint(self._last_error)
+        ):
+            self._last_error = exc
         if isinstance(exc, OSError | TimeoutError | nats.errors.StaleConnectionError):
             logger.debug("nats connection attempt failed url=%s error=%r", self.url, exc)
         else:

@@ -58,10 +58,13 @@ class DistributedRuntime:
         self.lease: Lease | None = None
         self._instance_id = 0
         self.events: EventPlane | None = None
+        self.request_plane_metrics = RequestPlaneMetrics(self.registry)  # shared by client and server
         self.request_client: RequestPlaneClient = make_client(
             nats_url=settings.nats_server,
             heartbeat=settings.request_plane_heartbeat,
-            metrics=RequestPlaneMetrics(self.registry),
+            metrics=self.request_plane_metrics,
+            security=settings.security.request_plane,
+            nats_security=settings.security.nats,
         )
         self._server: RequestPlaneServer | None = None
         self._server_address: ServerAddress | None = None
@@ -85,7 +88,12 @@ class DistributedRuntime:
         settings.validate()
         if store is None:
             file_root = settings.file_kv or default_file_kv_dir()
-            store = make_store(settings.discovery_backend, etcd_endpoints=settings.etcd_endpoints, file_root=file_root)
+            store = make_store(
+                settings.discovery_backend,
+                etcd_endpoints=settings.etcd_endpoints,
+                file_root=file_root,
+                etcd_security=settings.security.etcd,
+            )
         rt = cls(settings, store, registry)
         register_process_metrics(rt.registry, asyncio.get_running_loop())
         try:
@@ -101,6 +109,7 @@ class DistributedRuntime:
                     store=store,
                     lease=rt.lease,
                     host=settings.host,  # ZMQ publishers bind here and advertise an address peers can dial
+                    nats_security=settings.security.nats,
                 )
                 await rt.events.start()
             if settings.system_port is not None:
@@ -150,7 +159,14 @@ class DistributedRuntime:
     async def _ensure_server(self) -> tuple[RequestPlaneServer, ServerAddress]:
         async with self._server_lock:
             if self._server is None or self._server_address is None:
-                server = make_server(self.settings.request_plane, host=self.settings.host, nats_url=self.settings.nats_server)
+                server = make_server(
+                    self.settings.request_plane,
+                    host=self.settings.host,
+                    nats_url=self.settings.nats_server,
+                    security=self.settings.security.request_plane,
+                    nats_security=self.settings.security.nats,
+                    metrics=self.request_plane_metrics,
+                )
                 self._server_address = await server.start()
                 self._server = server
                 logger.info("request plane serving transport=%s address=%s", self._server_address.transport, self._server_address.address)

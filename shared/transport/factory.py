@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from dynamod.shared.errors import ConfigError, TransportError
+from dynamod.shared.security.settings import NatsSecurity, RequestPlaneSecurity
 from dynamod.shared.transport.framing import DEFAULT_WINDOW_FRAMES
 from dynamod.shared.transport.liveness import HeartbeatConfig, RequestPlaneMetrics
 from dynamod.shared.transport.nats_client import NatsRequestClient
@@ -33,14 +34,21 @@ def make_server(
     port: int = 0,
     nats_url: str | None = None,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    security: RequestPlaneSecurity | None = None,
+    nats_security: NatsSecurity | None = None,
+    metrics: RequestPlaneMetrics | None = None,
 ) -> RequestPlaneServer:
     """The request-plane server for ``name``. ``host``/``port`` apply to TCP (port 0 picks a free
-    one); ``nats_url`` to NATS (default: ``NATS_SERVER``, else ``nats://127.0.0.1:4222``)."""
+    one); ``nats_url`` to NATS (default: ``NATS_SERVER``, else ``nats://127.0.0.1:4222``).
+    ``security``: who gets served (TLS for TCP, the cluster token for both); ``nats_security``: how
+    to log in to NATS; ``metrics`` counts refused peers."""
     kind = name.strip().lower()
     if kind == "tcp":
-        return TcpRequestServer(host, port, max_frame_bytes=max_frame_bytes)
+        return TcpRequestServer(host, port, max_frame_bytes=max_frame_bytes, security=security, metrics=metrics)
     if kind == "nats":
-        return NatsRequestServer(nats_url, max_frame_bytes=max_frame_bytes)
+        return NatsRequestServer(
+            nats_url, max_frame_bytes=max_frame_bytes, security=security, nats_security=nats_security, metrics=metrics
+        )
     raise ConfigError(f"unknown request plane {name!r}; choose one of: {', '.join(TRANSPORTS)}")
 
 
@@ -50,11 +58,19 @@ def make_client(
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     heartbeat: HeartbeatConfig | None = None,
     metrics: RequestPlaneMetrics | None = None,
+    security: RequestPlaneSecurity | None = None,
+    nats_security: NatsSecurity | None = None,
 ) -> RequestPlaneClient:
     """One client for instances of either transport. ``heartbeat`` sets how quickly a frozen or
-    hung server is given up on (both transports); ``metrics`` counts those give-ups."""
+    hung server is given up on (both transports); ``metrics`` counts those give-ups; ``security``
+    is what this process presents (TLS, cluster token), ``nats_security`` its NATS login."""
     return MultiTransportClient(
-        nats_url=nats_url, max_frame_bytes=max_frame_bytes, heartbeat=heartbeat, metrics=metrics
+        nats_url=nats_url,
+        max_frame_bytes=max_frame_bytes,
+        heartbeat=heartbeat,
+        metrics=metrics,
+        security=security,
+        nats_security=nats_security,
     )
 
 
@@ -87,14 +103,22 @@ class MultiTransportClient:
         window_frames: int = DEFAULT_WINDOW_FRAMES,
         heartbeat: HeartbeatConfig | None = None,
         metrics: RequestPlaneMetrics | None = None,
+        security: RequestPlaneSecurity | None = None,
+        nats_security: NatsSecurity | None = None,
     ) -> None:
         self._nats_url = nats_url
         self._max_frame_bytes = max_frame_bytes
         self._window_frames = window_frames
         self._heartbeat = (heartbeat or HeartbeatConfig()).validate()
         self._metrics = metrics
+        self._security = security
+        self._nats_security = nats_security
         self.tcp = TcpRequestClient(
-            max_frame_bytes=max_frame_bytes, window_frames=window_frames, heartbeat=heartbeat, metrics=metrics
+            max_frame_bytes=max_frame_bytes,
+            window_frames=window_frames,
+            heartbeat=heartbeat,
+            metrics=metrics,
+            security=security,
         )
         self._nats: NatsRequestClient | None = None
 
@@ -111,6 +135,8 @@ class MultiTransportClient:
                 max_frame_bytes=self._max_frame_bytes,
                 window_frames=self._window_frames,
                 metrics=self._metrics,
+                security=self._security,
+                nats_security=self._nats_security,
                 **extra,  # type: ignore[arg-type]
             )
         return self._nats

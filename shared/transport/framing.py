@@ -7,7 +7,9 @@ DESIGN.md, so other implementations can speak the protocol from the design card 
   - request ``{stream_id, endpoint, headers, body, request_id?, timeout_s?, credit}``;
   - window update ``{stream_id, credit}`` (the client read ``credit`` more frames of the stream);
   - cancel ``{stream_id, cancel: true}``;
-  - ping ``{stream_id: 0, ping: n}`` (connection heartbeat, see below).
+  - ping ``{stream_id: 0, ping: n}`` (connection heartbeat, see below);
+  - hello ``{stream_id: 0, auth: token}``: the cluster token, the first frame on a connection to a
+    server that requires one (see below).
 - server -> client, ``ServerFrame``: ``{stream_id, data}``, ``{stream_id, error}`` or
   ``{stream_id, end: true}``; pong ``{stream_id: 0, pong: n}`` answers ping ``n``. ``stream_id`` 0
   is the connection itself: an error there means the server is about to close the connection
@@ -22,6 +24,13 @@ prefill that yields nothing for minutes is not silent: the server loop still ans
 Compatibility: a server never sends a pong unasked, so an old client is unaffected; an old server
 answers a ping with a connection-level ``protocol_error`` (and keeps the connection), which tells
 the client to stop pinging that connection and fall back to TCP keep-alive alone.
+
+Authentication: a server configured with a cluster token reads the first frame of a connection
+before anything else, with a limit of ``HELLO_MAX_BYTES``; unless it is a hello whose token matches
+(constant-time compare) the server answers a connection-level ``unauthenticated`` error and closes,
+having dispatched nothing. The client sends its hello from ``connection_made``, so its requests may
+follow at once without waiting for a round trip. A server without a token ignores a hello. With
+TLS on, all of this runs inside the TLS session.
 
 Flow control is per stream and counted in frames: the request grants ``credit`` data frames and the
 client grants more as its reader consumes them, so neither side buffers more than the window of a
@@ -59,6 +68,10 @@ DEFAULT_WINDOW_FRAMES = 128
 MAX_WINDOW_FRAMES = 4096
 """The largest initial window a server accepts, so one request cannot ask for unbounded buffering."""
 
+HELLO_MAX_BYTES = 4096
+"""The largest first frame a token-protected server reads from a peer it does not know yet, so an
+unauthenticated peer cannot make it buffer a frame of the full request size."""
+
 
 class ClientFrame(msgspec.Struct, gc=False):
     """A frame from client to server: a request, a window update or a cancel.
@@ -76,6 +89,7 @@ class ClientFrame(msgspec.Struct, gc=False):
     credit: int | UnsetType = UNSET
     cancel: bool | UnsetType = UNSET
     ping: int | UnsetType = UNSET
+    auth: str | UnsetType = UNSET
 
 
 class ServerFrame(msgspec.Struct, gc=False):

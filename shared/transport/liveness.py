@@ -50,9 +50,16 @@ class HeartbeatConfig:
 
 
 class RequestPlaneMetrics:
-    """``dynamo_component_request_plane_dead_connections_total{transport, reason}``: connections
+    """The request plane's own counters (one instance per process, shared by its client and server).
+
+    ``dynamo_component_request_plane_dead_connections_total{transport, reason}``: connections
     (TCP) or streams (NATS, which has no connection per peer) this process gave up on because the
-    peer went silent. A rising count with no worker restarts points at frozen or hung workers."""
+    peer went silent. A rising count with no worker restarts points at frozen or hung workers.
+
+    ``dynamo_component_request_plane_unauthenticated_total{transport, reason}``: connections (TCP)
+    or requests (NATS) this server refused before serving anything (missing or wrong cluster token,
+    failed TLS handshake, no hello in time). Any count is worth a look: a misconfigured member or
+    someone knocking on the port."""
 
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self.dead_connections = Counter(
@@ -61,6 +68,16 @@ class RequestPlaneMetrics:
             ("transport", "reason"),
             registry=registry,
         )
+        self.unauthenticated = Counter(
+            "dynamo_component_request_plane_unauthenticated",
+            "Request-plane connections (TCP) or requests (NATS) refused before serving: bad or missing "
+            "credentials",
+            ("transport", "reason"),
+            registry=registry,
+        )
 
     def peer_dead(self, transport: str, reason: str = REASON_HEARTBEAT_TIMEOUT) -> None:
         self.dead_connections.labels(transport, reason).inc()
+
+    def rejected(self, transport: str, reason: str) -> None:
+        self.unauthenticated.labels(transport, reason).inc()

@@ -23,6 +23,7 @@ import msgspec
 from msgspec import UNSET
 
 from dynamod.shared.errors import FrameTooLargeError, ProtocolError, TransportError, error_from_wire
+from dynamod.shared.security.settings import NatsSecurity, RequestPlaneSecurity
 from dynamod.shared.transport import nats_wire as wire
 from dynamod.shared.transport.client_stream import ClientStream
 from dynamod.shared.transport.framing import DEFAULT_WINDOW_FRAMES
@@ -69,6 +70,7 @@ class NatsClientStream(ClientStream):
             timeout_s=float(self.timeout_s) if self.timeout_s is not None else UNSET,
             credit=self.window,
             heartbeat_s=client.heartbeat_s,
+            auth=client.token if client.token is not None else UNSET,
         )
         try:
             payload = wire.encoder.encode(req)
@@ -202,7 +204,11 @@ class NatsRequestClient:
         silence_timeout_s: float | None = None,
         connection: Any = None,
         metrics: RequestPlaneMetrics | None = None,
+        security: RequestPlaneSecurity | None = None,
+        nats_security: NatsSecurity | None = None,
     ) -> None:
+        self.token = security.token.value if security is not None and security.token is not None else None
+        self._nats_security = nats_security
         self.nats_url = wire.resolve_nats_url(nats_url)
         self.max_frame_bytes = max_frame_bytes
         self.window_frames = window_frames
@@ -253,7 +259,7 @@ class NatsRequestClient:
     async def _connect(self) -> None:
         if self._nc is None:
             self._nc = await wire.connect(
-                self.nats_url, name="dynamod-rp-client", closing=lambda: self._closed
+                self.nats_url, name="dynamod-rp-client", closing=lambda: self._closed, security=self._nats_security
             )
         self._inbox_prefix = self._nc.new_inbox()
         try:

@@ -5,6 +5,9 @@ messages (``B.ctl``); the endpoint is read from the request, so ``register``/``u
 subscription changes and an unknown endpoint gets NotFoundError instead of silence. Responses are
 published to the request's reply inbox with sequence numbers, paced by the client's credit, with
 heartbeats on quiet streams.
+
+Only NATS users reach these subjects (NATS's own auth); with a cluster token each request must
+also carry it, checked before the endpoint is looked up (``ServerGuard``).
 """
 
 from __future__ import annotations
@@ -25,8 +28,11 @@ from dynamod.shared.errors import (
     TransportError,
     error_to_wire,
 )
+from dynamod.shared.security.settings import NatsSecurity, RequestPlaneSecurity
 from dynamod.shared.transport import nats_wire as wire
 from dynamod.shared.transport.framing import DEFAULT_WINDOW_FRAMES, MAX_WINDOW_FRAMES
+from dynamod.shared.transport.guard import ServerGuard
+from dynamod.shared.transport.liveness import RequestPlaneMetrics
 from dynamod.shared.transport.plane import DEFAULT_MAX_FRAME_BYTES, Handler, RequestContext, ServerAddress
 from dynamod.shared.transport.server_stream import ServerStream, ServingState
 
@@ -126,7 +132,14 @@ class NatsRequestServer:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         connection: Any = None,
         subject_prefix: str = wire.SUBJECT_PREFIX,
+        security: RequestPlaneSecurity | None = None,
+        nats_security: NatsSecurity | None = None,
+        metrics: RequestPlaneMetrics | None = None,
     ) -> None:
+        # TLS of the request plane is the TCP listener's; on NATS the session is NATS's own.
+        token = security.token if security is not None else None
+        self.guard = ServerGuard(RequestPlaneSecurity(token=token), transport="nats", metrics=metrics)
+        self._nats_security = nats_security
         self.nats_url = wire.resolve_nats_url(nats_url)
         self.max_frame_bytes = max_frame_bytes
         self.base = f"{subject_prefix}.{uuid.uuid4().hex[:16]}"
@@ -146,6 +159,7 @@ class NatsRequestServer:
                 self.nats_url,
                 name=f"dynamod-rp-server-{self.base.rsplit('.', 1)[-1]}",
                 closing=lambda: self._state.stopping,
+                security=self._nats_security,
             )
         self._subs.append(await self._nc.subscribe(f"{self.base}.rq.>", cb=self._on_request))
         self._subs.append(await self._nc.subscribe(wire.control_subject(self.base), cb=self._on_control))
@@ -224,6 +238,10 @@ class NatsRequestServer:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             logger.warning("request_plane.nats.malformed_request subject=%s reason=%s", msg.subject, exc)
             self._refuse(inbox, ProtocolError(f"malformed request: {exc}"))
+            return
+        reason = self.guard.check_token(req.auth if req.auth is not UNSET else None)  # type: ignore[arg-type]
+        if reason is not None:
+            self._refuse(inbox, self.guard.reject(inbox.rsplit(".", 1)[0], reason))
             return
         if inbox in self._streams:
             self._refuse(inbox, ProtocolError(f"reply inbox {inbox} is already in use"))

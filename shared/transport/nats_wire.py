@@ -13,6 +13,10 @@ each endpoint on ``B.rq.<endpoint path tokens>`` and takes control messages on `
 - control, published to ``B.ctl``: ``{inbox, credit}`` (the total number of data messages the
   reader allows; totals, not increments, so a lost control message is repaired by the next one)
   or ``{inbox, cancel: true}``.
+
+A request carries ``auth`` (the cluster token) when the process has one; a server with a token
+refuses a request without the matching one (``unauthenticated``) before looking at its endpoint.
+Who may publish at all is NATS's own auth (``connect`` logs in with ``NatsSecurity``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from dynamod.shared.errors import TransportError
+from dynamod.shared.security import nats as nats_security
+from dynamod.shared.security.settings import NatsSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +50,7 @@ class NatsRequest(msgspec.Struct, gc=False):
     timeout_s: float | UnsetType = UNSET
     credit: int | UnsetType = UNSET
     heartbeat_s: float | UnsetType = UNSET
+    auth: str | UnsetType = UNSET
 
 
 class NatsResponse(msgspec.Struct, gc=False):
@@ -93,14 +100,23 @@ async def connect(
     reconnect_wait_s: float = 0.5,
     connect_timeout_s: float = 5.0,
     closing: Callable[[], bool] = lambda: False,
+    security: NatsSecurity | None = None,
 ) -> Any:
     """A NATS connection that reconnects forever once established (the request plane outlives
     NATS restarts; nats-py replays subscriptions after each reconnect). The first connection must
     succeed within ``connect_timeout_s``: with unlimited reconnects nats-py would otherwise retry
-    an unreachable server forever."""
+    an unreachable server forever. ``security``: TLS and credentials (see ``shared.security.nats``)."""
     import nats
 
+    options = nats_security.connect_options(security)
+
+    errors: list[Exception] = []
+
     async def _error_cb(exc: Exception) -> None:
+        # The last error says why a first connection keeps failing; a refusal (credentials, TLS)
+        # more than the broken pipes of the retries after it.
+        if nats_security.refusal_hint(exc) or not (errors and nats_security.refusal_hint(errors[0])):
+            errors[:] = [exc]
         logger.warning("request_plane.nats.error name=%s reason=%s", name, exc)
 
     async def _disconnected_cb() -> None:
@@ -112,7 +128,7 @@ async def connect(
 
     try:
         async with asyncio.timeout(connect_timeout_s):
-            return await nats.connect(
+            nc = await nats.connect(
                 url,
                 name=name,
                 allow_reconnect=True,
@@ -122,6 +138,15 @@ async def connect(
                 error_cb=_error_cb,
                 disconnected_cb=_disconnected_cb,
                 reconnected_cb=_reconnected_cb,
+                **options,
             )
     except Exception as exc:  # noqa: BLE001 - nats-py raises several unrelated types here
-        raise TransportError(f"cannot connect to NATS at {url}: {exc or type(exc).__name__}") from exc
+        hint = nats_security.refusal_hint(errors[0] if errors else exc)
+        raise TransportError(
+            f"cannot connect to NATS at {url}: {exc or type(exc).__name__}" + (f"; {hint}" if hint else "")
+        ) from exc
+    refusal = nats_security.tls_missing(nc, url, security)
+    if refusal is not None:
+        await nc.close()
+        raise TransportError(refusal)
+    return nc

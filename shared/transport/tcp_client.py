@@ -12,19 +12,34 @@ at all (data, end, pong) arrived for the heartbeat timeout the server is presume
 the connection is aborted and its streams fail with TransportError, exactly as if it had dropped.
 The connection is forgotten at once, so the next stream to that address dials afresh (a thawed
 server is reachable again without any state to clear).
+
+Security (``ClientCredentials``): with TLS configured every connection is dialled over TLS and the
+server's certificate verified against the cluster CA (and, unless told not to, against the dialled
+host); with a cluster token the hello frame goes out from ``connection_made``, ahead of any request.
+A server that refuses the token answers ``unauthenticated``, one that refuses our certificate sends
+a TLS alert; either way the streams fail with ``UnauthenticatedError`` (not migrated: every member
+would refuse the same credentials).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from msgspec import UNSET
 
-from dynamod.shared.errors import DynamoError, ProtocolError, TransportError, error_from_wire
+from dynamod.shared.errors import (
+    DynamoError,
+    ProtocolError,
+    TransportError,
+    UnauthenticatedError,
+    error_from_wire,
+)
+from dynamod.shared.security.settings import RequestPlaneSecurity
 from dynamod.shared.transport.client_stream import ClientStream
 from dynamod.shared.transport.framing import (
     CONNECTION_STREAM_ID,
@@ -35,6 +50,7 @@ from dynamod.shared.transport.framing import (
     OversizeFrame,
     ServerFrame,
 )
+from dynamod.shared.transport.guard import ClientCredentials
 from dynamod.shared.transport.liveness import HeartbeatConfig, RequestPlaneMetrics
 from dynamod.shared.transport.plane import DEFAULT_MAX_FRAME_BYTES, ServerAddress
 from dynamod.shared.transport.tcp_connection import FrameConnection
@@ -42,6 +58,15 @@ from dynamod.shared.transport.tcp_connection import FrameConnection
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
+
+# TLS alerts by which a server refuses the client's certificate (OpenSSL's reason names).
+_REFUSAL_ALERTS = (
+    "ALERT_CERTIFICATE_REQUIRED",
+    "ALERT_BAD_CERTIFICATE",
+    "ALERT_UNKNOWN_CA",
+    "ALERT_CERTIFICATE_UNKNOWN",
+    "ALERT_ACCESS_DENIED",
+)
 
 
 def parse_host_port(address: str) -> tuple[str, int]:
@@ -64,9 +89,12 @@ class _ClientConnection(FrameConnection):
         on_closed: Callable[[_ClientConnection], None],
         heartbeat: HeartbeatConfig | None = None,
         metrics: RequestPlaneMetrics | None = None,
+        hello: ClientFrame | None = None,
     ) -> None:
         super().__init__(max_frame_bytes, address)
         self.address = address
+        self._hello = hello
+        self._received_any = False
         self._reader: FrameReader[ServerFrame] = FrameReader(ServerFrame, max_frame_bytes)
         self._on_closed = on_closed
         self._writable: asyncio.Future[None] | None = None
@@ -93,8 +121,14 @@ class _ClientConnection(FrameConnection):
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if self._hello is not None:
+            self.write_frame(self._hello)  # first on the wire: queued before any stream can be
+
     def data_received(self, data: bytes) -> None:
         self._rx = True  # any byte proves the server's loop is alive
+        self._received_any = True
         streams = self.streams
         for frame in self._reader.feed(data):
             if type(frame) is ServerFrame:
@@ -143,7 +177,10 @@ class _ClientConnection(FrameConnection):
                     "request_plane.tcp.heartbeat_unsupported address=%s action=keepalive_only", self.address
                 )
                 return
-            logger.warning(
+            # A refusal of our credentials reaches every stream's caller as UnauthenticatedError,
+            # which reports it; a warning here would say it twice (dynamoctl's one line).
+            logger.log(
+                logging.INFO if isinstance(exc, UnauthenticatedError) else logging.WARNING,
                 "request_plane.tcp.connection_error address=%s code=%s message=%s",
                 self.address,
                 exc.code,
@@ -166,10 +203,22 @@ class _ClientConnection(FrameConnection):
                 len(self.streams),
                 exc or "closed by server",
             )
-        self._fail_streams(
-            TransportError(f"connection to {self.address} lost: {exc or 'closed by the server'}")
-        )
+        self._fail_streams(self._lost_error(exc))
         self._wake_writers()
+
+    def _lost_error(self, exc: Exception | None) -> TransportError | UnauthenticatedError:
+        reason = f"{exc or 'closed by the server'}"
+        hint = " (TLS: if the server requires client certificates, check --tls-cert-file/--tls-key-file)"
+        if isinstance(exc, ssl.SSLError) and (exc.reason or "").endswith(_REFUSAL_ALERTS):
+            # The server's TLS refused our certificate (or its absence): every member would, so this
+            # is a configuration problem to report, not a dead worker to migrate away from.
+            return UnauthenticatedError(f"{self.address} refused this process's TLS certificate: {reason}{hint}")
+        if isinstance(exc, ssl.SSLError) or (
+            self._transport is not None and self._transport.get_extra_info("sslcontext") is not None
+            and not self._received_any
+        ):
+            reason += hint
+        return TransportError(f"connection to {self.address} lost: {reason}")
 
     def pause_writing(self) -> None:
         self.paused = True
@@ -360,7 +409,9 @@ class TcpRequestClient:
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         heartbeat: HeartbeatConfig | None = None,
         metrics: RequestPlaneMetrics | None = None,
+        security: RequestPlaneSecurity | None = None,
     ) -> None:
+        self.credentials = ClientCredentials(security)
         self.max_frame_bytes = max_frame_bytes
         self.window_frames = window_frames
         self.connect_timeout_s = connect_timeout_s
@@ -411,20 +462,27 @@ class TcpRequestClient:
     async def _connect(self, key: str) -> _ClientConnection:
         host, port = parse_host_port(key)
         loop = asyncio.get_running_loop()
+        creds = self.credentials
+        tls = creds.ssl_context
+        hello = creds.hello()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, conn = await loop.create_connection(
                     lambda: _ClientConnection(
-                        key, self.max_frame_bytes, self._forget, self.heartbeat, self.metrics
+                        key, self.max_frame_bytes, self._forget, self.heartbeat, self.metrics, hello
                     ),
                     host,
                     port,
+                    ssl=tls,
+                    server_hostname=host if tls is not None else None,
+                    ssl_handshake_timeout=self.connect_timeout_s if tls is not None else None,
                 )
         except (OSError, TimeoutError) as exc:
             logger.info(
                 "request_plane.tcp.connect_failed address=%s reason=%s", key, exc or type(exc).__name__
             )
-            raise TransportError(f"cannot connect to {key}: {exc or 'timed out'}") from exc
+            hint = " (TLS: check --tls-ca-file and the server's certificate)" if isinstance(exc, ssl.SSLError) else ""
+            raise TransportError(f"cannot connect to {key}: {exc or 'timed out'}{hint}") from exc
         if self._closed:
             conn.close()
             raise TransportError("request plane client is closed")

@@ -16,6 +16,7 @@ import msgspec
 
 from dynamod.shared.errors import TransportError
 from dynamod.shared.transport.framing import append_frame
+from dynamod.shared.transport.tls_session import ServerTlsSession
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class FrameConnection(asyncio.Protocol):
         self.peer = peer
         self.paused = False
         self.closed = False
+        self.tls: ServerTlsSession | None = None  # set by a TLS server connection: writes are encrypted
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, so no isinstance check here.
@@ -96,7 +98,7 @@ class FrameConnection(asyncio.Protocol):
         self._wbuf = bytearray()
         transport = self._transport
         if transport is not None and not self.closed and not transport.is_closing():
-            transport.write(data)
+            transport.write(data if self.tls is None else self.tls.send(data))
 
     @property
     def write_buffer_bytes(self) -> int:
@@ -112,4 +114,6 @@ class FrameConnection(asyncio.Protocol):
         self.flush()
         transport = self._transport
         if transport is not None and not transport.is_closing():
+            if self.tls is not None:
+                transport.write(self.tls.close_notify())
             transport.close()

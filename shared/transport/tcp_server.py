@@ -9,6 +9,12 @@ A connection that sends an oversize frame gets a connection-level error frame an
 frame that does not decode gets an error frame (for its stream when its id can be read) and the
 connection carries on. Neither affects other connections.
 
+Security (``guard``): with TLS configured each connection runs its own TLS session
+(``tls_session``), so a failed handshake (no client certificate, a plaintext client, a foreign CA)
+is counted and logged like any other refusal; with a cluster token the first frame must be a
+matching hello (``framing``). Until both passed nothing is dispatched, the first frame may not
+exceed ``HELLO_MAX_BYTES``, and a peer that takes longer than the handshake timeout is closed.
+
 A ping (``{stream_id: 0, ping: n}``) is answered with a pong from ``data_received`` itself: the
 answer proves that this process's event loop runs, which is all the client's heartbeat asks. A
 server that is frozen or whose loop is blocked answers nothing and its clients give up on it; a
@@ -20,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import ssl
 import time
 import uuid
 from typing import Any
@@ -34,10 +41,15 @@ from dynamod.shared.errors import (
     TransportError,
     error_to_wire,
 )
+from dynamod.shared.security.settings import RequestPlaneSecurity
+from dynamod.shared.security.token import REASON_HANDSHAKE_TIMEOUT, REASON_MISSING_TOKEN, REASON_TLS_HANDSHAKE
 from dynamod.shared.transport.address import advertised_host
 from dynamod.shared.transport.framing import (
     CONNECTION_STREAM_ID,
     DEFAULT_WINDOW_FRAMES,
+    HEADER,
+    HEADER_SIZE,
+    HELLO_MAX_BYTES,
     MAX_WINDOW_FRAMES,
     ClientFrame,
     FrameReader,
@@ -45,6 +57,8 @@ from dynamod.shared.transport.framing import (
     OversizeFrame,
     ServerFrame,
 )
+from dynamod.shared.transport.guard import ServerGuard
+from dynamod.shared.transport.liveness import RequestPlaneMetrics
 from dynamod.shared.transport.plane import (
     DEFAULT_MAX_FRAME_BYTES,
     Handler,
@@ -53,6 +67,7 @@ from dynamod.shared.transport.plane import (
 )
 from dynamod.shared.transport.server_stream import ServerStream, ServingState
 from dynamod.shared.transport.tcp_connection import FrameConnection
+from dynamod.shared.transport.tls_session import ServerTlsSession, TlsClosed
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +106,11 @@ class _ServerConnection(FrameConnection):
         self._server = server
         self._reader: FrameReader[ClientFrame] = FrameReader(ClientFrame, server.max_frame_bytes)
         self.streams: dict[int, _TcpServerStream] = {}
+        # Security state (see ``connection_made``): an open server authenticates every peer at once.
+        self.authenticated = True
+        self.rejected = False
+        self._hello: bytearray | None = None
+        self._handshake_timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -100,8 +120,109 @@ class _ServerConnection(FrameConnection):
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self._server._connections.add(self)
         logger.debug("request_plane.tcp.connection_opened peer=%s", self.peer)
+        guard = self._server.guard
+        if guard.open:
+            return
+        self.authenticated = guard.token is None
+        self._hello = None if self.authenticated else bytearray()
+        if guard.ssl_context is not None:
+            self.tls = ServerTlsSession(guard.ssl_context)
+        self._handshake_timer = self._loop.call_later(guard.handshake_timeout_s, self._handshake_expired)
+
+    # -- security handshake (TLS, then the hello) ------------------------------------------------
+
+    def _handshake_done(self) -> None:
+        if self._handshake_timer is not None:
+            self._handshake_timer.cancel()
+            self._handshake_timer = None
+
+    def _handshake_expired(self) -> None:
+        self._handshake_timer = None
+        if self.closed or self.rejected:
+            return
+        if self.tls is not None and not self.tls.handshaken:
+            self._rejected(REASON_HANDSHAKE_TIMEOUT, "TLS handshake not finished", tell=False)
+        elif not self.authenticated:
+            self._rejected(REASON_HANDSHAKE_TIMEOUT, "no hello")
+
+    def _rejected(self, reason: str, detail: str, *, tell: bool = True) -> None:
+        """Refuses the peer: counted, logged, told why when its session can carry a frame, closed."""
+        if self.rejected:
+            return
+        self.rejected = True
+        self.authenticated = False
+        error = self._server.guard.reject(self.peer, reason, detail)
+        self._handshake_done()
+        if tell:
+            self._send_error(CONNECTION_STREAM_ID, error)
+        self.close()
+
+    def _decrypt(self, data: bytes) -> bytes | None:
+        """TLS records in, plaintext out (None once the session failed or ended). Handshake
+        replies and alerts go out at once, so a refused client reads why before the close."""
+        tls = self.tls
+        assert tls is not None
+        was_handshaken = tls.handshaken
+        try:
+            plain = tls.receive(data)
+        except ssl.SSLError as exc:
+            out = tls.outgoing()
+            if out and self._transport is not None:
+                self._transport.write(out)  # the alert
+            if was_handshaken:
+                logger.warning("request_plane.tcp.tls_error peer=%s reason=%s", self.peer, exc)
+                self.close_transport()
+            else:
+                self.tls = None  # nothing more may be written inside a failed session
+                self._rejected(REASON_TLS_HANDSHAKE, f"{exc.reason or exc}", tell=False)
+            return None
+        except TlsClosed:
+            self.close()
+            return None
+        out = tls.outgoing()
+        if out and self._transport is not None:
+            self._transport.write(out)
+        if tls.handshaken and not was_handshaken and self.authenticated:
+            self._handshake_done()
+        return plain
+
+    def _authenticate(self, data: bytes) -> bytes | None:
+        """Collects the first frame and checks it is a hello with the cluster token. Returns what
+        follows it (requests pipelined behind the hello), or None while waiting or once refused."""
+        hello = self._hello
+        assert hello is not None
+        hello += data
+        if len(hello) < HEADER_SIZE:
+            return None
+        (size,) = HEADER.unpack_from(hello, 0)
+        if size > HELLO_MAX_BYTES:
+            self._rejected(REASON_MISSING_TOKEN, f"first frame of {size} bytes is not a hello")
+            return None
+        end = HEADER_SIZE + size
+        if len(hello) < end:
+            return None
+        reason = self._server.guard.check_hello(bytes(hello[HEADER_SIZE:end]))
+        if reason is not None:
+            self._rejected(reason, "")
+            return None
+        self._hello = None
+        self.authenticated = True
+        self._handshake_done()
+        return bytes(hello[end:])
 
     def data_received(self, data: bytes) -> None:
+        if self.tls is not None:
+            plain = self._decrypt(data)
+            if not plain:
+                return
+            data = plain
+        if not self.authenticated:
+            if self.rejected:
+                return
+            rest = self._authenticate(data)
+            if not rest:
+                return
+            data = rest
         for frame in self._reader.feed(data):
             if type(frame) is ClientFrame:
                 self._on_frame(frame)
@@ -113,6 +234,7 @@ class _ServerConnection(FrameConnection):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._handshake_done()
         self._server._connections.discard(self)
         if self.streams:
             logger.info(
@@ -263,7 +385,10 @@ class TcpRequestServer:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         advertise_host: str | None = None,
         max_streams_per_connection: int = DEFAULT_MAX_STREAMS_PER_CONNECTION,
+        security: RequestPlaneSecurity | None = None,
+        metrics: RequestPlaneMetrics | None = None,
     ) -> None:
+        self.guard = ServerGuard(security, transport="tcp", metrics=metrics)
         self.host = host
         self.port = port
         self.max_frame_bytes = max_frame_bytes
@@ -290,7 +415,11 @@ class TcpRequestServer:
         host = self._advertise_host or advertised_host(self.host)
         self._address = ServerAddress("tcp", f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         logger.info(
-            "request_plane.tcp.listening bind=%s:%d address=%s", self.host, port, self._address.address
+            "request_plane.tcp.listening bind=%s:%d address=%s security=%s",
+            self.host,
+            port,
+            self._address.address,
+            self.guard.describe,
         )
         return self._address
 

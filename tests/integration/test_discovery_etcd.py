@@ -276,6 +276,7 @@ def test_parse_etcd_endpoints() -> None:
         "http://etcd-2:2379",
     ]
     assert parse_etcd_endpoints("[::1]:2379") == ["http://[::1]:2379"]
-    for bad in ("", " , ", "https://etcd:2379", "etcd:notaport", "http://etcd:2379/path", "etcd:99999"):
+    assert parse_etcd_endpoints("https://etcd:2379") == ["https://etcd:2379"]  # TLS: test_security_etcd.py
+    for bad in ("", " , ", "grpc://etcd:2379", "etcd:notaport", "http://etcd:2379/path", "etcd:99999"):
         with pytest.raises(ConfigError):
             parse_etcd_endpoints(bad)
