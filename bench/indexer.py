@@ -25,6 +25,9 @@ pauses are part of what a router process sees), but the benchmark's own prebuilt
 token lists, millions of references a router never holds, are moved out of its reach with
 ``gc.freeze()`` so that collections cost what they would in a router.
 
+The index is the compiled one when it was built (``kv_index`` in the output says which);
+``DYN_KV_INDEX_IMPL=python`` measures the pure-Python fallback.
+
 Wall-clock figures on a shared machine include time other processes held the core; the ``cpu``
 figures (this thread's CPU time) do not, and ``calibration_ns_per_dict_insert`` (a plain loop of
 dict inserts, before and after) tells how fast the machine ran Python meanwhile, to compare runs
@@ -49,6 +52,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from dynamod.daemon.router import KvRouter, KvRouterConfig
+from dynamod.shared.kv import indexer as kv_indexer
 from dynamod.shared.kv.hashing import compute_block_hashes, compute_sequence_hashes, hash_tokens
 from dynamod.shared.kv.indexer import KvIndexer
 from dynamod.shared.protocol.kv_events import KvRemoved, KvStored, RouterEvent, StoredBlock
@@ -224,6 +228,7 @@ def bench_events(args, index: KvIndexer, streams: list[WorkerStream], batches, w
         "held_blocks": index.total_blocks,
         "tree_nodes": index.num_nodes(),
         "index_rss_mb": round(rss_mb() - before),
+        "index_tables_mb": round(index.memory_bytes() / 2**20, 1) if hasattr(index, "memory_bytes") else None,
         # Objects the GC must traverse after the build (all of them are the index's).
         "gc_tracked_objects_after_build": len(gc.get_objects()),
     }
@@ -391,6 +396,8 @@ def main() -> None:
     index = KvIndexer()
     result: dict = {
         "python": platform.python_version(),
+        # native (compiled core) or python; DYN_KV_INDEX_IMPL=python measures the fallback
+        "kv_index": getattr(kv_indexer, "kv_index_implementation", lambda: "python")(),
         "gc_enabled": gc.isenabled(),
         "calibration_ns_per_dict_insert": calibrate(),
         "load_average_1m": round(os.getloadavg()[0], 2),

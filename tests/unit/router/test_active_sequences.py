@@ -57,3 +57,25 @@ def test_readding_a_request_replaces_it(clock):
     active.add("a", W, [1], BS, BS)
     active.add("a", (8, 0), [1], BS, BS)
     assert active.load(W) is None and active.worker_of("a") == (8, 0)
+
+
+def test_workers_sharing_a_first_block_follow_adds_frees_and_expiry(clock):
+    """The scheduler asks only these workers for shared active blocks, so the set must track
+    every way a request stops counting."""
+    active = ActiveSequences(BS, ttl_s=60, clock=clock)
+    other = (8, 1)
+    active.add("a", W, [1, 2, 3], 3 * BS, 0)
+    active.add("b", W, [1, 2, 4], 3 * BS, 0)
+    active.add("c", other, [1, 5], 2 * BS, 0)
+    active.add("d", other, [9], BS, 0)
+    assert active.workers_sharing_first_block(1) == {W: 2, other: 1}
+    assert active.workers_sharing_first_block(2) == {}  # not a first block
+    active.free("a")
+    assert active.workers_sharing_first_block(1) == {W: 1, other: 1}
+    active.remove_worker(8)
+    assert active.workers_sharing_first_block(1) == {W: 1}
+    assert active.workers_sharing_first_block(9) == {}
+    clock.advance(61)
+    active.add("e", W, [], 0, 0)  # adding expires the stale ones; an empty prompt shares nothing
+    assert active.workers_sharing_first_block(1) == {}
+    assert "b" not in active

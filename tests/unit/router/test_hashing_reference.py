@@ -1,10 +1,12 @@
-"""The optimized block hashing gives exactly DESIGN.md's definition (hypothesis)."""
+"""The optimized block hashing, pure Python and compiled, gives exactly DESIGN.md's definition
+(hypothesis)."""
 
 from __future__ import annotations
 
 import struct
 
 import hypothesis.strategies as st
+import pytest
 import xxhash
 from hypothesis import given, settings
 
@@ -12,10 +14,24 @@ from dynamod.shared.kv.hashing import (
     KV_HASH_SEED,
     chain_hash,
     compute_block_hashes,
+    compute_block_hashes_py,
     compute_sequence_hashes,
+    compute_sequence_hashes_py,
     hash_tokens,
     seed_for_lora,
 )
+from tests.unit.router.kv_impls import IMPLS, NATIVE_CORE
+
+
+def implementation(impl: str):
+    """(block hashes, sequence hashes) functions of one implementation, whatever is selected."""
+    if impl == "python":
+        return compute_block_hashes_py, compute_sequence_hashes_py
+
+    def blocks(tokens, block_size, lora=None):
+        return NATIVE_CORE.block_hashes(tokens, block_size, seed_for_lora(lora))
+
+    return blocks, NATIVE_CORE.sequence_hashes
 
 
 def reference(tokens: list[int], block_size: int, lora: str | None) -> tuple[list[int], list[int]]:
@@ -32,6 +48,7 @@ def reference(tokens: list[int], block_size: int, lora: str | None) -> tuple[lis
     return local, seq
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @settings(max_examples=200, deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 2**32 - 1), max_size=200),
@@ -39,9 +56,15 @@ def reference(tokens: list[int], block_size: int, lora: str | None) -> tuple[lis
     lora=st.sampled_from([None, "", "sql-adapter"]),
     as_tuple=st.booleans(),
 )
-def test_matches_the_reference(tokens, block_size, lora, as_tuple):
+def test_matches_the_reference(impl, tokens, block_size, lora, as_tuple):
     data = tuple(tokens) if as_tuple else tokens
     local, seq = reference(tokens, block_size, lora)
+    block_hashes, sequence_hashes = implementation(impl)
+    assert block_hashes(data, block_size, lora) == local
+    assert sequence_hashes(local) == seq
+    if len(local) > 2:
+        assert sequence_hashes(local[2:], seq[1]) == seq[2:]
+    # What the router calls, whichever implementation is selected.
     assert compute_block_hashes(data, block_size, lora) == local
     assert compute_sequence_hashes(local) == seq
     assert hash_tokens(data, block_size, lora) == (local, seq)
@@ -53,3 +76,21 @@ def test_matches_the_reference(tokens, block_size, lora, as_tuple):
 
 def reference_seed(lora: str) -> int:
     return xxhash.xxh3_64(lora.encode(), seed=KV_HASH_SEED).intdigest()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    ("tokens", "error"),
+    [([-1] * 4, OverflowError), ([2**32] * 4, OverflowError), ([1.5] * 4, TypeError), (None, TypeError)],
+)
+def test_bad_token_ids_are_refused_alike(impl, tokens, error):
+    """Token ids outside u32 or not integers are refused the same way by both implementations."""
+    block_hashes, _ = implementation(impl)
+    with pytest.raises(error):
+        block_hashes(tokens, 4)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_block_size_must_be_positive(impl):
+    with pytest.raises(ValueError, match="block_size"):
+        implementation(impl)[0]([1, 2, 3], 0)

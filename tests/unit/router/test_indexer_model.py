@@ -1,14 +1,17 @@
-"""The radix index against a brute-force model of what a worker holds (hypothesis stateful)."""
+"""The radix index against a brute-force model of what a worker holds (hypothesis stateful), for
+both implementations (pure Python and the compiled core)."""
 
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from dynamod.shared.kv.hashing import compute_sequence_hashes
-from dynamod.shared.kv.indexer import APPLIED, PARENT_MISSING, KvIndexer
+from dynamod.shared.kv.indexer import APPLIED, PARENT_MISSING, KvIndexerBase
 from dynamod.shared.protocol.kv_events import KvCleared, KvRemoved, KvStored, RouterEvent, StoredBlock
+from tests.unit.router.kv_impls import IMPLS, make_index, needs_native
 
 Path = tuple[int, ...]
 WORKERS = [(1, 0), (1, 1), (2, 0), (3, 0)]
@@ -92,9 +95,11 @@ small_ext = st.integers(0, 40)
 
 
 class IndexMachine(RuleBasedStateMachine):
+    impl = "python"
+
     def __init__(self) -> None:
         super().__init__()
-        self.index = KvIndexer()
+        self.index = make_index(self.impl)
         self.model = Model()
 
     def _known_exts(self, wk: tuple[int, int]) -> list[int]:
@@ -158,7 +163,7 @@ class IndexMachine(RuleBasedStateMachine):
     @rule()
     def rebuild_from_dump(self):
         """Another router rebuilds from the dumps; it must then behave identically."""
-        fresh = KvIndexer()
+        fresh = make_index(self.impl)
         for wk in self.index.workers():
             for ev in self.index.dump(wk):
                 assert fresh.apply(wk[0], wk[1], ev) == APPLIED
@@ -176,7 +181,7 @@ class IndexMachine(RuleBasedStateMachine):
         paths = {p for held in self.model.held.values() for p in held}
         return [list(p) for p in paths] + [[*p, t] for p in paths for t in (0, 3)] + [[0, 1, 2, 3]]
 
-    def _check(self, index: KvIndexer, rebuilt: bool = False) -> None:
+    def _check(self, index: KvIndexerBase, rebuilt: bool = False) -> None:
         sizes = self.model.sizes()
         if rebuilt:
             sizes = {wk: n for wk, n in sizes.items() if n}
@@ -199,12 +204,20 @@ class IndexMachine(RuleBasedStateMachine):
         assert self.index.num_nodes() == len(distinct)
 
 
-TestIndexMachine = IndexMachine.TestCase
-TestIndexMachine.settings = settings(
+class NativeIndexMachine(IndexMachine):
+    impl = "native"
+
+
+_MACHINE_SETTINGS = settings(
     max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+TestIndexMachine = IndexMachine.TestCase
+TestIndexMachine.settings = _MACHINE_SETTINGS
+TestNativeIndexMachine = needs_native(NativeIndexMachine.TestCase)
+TestNativeIndexMachine.settings = _MACHINE_SETTINGS
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @settings(max_examples=150, deadline=None)
 @given(
     depths=st.lists(st.integers(0, 300), min_size=1, max_size=70),
@@ -212,10 +225,10 @@ TestIndexMachine.settings = settings(
     chunk=st.integers(1, 64),
     diverge=st.integers(0, 310),
 )
-def test_long_prompts_and_many_workers(depths, cuts, chunk, diverge):
+def test_long_prompts_and_many_workers(impl, depths, cuts, chunk, diverge):
     """Prompts of hundreds of blocks held to different depths by up to 70 workers (more than a
     64-bit mask), stored in chunks and cut by removals: every worker's leading-block count."""
-    index = KvIndexer()
+    index = make_index(impl)
     path = list(range(10_000, 10_310))  # local hashes
     seqs = compute_sequence_hashes(path)
     expected = {}

@@ -6,7 +6,9 @@ import math
 import random
 from collections import Counter
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
 
 from dynamod.daemon.router.active_sequences import ActiveSequences
 from dynamod.daemon.router.scheduler import KvScheduler, weight_ratio
@@ -177,3 +179,23 @@ def test_high_temperature_flattens_low_temperature_sharpens():
 
     assert share_of_best(0.05) > 0.99
     assert 0.45 < share_of_best(100.0) < 0.55
+
+
+@settings(max_examples=300, deadline=None)
+@given(keys=st.lists(st.integers(0, 6), min_size=2, max_size=40), trees=st.data())
+def test_selection_matches_a_stable_sort(keys, trees):
+    """The winner, runner-up and tie handling equal those of a stable sort by cost, candidate
+    order breaking ties (the selection avoids sorting, so it is checked against one)."""
+    sizes = trees.draw(st.lists(st.integers(0, 3), min_size=len(keys), max_size=len(keys)))
+    scores = [CandidateScore(i, 0, 0, k, float(k), 0, float(k), sizes[i]) for i, k in enumerate(keys)]
+    sel = KvScheduler(BS, random.Random(0)).select(scores, keys, 0.0)
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    tied = [i for i in order if keys[i] == keys[order[0]]]
+    if len(tied) == 1:
+        assert (sel.index, sel.reason) == (order[0], REASON_LOWEST_COST)
+        assert f"(worker {order[1]} dp 0)" in sel.detail
+    else:
+        smallest = min(sizes[i] for i in tied)
+        candidates = [i for i in tied if sizes[i] == smallest]
+        assert sel.index in candidates
+        assert sel.reason == (REASON_TIE_SMALLEST_TREE if len(candidates) == 1 else REASON_TIE_RANDOM)
