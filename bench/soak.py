@@ -16,7 +16,9 @@ Prints JSON: per process, RSS and fd growth from the end of the first window (wa
 every request sets ``ignore_eos``, so a short stream is a truncated one);
 TTFT and ITL p50/p99 of the first ``--window`` seconds against the last; and whether the targets
 hold (RSS growth < 10 %, no fd growth, no task growth, zero errors). Task counts move with the
-streams in flight, so "no growth" means the last window's median is within the warm window's range.
+streams in flight and descriptor counts with the worker restart cycle (connections and event
+sockets to the restarted worker come and go), so for both "no growth" means the last window's
+median is within the warm window's range; RSS each minute shows whether memory levels off.
 """
 
 from __future__ import annotations
@@ -141,22 +143,27 @@ class Series:
 
     samples: list[tuple[float, int, int, int, int, int]] = field(default_factory=list)
 
-    def tasks(self, run: list[tuple[float, int, int, int, int, int]], warm_t: float) -> dict[str, Any]:
-        """Task counts of the warm window (up to ``warm_t``) against the last window of the same
-        length: growth is the change of the median, and the target holds when the last median is
-        within the warm window's range (streams in flight move the count up and down)."""
-        have = [s for s in run if s[5] >= 0]
+    @staticmethod
+    def windowed(run: list[tuple[float, int, int, int, int, int]], warm_t: float, index: int,
+                 prefix: str, growth: str) -> dict[str, Any]:
+        """Field ``index`` of the warm window (up to ``warm_t``) against the last window of the
+        same length: growth is the change of the median, and the target holds when the last
+        median is within the warm window's range. Streams in flight move task counts, and a
+        worker restart cycle moves descriptor counts (its connections and event sockets come and
+        go), so two single samples would report the phase of that cycle, not growth."""
+        have = [s for s in run if s[index] >= 0]
         if not have:
-            return {"tasks_warm_median": None, "tasks_end_median": None, "task_growth": None, "task_growth_ok": None}
+            return {f"{prefix}_warm_median": None, f"{prefix}_end_median": None, f"{growth}_growth": None,
+                    f"{growth}_growth_ok": None}
         end_t = have[-1][0]
-        warm = [s[5] for s in have if s[0] <= warm_t] or [have[0][5]]
-        last = [s[5] for s in have if s[0] >= end_t - warm_t] or [have[-1][5]]
+        warm = [s[index] for s in have if s[0] <= warm_t] or [have[0][index]]
+        last = [s[index] for s in have if s[0] >= end_t - warm_t] or [have[-1][index]]
         warm_med, last_med = _median(warm), _median(last)
         return {
-            "tasks_warm_median": warm_med, "tasks_warm_max": max(warm),
-            "tasks_end_median": last_med, "tasks_end_max": max(last),
-            "task_growth": None if warm_med is None or last_med is None else last_med - warm_med,
-            "task_growth_ok": last_med is not None and last_med <= max(warm),
+            f"{prefix}_warm_median": warm_med, f"{prefix}_warm_max": max(warm),
+            f"{prefix}_end_median": last_med, f"{prefix}_end_max": max(last),
+            f"{growth}_growth": None if warm_med is None or last_med is None else last_med - warm_med,
+            f"{growth}_growth_ok": last_med is not None and last_med <= max(warm),
         }
 
     def pids(self) -> list[int]:
@@ -182,13 +189,14 @@ class Series:
             "fds_baseline": base[3],
             "fds_end": last[3],
             "fds_max": max(s[3] for s in run),
-            "fd_growth": last[3] - base[3],
+            "fd_change": last[3] - base[3],
             "threads_baseline": base[4],
             "threads_end": last[4],
             # RSS each minute of the last incarnation: a plateau is warm-up (caches filling), a
             # steady climb is a leak.
             "rss_mb_by_minute": [round(s[2] / 1024, 1) for s in _each_minute(run)],
-            **self.tasks(run, warm_t),
+            **self.windowed(run, warm_t, 3, "fds", "fd"),
+            **self.windowed(run, warm_t, 5, "tasks", "task"),
         }
 
 
@@ -382,7 +390,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "dynamod_up_exit": up.returncode,
         "targets": {
             "rss_growth_lt_10pct": all((p["rss_growth_pct"] or 0) < 10 for p in steady.values()),
-            "no_fd_growth": all(p["fd_growth"] <= 0 for p in steady.values()),
+            "no_fd_growth": all(p["fd_growth_ok"] is not False for p in steady.values()),
             "no_task_growth": all(p["task_growth_ok"] is not False for p in steady.values()),
             "zero_errors": not errors,
             "checked_on": sorted(steady),
