@@ -10,6 +10,7 @@
     dynamoctl planner status [--json]              per pool: ready vs desired, override, predicted load, SLA
     dynamoctl planner decisions [--follow]         the planner's decisions and their reasons
     dynamoctl scale POOL N | POOL --clear          hold a pool at N replicas (override), or release it
+    dynamoctl intent list | clear NAME             drain/sleep/LoRAs kept per worker name; forget a gone one's
     dynamoctl cluster up|down|status|logs --inventory FILE
 
 Connection flags (``--discovery``, ``--etcd``, ``--nats``, ``--namespace``) default to finding a
@@ -95,9 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--kind", action="append", default=[], help="only these event kinds (repeatable)")
     w.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
 
-    from dynamod.console.ctl import planner
+    from dynamod.console.ctl import intent, planner
 
     planner.add_commands(sub, conn)
+    intent.add_commands(sub, conn)
 
     c = sub.add_parser("cluster", help="start, stop, check and read logs of roles on hosts over SSH")
     csub = c.add_subparsers(dest="cluster_command", metavar="up|down|status|logs")
@@ -132,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(["cluster", "--help"])
     if args.command == "planner" and args.planner_command is None:
         parser.parse_args(["planner", "--help"])
+    if args.command == "intent" and args.intent_command is None:
+        parser.parse_args(["intent", "--help"])
     from dynamod.shared.observability.logging import configure_logging
 
     configure_logging("warning" if args.command not in ("watch", "planner") else "error")
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> Callable[[], Awaitable[int]]:
-    from dynamod.console.ctl import commands, planner
+    from dynamod.console.ctl import commands, intent, planner
 
     if args.command == "cluster":
         return lambda: commands.cluster(args)
@@ -163,6 +167,7 @@ def _dispatch(args: argparse.Namespace) -> Callable[[], Awaitable[int]]:
         "watch": commands.watch,
         "planner": planner.planner,
         "scale": planner.scale,
+        "intent": intent.intent,
     }
     fn = table[args.command]
     return lambda: fn(args)

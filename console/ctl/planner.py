@@ -18,13 +18,13 @@ import asyncio
 import contextlib
 import json
 import sys
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from dynamod.console.actions.scaling import ScaleClient
 from dynamod.console.collectors.discovery import DiscoveryCollector
+from dynamod.console.ctl.store import command_store
 from dynamod.console.present import (
     SCALING_COLUMNS,
     decision_line,
@@ -74,30 +74,6 @@ def _settings(args: argparse.Namespace) -> ConsoleSettings:
     return settings_from_args(args)
 
 
-@contextlib.asynccontextmanager
-async def _store(args: argparse.Namespace) -> AsyncIterator[DiscoveryStore]:
-    """A discovery store for one command: no runtime, no lease."""
-    from dynamod.shared.discovery.factory import make_store
-
-    settings = _settings(args)
-    store = make_store(
-        settings.discovery,
-        etcd_endpoints=settings.etcd_endpoints,
-        file_root=settings.file_kv,
-        etcd_security=settings.security.etcd,
-    )
-    try:
-        await asyncio.wait_for(store.start(), args.timeout)
-    except TimeoutError:
-        raise DiscoveryError(
-            f"no answer from {settings.discovery} discovery ({settings.discovery_target()}) within {args.timeout:g}s"
-        ) from None
-    try:
-        yield store
-    finally:
-        await store.close()
-
-
 async def _snapshot(store: DiscoveryStore, namespace: str | None) -> ClusterState:
     """One listing of discovery into a fresh picture: workers, planner status, overrides."""
     state = ClusterState()
@@ -120,7 +96,7 @@ async def planner(args: argparse.Namespace) -> int:
 
 async def status(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    async with _store(args) as store:
+    async with command_store(args) as store:
         state = await _snapshot(store, settings.namespace)
     pools = state.scaling_pools()
     routers = state.global_routers()
@@ -165,7 +141,7 @@ async def decisions(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise InvalidRequestError(f"--limit must be 1 or more, got {args.limit}")
     settings = _settings(args)
-    async with _store(args) as store:
+    async with command_store(args) as store:
         state = await _snapshot(store, settings.namespace)
     statuses = state.scaling.statuses
     namespaces = [settings.namespace] if settings.namespace else sorted(set(statuses) | set(state.namespaces()))
@@ -259,7 +235,7 @@ def _replicas(args: argparse.Namespace) -> int | None:
 async def scale(args: argparse.Namespace) -> int:
     replicas = _replicas(args)
     namespace = _settings(args).namespace or DEFAULT_NAMESPACE
-    async with _store(args) as store:
+    async with command_store(args) as store:
         client = ScaleClient(store)
         if replicas is None:
             result = await client.clear_override(namespace, args.pool)
