@@ -67,23 +67,33 @@ def encode_native_batch(batch: KvEventBatch) -> bytes:
 # Internal router events.
 
 
+# Where a block lives (vLLM's ``medium`` names): the engine's device cache, pinned host memory,
+# local disk. An event without a medium is about the device cache.
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_DISK = "DISK"
+MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK)
+
+
 class StoredBlock(msgspec.Struct, array_like=True, frozen=True):
     block_hash: int  # engine-side (external) sequence hash, used to match later removals
     tokens_hash: int  # router-side local hash of the block's tokens (shared/kv/hashing.py)
 
 
-class KvStored(msgspec.Struct, tag="stored", kw_only=True):
+class KvStored(msgspec.Struct, tag="stored", kw_only=True, omit_defaults=True):
     parent_hash: int | None
     blocks: list[StoredBlock]
     lora_name: str | None = None
+    medium: str = MEDIUM_GPU  # the tier the blocks now live in (MEDIA)
 
 
-class KvRemoved(msgspec.Struct, tag="removed", kw_only=True):
+class KvRemoved(msgspec.Struct, tag="removed", kw_only=True, omit_defaults=True):
     block_hashes: list[int]
+    medium: str = MEDIUM_GPU  # the tier the blocks left (they may still live in another)
 
 
-class KvCleared(msgspec.Struct, tag="cleared"):
-    pass
+class KvCleared(msgspec.Struct, tag="cleared", kw_only=True, omit_defaults=True):
+    medium: str | None = None  # one tier emptied; None: every tier of the worker
 
 
 KvEvent = KvStored | KvRemoved | KvCleared
