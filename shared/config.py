@@ -15,10 +15,16 @@ from dataclasses import dataclass, field
 
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.security.settings import SecuritySettings, add_security_args, security_from_args
+from dynamod.shared.transport.address import advertised_host, check_advertise_host, is_wildcard
 from dynamod.shared.transport.liveness import (
     DEFAULT_HEARTBEAT_INTERVAL_S,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     HeartbeatConfig,
+)
+from dynamod.shared.transport.tcp_server import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    ConnectionLimits,
 )
 
 DISCOVERY_BACKENDS = ("etcd", "file", "mem")
@@ -39,7 +45,11 @@ class RuntimeSettings:
     request_plane: str = "tcp"
     event_plane: str = "nats"
     nats_server: str = DEFAULT_NATS
-    host: str = "127.0.0.1"  # address this process's request-plane server binds and advertises
+    host: str = "127.0.0.1"  # address this process's listeners bind (request plane, ZMQ, KV transfer)
+    # What peers dial instead of ``host`` (NAT, or a wildcard ``host``); None: ``host`` itself, or
+    # this node's primary address when ``host`` is a wildcard (transport/address.py).
+    advertise_host: str | None = None
+    request_plane_port: int = 0  # TCP request-plane port; 0: any free port
     system_host: str = "127.0.0.1"
     system_port: int | None = None  # None: no status server; 0: ephemeral port
     lease_ttl_s: float = 10.0
@@ -47,6 +57,9 @@ class RuntimeSettings:
     # streams is declared dead (frozen/hung) and its streams fail over. See transport/liveness.py.
     request_plane_heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     request_plane_heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    # The TCP request-plane server's caps: connections held, and how long one may idle (0: forever).
+    request_plane_max_connections: int = DEFAULT_MAX_CONNECTIONS
+    request_plane_idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     node_name: str = field(default_factory=socket.gethostname)
     log_level: str | None = None
     # Who this process lets in and how it logs in to etcd and NATS; empty: open (loopback dev).
@@ -63,12 +76,33 @@ class RuntimeSettings:
             raise ConfigError(f"lease TTL must be above 0.5 s, got {self.lease_ttl_s}")
         if not self.namespace or "/" in self.namespace or "." in self.namespace:
             raise ConfigError(f"namespace must be a non-empty name without '/' or '.', got {self.namespace!r}")
+        if not 0 <= self.request_plane_port <= 65535:
+            raise ConfigError(f"--request-plane-port must be 0..65535, got {self.request_plane_port}")
+        if self.advertise_host is not None:
+            try:
+                self.advertise_host = check_advertise_host(self.advertise_host)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         self.request_plane_heartbeat.validate()
+        self.request_plane_limits.validate()
         return self
+
+    def advertised(self, bind_host: str) -> str:
+        """What a listener bound to ``bind_host`` writes into discovery: ``--advertise-host`` for a
+        listener on ``--host`` or a wildcard, else the bind address (a wildcard: the node's
+        primary address). A listener on another specific address (a loopback status server)
+        advertises that address, since it is reachable nowhere else."""
+        if self.advertise_host and (bind_host == self.host or is_wildcard(bind_host)):
+            return self.advertise_host
+        return advertised_host(bind_host)
 
     @property
     def request_plane_heartbeat(self) -> HeartbeatConfig:
         return HeartbeatConfig(self.request_plane_heartbeat_interval_s, self.request_plane_heartbeat_timeout_s)
+
+    @property
+    def request_plane_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(self.request_plane_max_connections, self.request_plane_idle_timeout_s)
 
 
 def _env(name: str) -> str | None:
@@ -99,9 +133,29 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         help="event plane [env DYN_EVENT_PLANE, default nats with etcd, zmq with file/mem discovery]",
     )
     g.add_argument("--nats-server", help=f"NATS URL [env NATS_SERVER, default {DEFAULT_NATS}]")
-    g.add_argument("--host", help="address to bind and advertise for the request plane [env DYN_HOST, default 127.0.0.1]")
+    g.add_argument(
+        "--host",
+        help="address the request plane, ZMQ event publishers and the KV block server bind; 0.0.0.0 = every "
+        "interface [env DYN_HOST, default 127.0.0.1]",
+    )
+    g.add_argument(
+        "--advertise-host",
+        help="address other hosts dial to reach this process's listeners, written into discovery (NAT, or a "
+        "wildcard --host) [env DYN_ADVERTISE_HOST, default: --host, or this host's primary address when --host "
+        "is a wildcard]",
+    )
+    g.add_argument(
+        "--request-plane-port",
+        type=int,
+        help="TCP port of the request plane (one per process; a firewall can then open exactly it) "
+        "[env DYN_REQUEST_PLANE_PORT, default 0: any free port]",
+    )
     g.add_argument("--system-port", type=int, help="port of /health,/live,/metrics; 0 = any free port [env DYN_SYSTEM_PORT, default off]")
-    g.add_argument("--system-host", help="address of the status server [env DYN_SYSTEM_HOST, default 127.0.0.1]")
+    g.add_argument(
+        "--system-host",
+        help="address the status server binds; a wildcard advertises --advertise-host or the primary address "
+        "[env DYN_SYSTEM_HOST, default 127.0.0.1]",
+    )
     g.add_argument("--lease-ttl", type=float, help="discovery lease TTL in seconds [env DYN_LEASE_TTL, default 10]")
     g.add_argument(
         "--request-plane-heartbeat-interval",
@@ -115,6 +169,18 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         help="seconds of silence (no data, no pong) after which a frozen or hung worker's connection is declared "
         "dead and its streams migrate; at least twice the interval "
         f"[env DYN_REQUEST_PLANE_HEARTBEAT_TIMEOUT, default {DEFAULT_HEARTBEAT_TIMEOUT_S:g}]",
+    )
+    g.add_argument(
+        "--request-plane-max-connections",
+        type=int,
+        help="connections this process's TCP request-plane server holds at once; more are told 'overloaded' and "
+        f"closed [env DYN_REQUEST_PLANE_MAX_CONNECTIONS, default {DEFAULT_MAX_CONNECTIONS}]",
+    )
+    g.add_argument(
+        "--request-plane-idle-timeout",
+        type=float,
+        help="seconds a request-plane connection with no open stream may send nothing before it is closed "
+        f"(clients dial again); 0 = never [env DYN_REQUEST_PLANE_IDLE_TIMEOUT, default {DEFAULT_IDLE_TIMEOUT_S:g}]",
     )
     g.add_argument("--log-level", help="log level [env DYN_LOG, default info]")
     add_security_args(parser)
@@ -146,9 +212,12 @@ def settings_from_args(ns: argparse.Namespace, **overrides: object) -> RuntimeSe
     s.nats_server = str(pick("nats_server", "NATS_SERVER", DEFAULT_NATS))
     s.host = str(pick("host", "DYN_HOST", "127.0.0.1"))
     s.system_host = str(pick("system_host", "DYN_SYSTEM_HOST", "127.0.0.1"))
+    advertise = pick("advertise_host", "DYN_ADVERTISE_HOST", None)
+    s.advertise_host = str(advertise) if advertise else None
     port = pick("system_port", "DYN_SYSTEM_PORT", None)
     try:
         s.system_port = int(port) if port is not None else None  # type: ignore[arg-type]
+        s.request_plane_port = int(pick("request_plane_port", "DYN_REQUEST_PLANE_PORT", 0))  # type: ignore[arg-type]
         s.lease_ttl_s = float(pick("lease_ttl", "DYN_LEASE_TTL", 10.0))  # type: ignore[arg-type]
         s.request_plane_heartbeat_interval_s = float(
             pick(  # type: ignore[arg-type]
@@ -159,6 +228,12 @@ def settings_from_args(ns: argparse.Namespace, **overrides: object) -> RuntimeSe
             pick(  # type: ignore[arg-type]
                 "request_plane_heartbeat_timeout", "DYN_REQUEST_PLANE_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_TIMEOUT_S
             )
+        )
+        s.request_plane_max_connections = int(
+            pick("request_plane_max_connections", "DYN_REQUEST_PLANE_MAX_CONNECTIONS", DEFAULT_MAX_CONNECTIONS)  # type: ignore[arg-type]
+        )
+        s.request_plane_idle_timeout_s = float(
+            pick("request_plane_idle_timeout", "DYN_REQUEST_PLANE_IDLE_TIMEOUT", DEFAULT_IDLE_TIMEOUT_S)  # type: ignore[arg-type]
         )
     except ValueError as exc:
         raise ConfigError(f"bad numeric setting: {exc}") from exc

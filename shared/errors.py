@@ -7,6 +7,8 @@ error bodies with the right status, and CLIs can print one line and exit non-zer
     ├── ConfigError                  bad flag, env var or settings combination
     ├── InvalidRequestError          a request body that cannot be served (HTTP 400)
     │   └── ContextLengthError       prompt + max_tokens exceed the model's context
+    ├── InvalidApiKeyError           no API key, or not one this frontend accepts (HTTP 401)
+    ├── RateLimitedError             this client is over its request rate (HTTP 429)
     ├── NotFoundError                unknown model, instance or endpoint (HTTP 404)
     ├── OverloadedError              no capacity right now; retry later (HTTP 503)
     ├── UnavailableError             worker is sleeping/draining/stopping (HTTP 503)
@@ -88,6 +90,26 @@ class InvalidRequestError(DynamoError):
 
 class ContextLengthError(InvalidRequestError):
     code = "context_length_exceeded"
+
+
+class InvalidApiKeyError(DynamoError):
+    """The OpenAI port's door: the request carried no API key or one the frontend does not accept.
+    OpenAI's own code, so clients report it the way they report OpenAI's (``AuthenticationError``)."""
+
+    code = "invalid_api_key"
+    http_status = 401
+
+
+class RateLimitedError(DynamoError):
+    """This client (API key, else address) sent more requests than its rate allows; the client
+    may retry after ``retry_after_s`` (sent as ``Retry-After``)."""
+
+    code = "rate_limit_exceeded"
+    http_status = 429
+
+    def __init__(self, message: str = "", *, retry_after_s: float = 1.0, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
 
 
 class NotFoundError(DynamoError):

@@ -18,6 +18,7 @@ from dynamod.shared.errors import DynamoError, NotFoundError
 from dynamod.shared.protocol import control
 from dynamod.shared.protocol.instance import Instance, decode_instance
 from dynamod.shared.protocol.keys import instances_prefix
+from dynamod.shared.protocol.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU
 from dynamod.shared.runtime.client import EndpointClient
 
 if TYPE_CHECKING:
@@ -59,6 +60,10 @@ def resolve_instance_id(text: str, known: list[int]) -> int:
         raise NotFoundError(f"no instance {needle} in discovery")
     shown = ", ".join(f"{i:x}" for i in matches[:5])
     raise NotFoundError(f"instance id {needle} is ambiguous: matches {shown}")
+
+
+# The operator's tier names -> the KV events' media (shared/protocol/kv_events.py).
+TIER_MEDIUM = {"gpu": MEDIUM_GPU, "host": MEDIUM_CPU, "disk": MEDIUM_DISK}
 
 
 class ControlClient:
@@ -144,8 +149,14 @@ class ControlClient:
     async def wake(self, target: str | int) -> ActionResult:
         return await self.call("wake", target, control.WAKE_UP, {})
 
-    async def clear_kv(self, target: str | int) -> ActionResult:
-        return await self.call("clear-kv", target, control.CLEAR_KV_BLOCKS, {})
+    async def clear_kv(self, target: str | int, tier: str | None = None) -> ActionResult:
+        """Clears every KV tier of the worker, or one: ``gpu``, ``host`` or ``disk``."""
+        if tier is None:
+            return await self.call("clear-kv", target, control.CLEAR_KV_BLOCKS, {})
+        medium = TIER_MEDIUM.get(tier)
+        if medium is None:
+            return ActionResult("clear-kv", str(target), False, f"unknown KV tier {tier!r}; expected gpu, host or disk")
+        return await self.call("clear-kv", target, control.CLEAR_KV_BLOCKS, {"medium": medium})
 
     async def load_lora(self, target: str | int, name: str, source: str) -> ActionResult:
         return await self.call("lora load", target, control.LOAD_LORA, {"lora_name": name, "source": {"uri": source}})

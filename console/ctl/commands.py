@@ -150,7 +150,7 @@ async def action(args: argparse.Namespace) -> int:
             elif args.command == "wake":
                 result = await client.wake(args.instance)
             else:
-                result = await client.clear_kv(args.instance)
+                result = await client.clear_kv(args.instance, tier=getattr(args, "tier", None))
         finally:
             await client.close()
     return _report(result, args.json)

@@ -2,7 +2,8 @@
 
     dynamoctl status [--json] [--pools]            every instance: id, component, role, status, model, LoRAs, node, pid, load
                                                    (and, with prefill/decode pools, a per-pool summary)
-    dynamoctl drain|sleep|wake|clear-kv INSTANCE   one worker (id in hex, or a unique prefix of it)
+    dynamoctl drain|sleep|wake|clear-kv INSTANCE   one worker (id in hex, or a unique prefix of it);
+                                                   clear-kv --tier gpu|host|disk clears one KV tier
     dynamoctl lora load INSTANCE NAME SOURCE       load a LoRA adapter from a path or URI
     dynamoctl lora unload INSTANCE NAME
     dynamoctl lora list [INSTANCE]
@@ -74,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
         a = sub.add_parser(name, parents=[conn], help=text)
         a.add_argument("instance")
         a.add_argument("--json", action="store_true")
+        if name == "clear-kv":
+            a.add_argument("--tier", choices=("gpu", "host", "disk"), default=None,
+                           help="clear only this KV tier: gpu (device), host (CPU memory), disk [default: every tier]")
 
     lora = sub.add_parser("lora", help="LoRA adapters: load, unload, list")
     lsub = lora.add_subparsers(dest="lora_command", metavar="load|unload|list")

@@ -58,6 +58,7 @@ from dynamod.console.state.records import (
     fmt_id,
 )
 from dynamod.console.state.scaling import GlobalRouterPools, PlannerRecord, PoolScaling, ScalingBoard
+from dynamod.console.state.tiers import KvTierTracker
 from dynamod.console.state.topology import CardEntry, Topology
 from dynamod.console.state.transfers import KvTransferTracker
 from dynamod.console.state.versions import Versions
@@ -111,6 +112,11 @@ class ClusterState:
     @property
     def transfers(self) -> KvTransferTracker:
         return self.load.transfers
+
+    @property
+    def tiers(self) -> KvTierTracker:
+        """Per-worker host/disk KV tier figures (console/state/tiers.py)."""
+        return self.load.tiers
 
     @property
     def events(self) -> deque[ClusterEvent]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from dynamod.console.state.records import Worker, WorkerStats
+from dynamod.console.state.tiers import KvTierTracker
 from dynamod.console.state.transfers import KvTransferTracker
 from dynamod.console.state.versions import Versions
 from dynamod.shared.protocol.kv_events import KvCleared, KvRemoved, KvStored, RouterEvent
@@ -26,6 +27,7 @@ class LoadTally:
         self._versions = versions
         self.stats: dict[int, WorkerStats] = {}
         self.transfers = KvTransferTracker()
+        self.tiers = KvTierTracker()
         self.load_updates = 0
         self.kv_events = 0
 
@@ -42,6 +44,7 @@ class LoadTally:
         st.loads[m.dp_rank] = m
         st.last_load_at = now
         self.transfers.observe(m, now)
+        self.tiers.observe(m, now)
         self.load_updates += 1
         self._versions.load += 1
 
@@ -83,6 +86,7 @@ class LoadTally:
         """Its last load is no longer true (the history stays), nor is its last transfer rate."""
         worker.stats.loads.clear()
         self.transfers.forget(worker.instance_id)
+        self.tiers.forget(worker.instance_id)
 
     def sample_history(self) -> None:
         """One sparkline sample per worker (the once-a-second tick)."""
@@ -96,3 +100,4 @@ class LoadTally:
             if iid not in live_ids and now - st.last_load_at > ORPHAN_STATS_TTL_S:
                 del self.stats[iid]
         self.transfers.retain(set(self.stats))
+        self.tiers.retain(set(self.stats))

@@ -22,6 +22,7 @@ from dynamod.console.present import (
     fmt_ms,
     fmt_ms_value,
     fmt_pct,
+    fmt_rate,
 )
 from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.records import fmt_id
@@ -97,6 +98,12 @@ class WorkerScreen(Screen[None]):
             facts.add_row("kv transfer", f"{fmt_bytes_rate(xfer.bytes_per_s)} ({fmt_count(xfer.transfers)} total)",
                           "p50 / p99", f"{fmt_ms_value(xfer.p50_ms)} / {fmt_ms_value(xfer.p99_ms)}")
             facts.add_row("xfer failures", str(xfer.failures), "held blocks", fmt_count(xfer.held_blocks))
+        for medium, tier in self.state.tiers.figures(w.instance_id).items():
+            # Workers with KV offloading only: occupancy, prompt tokens served, traffic per tier.
+            facts.add_row(f"kv {medium.lower()}", f"{fmt_pct(tier.usage)} of {fmt_count(tier.total_blocks)} blocks",
+                          "hit tokens", fmt_count(tier.hit_tokens))
+            facts.add_row(f"{medium.lower()} onboard", fmt_rate(tier.onboard_per_s),
+                          "offload", fmt_rate(tier.offload_per_s))
         self.query_one("#facts", Static).update(facts)
         history = list(st.history)
         peak = max(history) if history else 0.0

@@ -1,7 +1,10 @@
 """The frontend's Starlette application: routes, and the small informational endpoints.
 
-    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
-    GET  /health (503 while shutting down)   GET /live   GET /metrics
+    POST /v1/chat/completions   POST /v1/completions   POST /v1/embeddings   GET /v1/models
+    POST /v1/responses   GET|DELETE /v1/responses/{id}
+    GET  /health (503 while shutting down)   GET /live   GET /metrics   GET /openapi.json
+
+Every request first passes the doors (``doors.FrontDoors``: API key, rate, body size, admission).
 
 Unknown paths and methods get OpenAI-shaped 404/405 bodies; an exception goes through the error
 boundary (``errors.to_http_error``) like the generation routes': its class's status, never a
@@ -22,9 +25,15 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from dynamod.daemon.frontend.asgi import Scope, send_bytes, send_error, send_json
+from dynamod.daemon.frontend.doors import HEALTH_DETAILS, DoorSettings, FrontDoors
+from dynamod.daemon.frontend.embeddings import EmbeddingsEndpoint
 from dynamod.daemon.frontend.endpoints import ChatCompletionsEndpoint, CompletionsEndpoint
 from dynamod.daemon.frontend.errors import error_body, to_http_error
+from dynamod.daemon.frontend.fleet_metrics import wants_process_scope
+from dynamod.daemon.frontend.openapi import OpenApiEndpoint
 from dynamod.daemon.frontend.protocol import ModelList, ModelObject, encoder
+from dynamod.daemon.frontend.responses import ResponsesEndpoint, StoredResponsesEndpoint
+from dynamod.daemon.frontend.responses_store import ResponseStore
 from dynamod.daemon.frontend.state import FrontendState
 from dynamod.shared.errors import NotFoundError
 
@@ -47,13 +56,13 @@ class ModelsEndpoint:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        models = self.state.registry.models
+        registry = self.state.registry
         model_id = scope.get("path_params", {}).get("model_id")
         if model_id is None:
-            data = [_model_object(m) for m in sorted(models.values(), key=lambda m: m.name)]
+            data = [_model_object(m) for m in registry.all_models()]
             await send_json(send, 200, encoder.encode(ModelList(data=data)))
             return
-        model = models.get(model_id)
+        model = registry.models.get(model_id) or registry.embedding_models.get(model_id)
         if model is None:
             await send_error(send, to_http_error(NotFoundError(f"the model {model_id!r} does not exist")))
             return
@@ -61,16 +70,21 @@ class ModelsEndpoint:
 
 
 class HealthEndpoint:
-    """200 while serving, 503 once shutdown began; the body names models, workers and pids."""
+    """200 while serving, 503 once shutdown began; the body names models, workers and pids, except
+    to a caller without an API key when keys are on (the doors mark it): status only."""
 
     def __init__(self, state: FrontendState) -> None:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         state = self.state
+        if not scope.get(HEALTH_DETAILS, True):
+            status = b'{"status":"draining"}' if state.draining else b'{"status":"healthy"}'
+            await send_json(send, 503 if state.draining else 200, status)
+            return
         models = []
         instances = []
-        for model in sorted(state.registry.models.values(), key=lambda m: m.name):
+        for model in state.registry.all_models():
             workers = []
             for wid, pool in sorted(model.workers.items()):
                 inst = pool.instances.get(wid)
@@ -80,6 +94,8 @@ class HealthEndpoint:
                 workers.append({"instance_id": f"{wid:x}", "status": status})
             ready = sum(1 for w in workers if w["status"] == "ready")
             entry: dict[str, Any] = {"model": model.name, "lora": model.card.lora, "workers": workers, "ready": ready}
+            if model.card.embedding is not None:
+                entry["type"] = "embedding"
             if model.prefill is not None:
                 # Disaggregated: the prefill pool beside the decode workers.
                 prefill = model.prefill.candidates(state.dispatcher.quarantine)
@@ -102,7 +118,7 @@ class HealthEndpoint:
         body = {
             "status": "draining" if state.draining else "healthy",
             "pid": state.pid,
-            "frontend_pids": state.frontend_pids or [state.pid],
+            "frontend_pids": _fleet_pids(state),
             "inflight": state.inflight,
             "router_mode": state.config.router_mode,
             "models": models,
@@ -115,12 +131,24 @@ async def live(scope: Scope, receive: Any, send: Any) -> None:
     await send_json(send, 200, b'{"status":"live"}')
 
 
+def _fleet_pids(state: FrontendState) -> list[int]:
+    """This process and the other frontends on its port (copies it started, peers in discovery)."""
+    pids = state.frontend_pids or [state.pid]
+    if state.fleet_metrics is not None:
+        pids = sorted({*pids, *state.fleet_metrics.member_pids()})
+    return pids
+
+
 class MetricsEndpoint:
     def __init__(self, state: FrontendState) -> None:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        body = generate_latest(self.state.metrics.registry)
+        fleet = self.state.fleet_metrics
+        if fleet is not None and not wants_process_scope(scope):
+            body = await fleet.exposition()
+        else:
+            body = generate_latest(self.state.metrics.registry)
         await send_bytes(send, 200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
 
 
@@ -158,18 +186,25 @@ class _AsgiFunction:
 
 
 class FrontendApp:
-    """The two generation routes go straight to their endpoints; everything else through Starlette.
+    """The POST routes that generate or embed go straight to their endpoints; everything else
+    through Starlette.
 
-    Those two carry nearly all the traffic, and each streamed chunk would otherwise pass through
+    Those carry nearly all the traffic, and each streamed chunk would otherwise pass through
     Starlette's two exception-handling ``send`` wrappers. The endpoints turn every failure into an
     OpenAI error body themselves, so the wrappers add nothing there.
     """
 
-    def __init__(self, state: FrontendState) -> None:
+    def __init__(self, state: FrontendState, *, api_keys: bool = False) -> None:
         chat = ChatCompletionsEndpoint(state)
         completions = CompletionsEndpoint(state)
-        self._hot = {"/v1/chat/completions": chat, "/v1/completions": completions}
-        self.starlette = _build_starlette(state, chat, completions)
+        store = ResponseStore(state.config.responses_store_size)
+        self._hot = {
+            "/v1/chat/completions": chat,
+            "/v1/completions": completions,
+            "/v1/embeddings": EmbeddingsEndpoint(state),
+            "/v1/responses": ResponsesEndpoint(state, store),
+        }
+        self.starlette = _build_starlette(state, self._hot, store, api_keys=api_keys)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -180,19 +215,24 @@ class FrontendApp:
         await self.starlette(scope, receive, send)
 
 
-def build_app(state: FrontendState) -> FrontendApp:
-    return FrontendApp(state)
+def build_app(state: FrontendState, doors: DoorSettings | None = None) -> FrontDoors:
+    """The routes behind their doors (``doors``: API keys, rate and body limits; None: defaults)."""
+    doors = doors or DoorSettings()
+    app = FrontendApp(state, api_keys=doors.api_keys is not None)
+    return FrontDoors(app, state, doors, admission_paths=frozenset(app._hot))
 
 
-def _build_starlette(state: FrontendState, chat: ChatCompletionsEndpoint, completions: CompletionsEndpoint) -> Starlette:
+def _build_starlette(state: FrontendState, hot: dict[str, Any], store: ResponseStore, *, api_keys: bool) -> Starlette:
     routes = [
-        _route("/v1/chat/completions", chat, ["POST"]),
-        _route("/v1/completions", completions, ["POST"]),
+        # The hot routes again, so that a wrong method on them gets Starlette's 405.
+        *(_route(path, endpoint, ["POST"]) for path, endpoint in hot.items()),
         _route("/v1/models", ModelsEndpoint(state), ["GET"]),
         _route("/v1/models/{model_id:path}", ModelsEndpoint(state), ["GET"]),
+        _route("/v1/responses/{response_id}", StoredResponsesEndpoint(store), ["GET", "DELETE"]),
         _route("/health", HealthEndpoint(state), ["GET"]),
         _route("/live", _AsgiFunction(live), ["GET"]),
         _route("/metrics", MetricsEndpoint(state), ["GET"]),
+        _route("/openapi.json", OpenApiEndpoint(state, api_keys=api_keys), ["GET"]),
     ]
     return Starlette(
         routes=routes,

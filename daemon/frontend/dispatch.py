@@ -95,6 +95,7 @@ class EngineStream:
         self._d = dispatcher
         self.request = request
         self.max_tokens = request.preprocessed.stop.max_tokens
+        self._stream: Any = None  # the current attempt's request-plane stream
         self._gen = self._run()
 
     # The generation layer's view (TextGeneration reads these on every delta).
@@ -109,6 +110,12 @@ class EngineStream:
     @property
     def cached_tokens(self) -> int:
         return self.request.cached_tokens
+
+    @property
+    def buffered(self) -> int:
+        """Frames received from the worker and not read yet: the next read will not wait."""
+        stream = self._stream
+        return getattr(stream, "buffered", 0) if stream is not None else 0
 
     def __aiter__(self) -> EngineStream:
         return self
@@ -252,6 +259,7 @@ class EngineStream:
             if remote_cached is not None:
                 req.cached_tokens = remote_cached
             stream = pool.client.stream_to(instance, self._attempt_body(choice, outcome), request_id=request_id)
+            self._stream = stream
             first = True
             try:
                 async for out in stream:
@@ -298,5 +306,6 @@ class EngineStream:
                     yield {"token_ids": [], "finish_reason": FINISH_LENGTH}
                     return
             finally:
+                self._stream = None
                 router.on_finish(request_id)
                 await stream.aclose()

@@ -1,7 +1,13 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions``: one pipeline, two formats.
 
     body -> validated request -> model -> prompt token ids -> context check -> EngineStream
-         -> TextGeneration (detokenize, stop strings) -> SSE chunks or one JSON body
+         -> TextGeneration (detokenize, stop strings) -> [chat: OutputParser] -> SSE chunks or one JSON body
+
+Chat replies of a model whose card names a tool-call or reasoning parser go through an
+``OutputParser`` (``parsers/``) built per request: tool calls come back as ``tool_calls``,
+reasoning as ``reasoning_content``. No parser, no cost: the text goes straight to ``content``.
+A request with several choices (``n > 1``, batched completion prompts) goes to ``fanout.py``,
+which runs this pipeline's steps once per choice; ``n=1`` never touches it.
 
 Everything up to the first generated token can still fail with a proper HTTP status (the first
 delta is awaited before the response starts), so a bad LoRA name or a missing worker is a 4xx/503
@@ -18,8 +24,10 @@ import uuid
 from abc import ABC, abstractmethod
 from typing import Any
 
+from dynamod.daemon.frontend import fanout
 from dynamod.daemon.frontend.asgi import DisconnectWatch, Scope, header, read_body, send_error, send_json
 from dynamod.daemon.frontend.errors import to_http_error
+from dynamod.daemon.frontend.fanout import fans_out
 from dynamod.daemon.frontend.formatters import (
     SSE_DONE,
     ChatFormatter,
@@ -27,7 +35,7 @@ from dynamod.daemon.frontend.formatters import (
     LogprobCollector,
     make_usage,
 )
-from dynamod.daemon.frontend.generation import Delta, TextGeneration
+from dynamod.daemon.frontend.generation import IDLE, Delta, TextGeneration
 from dynamod.daemon.frontend.metrics import (
     ENDPOINT_CHAT,
     ENDPOINT_COMPLETIONS,
@@ -36,6 +44,8 @@ from dynamod.daemon.frontend.metrics import (
     STATUS_SUCCESS,
 )
 from dynamod.daemon.frontend.models import ServedModel
+from dynamod.daemon.frontend.parsers import OutputParser, ToolSettings, build_output_parser
+from dynamod.daemon.frontend.parsers.forced_tool_calls import forced_output_parser, forces_call
 from dynamod.daemon.frontend.preprocess.model_preprocessor import ModelPreprocessor, completion_prompts
 from dynamod.daemon.frontend.protocol import (
     ChatCompletionRequest,
@@ -45,12 +55,11 @@ from dynamod.daemon.frontend.protocol import (
 )
 from dynamod.daemon.frontend.request import EXPLAIN_HEADER, FrontendRequest
 from dynamod.daemon.frontend.routing import header_candidates
+from dynamod.daemon.frontend.sampling import sampling_options
 from dynamod.daemon.frontend.state import FrontendState
 from dynamod.shared.errors import (
     ContextLengthError,
     InvalidRequestError,
-    OverloadedError,
-    UnavailableError,
 )
 from dynamod.shared.protocol.llm import PreprocessedRequest, SamplingOptions, StopConditions
 
@@ -103,14 +112,23 @@ def _route_headers(request: FrontendRequest, explain: bool) -> list[tuple[bytes,
 class _Plan:
     """What the endpoint-specific part decides before generation starts."""
 
-    __slots__ = ("prompt_ids", "max_tokens", "logprobs", "echo_text", "stops")
+    __slots__ = ("prompt_ids", "max_tokens", "logprobs", "echo_text", "stops", "parser")
 
-    def __init__(self, prompt_ids: list[int], max_tokens: int, logprobs: int | None, echo_text: str, stops: list[str]) -> None:
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        logprobs: int | None,
+        echo_text: str,
+        stops: list[str],
+        parser: OutputParser | None = None,
+    ) -> None:
         self.prompt_ids = prompt_ids
         self.max_tokens = max_tokens
         self.logprobs = logprobs
         self.echo_text = echo_text
         self.stops = stops
+        self.parser = parser  # chat only: tool calls and reasoning in the output
 
 
 class OpenAIEndpoint(ABC):
@@ -132,7 +150,7 @@ class OpenAIEndpoint(ABC):
         """Prompt token ids, output budget and the options generation needs."""
 
     @abstractmethod
-    def formatter(self, req: Any, response_id: str, created: int) -> ChatFormatter | CompletionFormatter:
+    def formatter(self, req: Any, response_id: str, created: int, plan: _Plan) -> ChatFormatter | CompletionFormatter:
         """The response format of this endpoint."""
 
     @abstractmethod
@@ -152,13 +170,8 @@ class OpenAIEndpoint(ABC):
         try:
             body = await read_body(receive)
             req = self.decode(body)
-            if state.draining:
-                raise UnavailableError("the frontend is shutting down; retry on another frontend")
-            if state.inflight >= state.config.max_inflight:
-                raise OverloadedError(
-                    f"the frontend has {state.inflight} requests in flight (limit {state.config.max_inflight})",
-                    retry_after_s=1.0,
-                )
+            if (refusal := state.admission_refusal()) is not None:
+                raise refusal[1]
             model = state.registry.get(req.model)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
             error = to_http_error(exc, request_id=request_id)
@@ -192,11 +205,15 @@ class OpenAIEndpoint(ABC):
         every way out (end, error, client gone)."""
         gen: TextGeneration | None = None
         explain = (header(scope, EXPLAIN_HEADER) or "").strip().lower() in _EXPLAIN_ON
+        if fans_out(req):  # n > 1 or batched prompts: several generations, one response
+            return await fanout.serve(
+                self, scope, send, req, model, request_id, start, watch, lambda freq: _route_headers(freq, explain)
+            )
         try:
             try:
                 gen, pre, plan, freq = await self._start(scope, req, model, request_id, start)
                 first = await gen.__anext__()
-                fmt = self.formatter(req, request_id, int(time.time()))
+                fmt = self.formatter(req, request_id, int(time.time()), plan)
                 collector = LogprobCollector(pre) if plan.logprobs is not None else None
             except Exception as exc:  # noqa: BLE001 - nothing sent yet: a proper HTTP error
                 watch.done()
@@ -225,19 +242,32 @@ class OpenAIEndpoint(ABC):
         self, scope: Scope, req: Any, model: ServedModel, request_id: str, start: float
     ) -> tuple[TextGeneration, ModelPreprocessor, _Plan, FrontendRequest]:
         """Preprocesses the request and opens its engine stream (not yet awaited)."""
-        if req.n != 1:
-            raise InvalidRequestError("n > 1 is not supported; send n separate requests", param="n")
         pre = await model.preprocessor()
         plan = await self.plan(req, model, pre)
+        sampling = sampling_options(req, logprobs=plan.logprobs, vocab_size=pre.vocab_size)
+        gen, freq = self.open_generation(scope, req, model, pre, plan, request_id, start, sampling)
+        return gen, pre, plan, freq
+
+    def open_generation(
+        self,
+        scope: Scope,
+        req: Any,
+        model: ServedModel,
+        pre: ModelPreprocessor,
+        plan: _Plan,
+        request_id: str,
+        start: float,
+        sampling: SamplingOptions,
+    ) -> tuple[TextGeneration, FrontendRequest]:
+        """Routes one generation of ``plan`` and opens its engine stream (not yet awaited); each
+        choice of a fan-out request is one such generation, with its own id and seed."""
         direct = header(scope, WORKER_HEADER)
         direct_ids = header_candidates(direct) if direct else None
         preq = PreprocessedRequest(
             request_id=request_id,
             model=model.card.base_model or model.name,
             token_ids=plan.prompt_ids,
-            sampling=SamplingOptions(
-                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed, logprobs=plan.logprobs
-            ),
+            sampling=sampling,
             stop=StopConditions(
                 max_tokens=plan.max_tokens,
                 min_tokens=req.min_tokens,
@@ -253,8 +283,19 @@ class OpenAIEndpoint(ABC):
             migration_limit=model.card.migration_limit,
         )
         engine = self.state.dispatcher.open(freq)
-        gen = TextGeneration(engine, pre.detokenizer(plan.prompt_ids), plan.stops, want_logprobs=plan.logprobs is not None)
-        return gen, pre, plan, freq
+        markers = plan.parser.markers if plan.parser is not None else ()
+        detokenizer = pre.detokenizer(plan.prompt_ids, markers)
+        gen = TextGeneration(engine, detokenizer, plan.stops, want_logprobs=plan.logprobs is not None)
+        return gen, freq
+
+    async def fanout_plans(self, req: Any, model: ServedModel, pre: ModelPreprocessor) -> list[_Plan]:
+        """One plan per prompt of a fan-out request (chat has one prompt)."""
+        return [await self.plan(req, model, pre)]
+
+    def sibling_plan(self, req: Any, model: ServedModel, plan: _Plan) -> _Plan:
+        """``plan`` for another choice of the same prompt: the same prompt and budget, with an
+        output parser of its own (parsers keep per-reply state)."""
+        return plan
 
     async def _stream(
         self,
@@ -280,6 +321,10 @@ class OpenAIEndpoint(ABC):
         return_tokens = req.return_token_ids
         pending_tokens: list[int] = []
         chunk_tokens: list[int] | None = None
+        # Chunks whose successor has already arrived from the worker wait for it and leave in one
+        # write: a client that falls behind gets several tokens per send, never later than before.
+        held: list[bytes] = []
+        gen.yield_idle = True
         try:
             while True:
                 finish = delta.finish_reason
@@ -293,21 +338,34 @@ class OpenAIEndpoint(ABC):
                     if return_tokens:
                         chunk_tokens = pending_tokens + delta.token_ids if pending_tokens else delta.token_ids
                     chunk = fmt.chunk(text, finish, self._logprobs(collector, delta), usage, chunk_tokens)
-                    if delta is not first:
-                        itl.observe(now - last_sent)
-                    last_sent = now
                     pending_text = ""
                     pending_tokens = []
                     if finish is not None:
-                        tail = [chunk]
+                        if delta is not first:
+                            itl.observe(now - last_sent)
+                        tail = [*held, chunk]
                         if req.include_usage:
                             tail.append(fmt.usage_chunk(make_usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)))
                         tail.append(SSE_DONE)
                         watch.done()
                         await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
                         return STATUS_SUCCESS
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    if chunk:  # empty: an output parser holds the text back (it may be markup)
+                        if delta is not first:
+                            itl.observe(now - last_sent)
+                        last_sent = now
+                        held.append(chunk)
+                if held and not gen.ready:
+                    body = held[0] if len(held) == 1 else b"".join(held)
+                    held.clear()
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
                 delta = await gen.__anext__()
+                while delta is IDLE:  # no text yet and nothing more arrived: what is held goes now
+                    if held:
+                        body = b"".join(held)
+                        held.clear()
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
+                    delta = await gen.__anext__()
                 text = pending_text + delta.text
         except asyncio.CancelledError:
             raise
@@ -315,7 +373,7 @@ class OpenAIEndpoint(ABC):
             error = to_http_error(exc, request_id=fmt.id)
             logger.warning("stream failed after start request_id=%s status=%d error=%s", fmt.id, error.status, exc)
             watch.done()
-            payload = b"data: " + error.body + b"\n\n" + SSE_DONE
+            payload = b"".join(held) + b"data: " + error.body + b"\n\n" + SSE_DONE
             await send({"type": "http.response.body", "body": payload, "more_body": False})
             return STATUS_ERROR
 
@@ -354,6 +412,23 @@ class OpenAIEndpoint(ABC):
         return STATUS_SUCCESS
 
 
+def chat_output_parser(req: ChatCompletionRequest, model: ServedModel) -> OutputParser | None:
+    """The request's output parser from the model card's parser names and the request's tool
+    settings (checked here, so a bad ``tool_choice`` is a 400 before anything is routed); None
+    when nothing needs parsing. ``tool_choice: none`` turns tool-call parsing off; ``required`` or
+    a named function reads the reply, constrained to JSON by ``sampling.py``, as the calls."""
+    card = model.card
+    tools = ToolSettings.from_request(req.tools, req.tool_choice, req.parallel_tool_calls) if req.tools or req.tool_choice else None
+    if forces_call(tools):
+        assert tools is not None
+        return forced_output_parser(tools)
+    if card.tool_call_parser is None and card.reasoning_parser is None:
+        return None
+    return build_output_parser(
+        tool_call_parser_name=card.tool_call_parser, reasoning_parser_name=card.reasoning_parser, tools=tools
+    )
+
+
 class ChatCompletionsEndpoint(OpenAIEndpoint):
     endpoint_name = ENDPOINT_CHAT
 
@@ -365,18 +440,23 @@ class ChatCompletionsEndpoint(OpenAIEndpoint):
         prompt_ids = await pre.chat_prompt(req)
         max_tokens = plan_max_tokens(len(prompt_ids), req.output_limit(), model.context_length, None)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return _Plan(prompt_ids, max_tokens, logprobs, "", stops)
+        return _Plan(prompt_ids, max_tokens, logprobs, "", stops, chat_output_parser(req, model))
 
-    def formatter(self, req: ChatCompletionRequest, response_id: str, created: int) -> ChatFormatter:
+    def sibling_plan(self, req: ChatCompletionRequest, model: ServedModel, plan: _Plan) -> _Plan:
+        if plan.parser is None:
+            return plan
+        return _Plan(plan.prompt_ids, plan.max_tokens, plan.logprobs, plan.echo_text, plan.stops, chat_output_parser(req, model))
+
+    def formatter(self, req: ChatCompletionRequest, response_id: str, created: int, plan: _Plan) -> ChatFormatter:
         return ChatFormatter(
             response_id, created, req.model, include_usage=req.include_usage, continuous_usage=req.continuous_usage,
-            return_token_ids=req.return_token_ids,
+            return_token_ids=req.return_token_ids, parser=plan.parser,
         )
 
     def _logprobs(self, collector: LogprobCollector | None, delta: Delta) -> Any:
         if collector is None:
             return None
-        return collector.add_chat(delta.token_ids, delta.log_probs)
+        return collector.add_chat(delta.token_ids, delta.log_probs, delta.top_logprobs)
 
     def _total_logprobs(self, collector: LogprobCollector | None) -> Any:
         return collector.chat_total() if collector is not None else None
@@ -389,17 +469,31 @@ class CompletionsEndpoint(OpenAIEndpoint):
         return decode_completion_request(body)
 
     async def plan(self, req: CompletionRequest, model: ServedModel, pre: ModelPreprocessor) -> _Plan:
-        if req.best_of is not None and req.best_of != 1:
-            raise InvalidRequestError("best_of > 1 is not supported", param="best_of")
+        self._check(req)
+        prompts = completion_prompts(req)
+        if len(prompts) != 1:  # fanout.fans_out sends batches elsewhere; a guard, not a path
+            raise InvalidRequestError(f"expected one prompt, got {len(prompts)}", param="prompt")
+        return await self._plan_prompt(req, model, pre, prompts[0])
+
+    async def fanout_plans(self, req: CompletionRequest, model: ServedModel, pre: ModelPreprocessor) -> list[_Plan]:
+        self._check(req)
+        return [await self._plan_prompt(req, model, pre, prompt) for prompt in completion_prompts(req)]
+
+    @staticmethod
+    def _check(req: CompletionRequest) -> None:
+        if req.best_of is not None and req.best_of != req.n:
+            raise InvalidRequestError(
+                f"best_of={req.best_of} with n={req.n} is not supported: candidates are not ranked here; "
+                "leave best_of unset or equal to n",
+                param="best_of",
+            )
         if req.suffix:
             raise InvalidRequestError("suffix is not supported by this model", param="suffix")
+
+    async def _plan_prompt(
+        self, req: CompletionRequest, model: ServedModel, pre: ModelPreprocessor, prompt: str | list[int]
+    ) -> _Plan:
         stops = req.stop_list()
-        prompts = completion_prompts(req)
-        if len(prompts) != 1:
-            raise InvalidRequestError(
-                f"batched prompts are not supported ({len(prompts)} given); send one request per prompt", param="prompt"
-            )
-        prompt = prompts[0]
         prompt_ids = await pre.completion_prompt(prompt)
         try:
             max_tokens = plan_max_tokens(len(prompt_ids), req.max_tokens, model.context_length, DEFAULT_COMPLETION_MAX_TOKENS)
@@ -412,7 +506,7 @@ class CompletionsEndpoint(OpenAIEndpoint):
             echo = prompt if isinstance(prompt, str) else pre.tokenizer.decode(prompt, skip_special_tokens=False)
         return _Plan(prompt_ids, max_tokens, req.logprobs, echo, stops)
 
-    def formatter(self, req: CompletionRequest, response_id: str, created: int) -> CompletionFormatter:
+    def formatter(self, req: CompletionRequest, response_id: str, created: int, plan: _Plan) -> CompletionFormatter:
         return CompletionFormatter(
             response_id, created, req.model, include_usage=req.include_usage, continuous_usage=req.continuous_usage,
             return_token_ids=req.return_token_ids,
@@ -421,7 +515,7 @@ class CompletionsEndpoint(OpenAIEndpoint):
     def _logprobs(self, collector: LogprobCollector | None, delta: Delta) -> Any:
         if collector is None:
             return None
-        return collector.add_completion(delta.token_ids, delta.log_probs)
+        return collector.add_completion(delta.token_ids, delta.log_probs, delta.top_logprobs)
 
     def _total_logprobs(self, collector: LogprobCollector | None) -> Any:
         return collector.completion_total() if collector is not None else None

@@ -15,6 +15,7 @@ it is logged with its traceback and the client gets a 500 with the request id, n
 from __future__ import annotations
 
 import logging
+import math
 
 import msgspec
 
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
+    401: "invalid_request_error",  # OpenAI's type for a missing or wrong API key (code invalid_api_key)
     404: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
@@ -102,7 +104,9 @@ def to_http_error(exc: BaseException, *, request_id: str = "") -> HttpError:
     status = err.http_status
     code = err.public_code
     headers: list[tuple[bytes, bytes]] = []
-    if status == 503:
-        headers.append((b"retry-after", str(max(1, round(err.retry_after_s))).encode()))
+    if status == 503 or status == 429:
+        headers.append((b"retry-after", str(max(1, math.ceil(err.retry_after_s))).encode()))
+    elif status == 401:
+        headers.append((b"www-authenticate", b'Bearer realm="dynamod"'))
     message = err.message or str(err)
     return HttpError(status, error_body(status, message, code=_OPENAI_CODES.get(code, code), param=err.param), headers)

@@ -18,13 +18,27 @@ from dynamod.shared.protocol.llm import FINISH_ERROR, FINISH_STOP
 
 
 class Delta:
-    __slots__ = ("text", "token_ids", "log_probs", "finish_reason")
+    __slots__ = ("text", "token_ids", "log_probs", "finish_reason", "top_logprobs")
 
-    def __init__(self, text: str, token_ids: list[int], log_probs: list[float] | None, finish_reason: str | None) -> None:
+    def __init__(
+        self,
+        text: str,
+        token_ids: list[int],
+        log_probs: list[float] | None,
+        finish_reason: str | None,
+        top_logprobs: list[Any] | None = None,
+    ) -> None:
         self.text = text
         self.token_ids = token_ids
         self.log_probs = log_probs
         self.finish_reason = finish_reason
+        # Per token: its most likely alternatives as [token id, logprob] pairs (top_logprobs).
+        self.top_logprobs = top_logprobs
+
+
+# Yielded (when asked for) where the engine's output so far gives no text yet and nothing more has
+# arrived: a streaming caller that holds chunks back must send them now rather than wait.
+IDLE = Delta("", [], None, None)
 
 
 class TextGeneration:
@@ -44,6 +58,7 @@ class TextGeneration:
         self._want_logprobs = want_logprobs
         self.finish_reason: str | None = None
         self._stopped_after: int | None = None
+        self.yield_idle = False  # see IDLE
         self._gen = self._run()
 
     @property
@@ -61,6 +76,12 @@ class TextGeneration:
     @property
     def cached_tokens(self) -> int:
         return self.engine.cached_tokens
+
+    @property
+    def ready(self) -> bool:
+        """The engine's next output has already arrived: the next delta is computed without
+        waiting, so the caller may hold what it has and send both together (one write)."""
+        return self.engine.buffered > 0
 
     def __aiter__(self) -> TextGeneration:
         return self
@@ -80,6 +101,7 @@ class TextGeneration:
         # with the next delta, so a delta's token ids always add up to what was generated.
         carry: list[int] = []
         carry_lp: list[float] = []
+        carry_top: list[Any] = []
         seen = 0  # tokens received before this frame
         async for out in self.engine:
             new_tokens = out.get("token_ids") or []
@@ -87,6 +109,7 @@ class TextGeneration:
             if finish == FINISH_ERROR:
                 raise EngineError(f"the engine failed the request: {out.get('error') or 'no detail'}")
             log_probs = out.get("log_probs") if want_logprobs else None
+            top = out.get("top_logprobs") if want_logprobs else None
             matched: str | None = None
             if matcher is None:
                 text = detok.add_tokens(new_tokens) if new_tokens else ""
@@ -110,11 +133,15 @@ class TextGeneration:
                     new_tokens = new_tokens[:kept]
                     if log_probs is not None:
                         log_probs = log_probs[:kept]
+                    if top is not None:
+                        top = top[:kept]
             if carry:
                 tokens = carry + new_tokens
                 if log_probs is not None:
                     log_probs = carry_lp + log_probs
-                carry, carry_lp = [], []
+                if top is not None:
+                    top = carry_top + top
+                carry, carry_lp, carry_top = [], [], []
             else:
                 tokens = new_tokens
             seen += len(new_tokens)
@@ -122,17 +149,21 @@ class TextGeneration:
                 if matched is not None:
                     self._stopped_after = seen
                     self.finish_reason = FINISH_STOP
-                    yield Delta(text, tokens, log_probs, FINISH_STOP)
+                    yield Delta(text, tokens, log_probs, FINISH_STOP, top)
                     return
                 if finish is not None:
                     text += matcher.flush()
             if finish is not None:
                 self.finish_reason = finish
             if text or finish is not None:
-                yield Delta(text, tokens, log_probs, finish)
+                yield Delta(text, tokens, log_probs, finish, top)
                 if finish is not None:
                     return
             else:
                 carry = tokens
                 if log_probs is not None:
                     carry_lp = log_probs
+                if top is not None:
+                    carry_top = top
+                if self.yield_idle and not self.engine.buffered:
+                    yield IDLE

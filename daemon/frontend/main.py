@@ -4,6 +4,11 @@
 as workers publish their cards (no model flag here). ``--num-frontends N`` runs N processes on one
 port (``SO_REUSEPORT``) that share routing state over the event plane.
 
+The OpenAI port's doors (``doors``): API keys (``--api-key-file`` / ``DYN_API_KEY``; the file is
+re-read when it changes and on SIGHUP), a per-client rate limit, a body cap, and HTTPS with
+``--http-tls-cert-file``/``--http-tls-key-file``. Listening beyond loopback without keys is
+allowed, with a warning at start.
+
 Shutdown (SIGTERM/SIGINT): ``/health`` turns 503 and new requests get 503 at once, streams already
 admitted run to their end (up to ``--shutdown-grace``), then the server and runtime close.
 """
@@ -12,12 +17,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
+import signal
+import ssl
 
 from dynamod.daemon.frontend.app import build_app
+from dynamod.daemon.frontend.auth import ApiKeys
 from dynamod.daemon.frontend.dispatch import Dispatcher
+from dynamod.daemon.frontend.doors import DoorSettings
 from dynamod.daemon.frontend.fleet import FrontendFleet
+from dynamod.daemon.frontend.fleet_metrics import FleetMetrics, fleet_labels
+from dynamod.daemon.frontend.limits import DEFAULT_MAX_BODY_BYTES
 from dynamod.daemon.frontend.metrics import FrontendMetrics
 from dynamod.daemon.frontend.models import ModelRegistry
 from dynamod.daemon.frontend.router_factory import RouterFactoryBuilder, add_kv_router_args
@@ -30,6 +42,8 @@ from dynamod.daemon.router.prefill_stage import DEFAULT_PREFILL_TIMEOUT_S, Disag
 from dynamod.shared.config import add_runtime_args, env_or, settings_from_args
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.runtime.distributed import DistributedRuntime
+from dynamod.shared.security.tls import TlsFiles, server_context
+from dynamod.shared.transport.address import join_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +73,71 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reuse-port", action="store_true",
                    help="share the HTTP port with other frontend processes started separately (SO_REUSEPORT), "
                         "as `dynamod up --num-frontends N` does; they share routing state like a fleet")
+    g.add_argument("--responses-store-size", type=int, default=env_or("DYN_RESPONSES_STORE_SIZE", "1024"),
+                   help="finished /v1/responses kept in this process's memory for previous_response_id and "
+                        "GET /v1/responses/{id}, least recently used out; 0 keeps none "
+                        "[env DYN_RESPONSES_STORE_SIZE, default 1024]")
+    add_door_args(g)
     add_prefill_timeout_arg(g)
     add_runtime_args(parser)
     add_kv_router_args(parser)
     add_disagg_args(parser)
+
+
+def add_door_args(g: argparse._ArgumentGroup) -> None:
+    """The OpenAI port's keys, limits and HTTPS (``doors``). Key values only from a file or the
+    environment: a flag's value is visible to every user in ``ps``."""
+    g.add_argument("--api-key-file", default=env_or("DYN_API_KEY_FILE", "") or None,
+                   help="file of API keys the OpenAI port accepts as 'Authorization: Bearer KEY', one per line (re-read "
+                        "when it changes and on SIGHUP); keys may also be given, comma-separated, in DYN_API_KEY; "
+                        "/live stays open and /health shows only its status without a key "
+                        "[env DYN_API_KEY_FILE, default: no keys, the port is open]")
+    g.add_argument("--rate-limit", type=float, default=float(env_or("DYN_HTTP_RATE_LIMIT", "0")),
+                   help="requests per second each client (API key, else address) may send (all routes but /live, /health and /metrics); more get "
+                        "429 with Retry-After; 0 = no limit [env DYN_HTTP_RATE_LIMIT, default 0]")
+    g.add_argument("--rate-limit-burst", type=float, default=float(env_or("DYN_HTTP_RATE_LIMIT_BURST", "0")),
+                   help="requests a client may send at once above its rate; 0 = the rate (at least 1) "
+                        "[env DYN_HTTP_RATE_LIMIT_BURST, default 0]")
+    g.add_argument("--max-body-bytes", type=int,
+                   default=int(env_or("DYN_HTTP_MAX_BODY_BYTES", str(DEFAULT_MAX_BODY_BYTES))),
+                   help="largest request body accepted; a larger one gets 413 before it is read "
+                        f"[env DYN_HTTP_MAX_BODY_BYTES, default {DEFAULT_MAX_BODY_BYTES}]")
+    g.add_argument("--http-tls-cert-file", default=env_or("DYN_HTTP_TLS_CERT_FILE", "") or None,
+                   help="certificate (PEM) to serve the OpenAI port over HTTPS [env DYN_HTTP_TLS_CERT_FILE, default: "
+                        "plain HTTP]")
+    g.add_argument("--http-tls-key-file", default=env_or("DYN_HTTP_TLS_KEY_FILE", "") or None,
+                   help="its private key (PEM; may be inside the certificate file) [env DYN_HTTP_TLS_KEY_FILE]")
+
+
+def door_settings_from_args(args: argparse.Namespace) -> DoorSettings:
+    if args.max_body_bytes < 1:
+        raise ConfigError("--max-body-bytes must be at least 1")
+    if args.rate_limit < 0 or args.rate_limit_burst < 0:
+        raise ConfigError("--rate-limit and --rate-limit-burst must be 0 (off / default) or more")
+    return DoorSettings(
+        api_keys=ApiKeys.from_sources(args.api_key_file, os.environ.get("DYN_API_KEY")),
+        rate_limit=args.rate_limit,
+        rate_limit_burst=args.rate_limit_burst,
+        max_body_bytes=args.max_body_bytes,
+    )
+
+
+def https_context_from_args(args: argparse.Namespace) -> ssl.SSLContext | None:
+    if not args.http_tls_cert_file and not args.http_tls_key_file:
+        return None
+    files = TlsFiles(cert_file=args.http_tls_cert_file, key_file=args.http_tls_key_file)
+    if not files.cert_file:
+        raise ConfigError("HTTPS: --http-tls-key-file needs its certificate in --http-tls-cert-file")
+    return server_context(files, require_client_cert=False, what="HTTPS frontend")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def add_prefill_timeout_arg(group: argparse._ArgumentGroup) -> None:
@@ -94,6 +169,8 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         raise ConfigError("--max-inflight must be at least 1")
     if args.worker_wait < 0:
         raise ConfigError("--worker-wait must be 0 or more")
+    if args.responses_store_size < 0:
+        raise ConfigError("--responses-store-size must be 0 or more")
     return FrontendConfig(
         http_host=args.http_host,
         http_port=args.http_port,
@@ -104,18 +181,25 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         coalesce_s=max(0.0, args.token_coalesce_ms) / 1000.0,
         shutdown_grace_s=args.shutdown_grace,
         num_frontends=args.num_frontends,
+        responses_store_size=args.responses_store_size,
     )
 
 
 async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     config = config_from_args(args)
     settings = settings_from_args(args)
+    # A fleet: copies started by this process (--num-frontends), one of those copies, or one of the
+    # frontends `dynamod up --num-frontends N` starts on a shared port (--reuse-port).
+    in_fleet = args.num_frontends > 1 or args.frontend_group_pid is not None or args.reuse_port
+    if in_fleet and settings.system_port is None:
+        settings.system_port = 0  # each member's own /metrics, which the shared port's /metrics adds up
     runtime = await DistributedRuntime.create(settings)
     sync: RoutingSync | None = None
     registry: ModelRegistry | None = None
     server: HttpServer | None = None
     fleet: FrontendFleet | None = None
     routers: RouterFactoryBuilder | None = None
+    state: FrontendState | None = None
     try:
         metrics = FrontendMetrics(runtime.registry)
         quarantine = Quarantine(hold_s=settings.lease_ttl_s + 1.0)
@@ -141,8 +225,18 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
                 f"cannot listen on {config.http_host}:{config.http_port}: {exc.strerror or exc}; pick another --http-port"
             ) from exc
         port = int(sock.getsockname()[1])
-        server = HttpServer(build_app(state), sock, graceful_s=config.shutdown_grace_s)
+        doors = door_settings_from_args(args)
+        https = https_context_from_args(args)
+        if doors.api_keys is None and not is_loopback(config.http_host):
+            logger.warning(
+                "frontend listening beyond loopback without API keys host=%s hint=set --api-key-file or DYN_API_KEY",
+                config.http_host,
+            )
+        server = HttpServer(build_app(state, doors), sock, graceful_s=config.shutdown_grace_s, ssl_context=https)
         await server.start()
+        keys = doors.api_keys
+        if keys is not None:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, keys.reload)
         if config.num_frontends > 1:
             fleet = FrontendFleet(config.num_frontends - 1, port)
             await fleet.start()
@@ -150,14 +244,27 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
             fleet.on_change = lambda pids: state.frontend_pids.__setitem__(slice(None), [os.getpid(), *pids])
         elif args.frontend_group_pid:
             state.frontend_pids = [args.frontend_group_pid, os.getpid()]
-        base_url = f"http://{config.http_host}:{port}"
+        # Discovery gets an address other hosts can dial: never 0.0.0.0 (shared/transport/address.py).
+        http_address = join_host_port(runtime.settings.advertised(config.http_host), port)
+        scheme = "https" if https is not None else "http"
+        base_url = f"{scheme}://{http_address}"
         advertised = await runtime.namespace().component("frontend").endpoint("http").advertise(
-            transport="http", address=f"{config.http_host}:{port}", role="frontend",
-            labels={"metrics_url": f"{base_url}/metrics", "router_mode": config.router_mode},
+            transport="http", address=http_address, role="frontend",
+            labels={
+                "metrics_url": f"{base_url}/metrics", "router_mode": config.router_mode,
+                **(fleet_labels(base_url, runtime.status_url) if in_fleet and runtime.status_url else {}),
+            },
         )
+        if in_fleet and runtime.status_url:
+            peers = await runtime.namespace().component("frontend").endpoint("http").client()
+            state.fleet_metrics = FleetMetrics(
+                runtime.registry, peers, fleet=base_url, own_instance_id=runtime.instance_id
+            )
         logger.info(
-            "frontend listening url=http://%s:%d router_mode=%s models=%d frontends=%d",
-            config.http_host, port, config.router_mode, len(registry.models), config.num_frontends,
+            "frontend listening url=%s://%s:%d router_mode=%s models=%d frontends=%d api_keys=%d rate_limit=%g "
+            "max_body_bytes=%d",
+            scheme, config.http_host, port, config.router_mode, len(registry.models), config.num_frontends,
+            len(keys) if keys is not None else 0, doors.rate_limit, doors.max_body_bytes,
         )
         await stop.wait()
         # Graceful: refuse new work, let admitted streams finish, then close.
@@ -176,6 +283,8 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
             await fleet.stop(0)
         if registry is not None:
             await registry.close()
+        if state is not None and state.fleet_metrics is not None:
+            await state.fleet_metrics.close()
         if routers is not None:
             await routers.close()
         if sync is not None:

@@ -16,6 +16,13 @@ decode card; its pool waits here until the model appears. A pool outlives its la
 disaggregated model whose prefill workers are all gone prefills locally (``no_prefill_workers``)
 instead of silently turning into an aggregated one; a decode-role worker makes its model
 disaggregated in the same way before any prefill worker has shown up.
+
+Embedding cards (model type ``embedding``, endpoint ``embed``) make models of their own kind, kept
+apart in ``embedding_models``: ``get`` (chat, completions, responses) and ``get_embedding``
+(``/v1/embeddings``) each answer a model of the other kind with a 400 that says which endpoint it
+serves. They are routed round-robin over their ready workers (a KV router has nothing to gain
+from a one-pass request), so the KV router never hears of them. A name can be one kind only:
+a card of the other kind for a name already served is refused with a warning.
 """
 
 from __future__ import annotations
@@ -30,16 +37,18 @@ from typing import TYPE_CHECKING
 from dynamod.daemon.frontend.metrics import FrontendMetrics, ModelMetrics
 from dynamod.daemon.frontend.preprocess.model_preprocessor import ModelPreprocessor, PreprocessorCache
 from dynamod.daemon.frontend.routing import Quarantine, RoundRobinRouter, Router
-from dynamod.shared.errors import NotFoundError
+from dynamod.shared.errors import InvalidRequestError, NotFoundError
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.keys import mdc_prefix, parse_key
 from dynamod.shared.protocol.model_card import (
     MODEL_TYPE_CHAT,
     MODEL_TYPE_COMPLETIONS,
+    MODEL_TYPE_EMBEDDING,
     MODEL_TYPE_PREFILL,
     ModelCard,
 )
 from dynamod.shared.runtime.model_cards import ModelCardSet
+from dynamod.shared.runtime.model_files import ModelFilesReader
 
 if TYPE_CHECKING:
     from dynamod.shared.runtime.client import EndpointClient
@@ -132,6 +141,8 @@ class ServedModel:
     workers: dict[int, EndpointPool] = field(default_factory=dict)
     router: Router | None = None
     preprocessor_task: asyncio.Task[ModelPreprocessor] | None = None
+    # Loads the tokenizer again after a failed load (its files were not in discovery yet).
+    reload_preprocessor: Callable[[ModelCard], asyncio.Task[ModelPreprocessor]] | None = None
     prefill: PrefillPool | None = None  # set: served disaggregated
 
     @property
@@ -154,8 +165,11 @@ class ServedModel:
         return (inst, pool) if inst is not None else None
 
     async def preprocessor(self) -> ModelPreprocessor:
-        assert self.preprocessor_task is not None
-        return await asyncio.shield(self.preprocessor_task)
+        task = self.preprocessor_task
+        assert task is not None
+        if self.reload_preprocessor is not None and task.done() and not task.cancelled() and task.exception():
+            task = self.preprocessor_task = self.reload_preprocessor(self.card)
+        return await asyncio.shield(task)
 
 
 class ModelRegistry:
@@ -175,13 +189,14 @@ class ModelRegistry:
         self._router_factory = router_factory
         self._prefill_router_factory = prefill_router_factory
         self._namespace = runtime.settings.namespace
-        self.models: dict[str, ServedModel] = {}
+        self.models: dict[str, ServedModel] = {}  # chat/completions models
+        self.embedding_models: dict[str, ServedModel] = {}
         self._cards: dict[str, tuple[str, int]] = {}  # card key -> (model name, worker id)
         self._prefill_cards: dict[str, tuple[str, int]] = {}  # prefill card key -> (model name, worker id)
         self.prefill_pools: dict[str, PrefillPool] = {}  # model name -> its prefill pool (may precede the model)
         self._pools: dict[tuple[str, str], EndpointPool] = {}
         self._pool_lock = asyncio.Lock()
-        self._preprocessors = PreprocessorCache()
+        self._preprocessors = PreprocessorCache(ModelFilesReader(runtime.store, self._namespace))
         self._changed = asyncio.Event()
         self.card_set = ModelCardSet(runtime.store, mdc_prefix(self._namespace))
         self.card_set.add_listener(self._on_card)
@@ -205,10 +220,30 @@ class ModelRegistry:
     # -- queries --------------------------------------------------------------------------------
 
     def get(self, name: str) -> ServedModel:
+        """A chat/completions model by name (404 unknown; 400 an embedding model)."""
         model = self.models.get(name)
         if model is None:
+            if name in self.embedding_models:
+                raise InvalidRequestError(
+                    f"the model {name!r} is an embedding model; it serves POST /v1/embeddings only", param="model"
+                )
             raise NotFoundError(f"the model {name!r} does not exist; GET /v1/models lists the models served now")
         return model
+
+    def get_embedding(self, name: str) -> ServedModel:
+        """An embedding model by name (404 unknown; 400 a chat/completions model)."""
+        model = self.embedding_models.get(name)
+        if model is None:
+            if name in self.models:
+                raise InvalidRequestError(
+                    f"the model {name!r} does not serve embeddings; it serves chat and completions", param="model"
+                )
+            raise NotFoundError(f"the model {name!r} does not exist; GET /v1/models lists the models served now")
+        return model
+
+    def all_models(self) -> list[ServedModel]:
+        """Every model clients can name, of both kinds, by name."""
+        return sorted([*self.models.values(), *self.embedding_models.values()], key=lambda m: m.name)
 
     async def wait_changed(self, timeout_s: float) -> bool:
         """Waits until a card or instance changes, up to ``timeout_s``; True if one did."""
@@ -254,11 +289,17 @@ class ModelRegistry:
         parsed = parse_key(key)
         if parsed is None:
             return
+        if MODEL_TYPE_EMBEDDING in card.model_types:
+            await self._apply_embedding_put(key, parsed.component, parsed.name, parsed.instance_id, card)
+            return
         if not ({MODEL_TYPE_CHAT, MODEL_TYPE_COMPLETIONS} & set(card.model_types)):
             if MODEL_TYPE_PREFILL in card.model_types:
                 await self._apply_prefill_put(key, parsed.component, parsed.name, parsed.instance_id, card)
             return  # prefill-only workers are not reachable by clients directly
         name = card.served_model_name
+        if name in self.embedding_models:
+            logger.warning("model card refused model=%s key=%s reason=served_as_embedding_model", name, key)
+            return
         previous = self._cards.get(key)
         if previous is not None and previous[0] != name:
             self._apply_delete(key)
@@ -268,6 +309,7 @@ class ModelRegistry:
         if model is None:
             model = ServedModel(name=name, card=card, created=int(time.time()), metrics=self.metrics.for_model(name))
             model.preprocessor_task = self._preprocessors.get(card)
+            model.reload_preprocessor = self._preprocessors.get
             model.router = self._router_factory(model)
             model.prefill = self.prefill_pools.get(name)
             self.models[name] = model
@@ -286,6 +328,37 @@ class ModelRegistry:
             logger.info("model worker added model=%s worker_id=%x workers=%d", name, parsed.instance_id, len(model.workers))
             for wl in self.worker_listeners:
                 wl(model, parsed.instance_id, True)
+        self._notify()
+
+    # -- embedding models -----------------------------------------------------------------------
+
+    async def _apply_embedding_put(self, key: str, component: str, endpoint: str, worker_id: int, card: ModelCard) -> None:
+        name = card.served_model_name
+        if name in self.models:
+            logger.warning("model card refused model=%s key=%s reason=served_as_chat_model", name, key)
+            return
+        if card.embedding is None:
+            logger.warning("model card refused model=%s key=%s reason=embedding_card_without_dimensions", name, key)
+            return
+        previous = self._cards.get(key)
+        if previous is not None and previous[0] != name:
+            self._apply_delete(key)
+        pool = await self._pool(component, endpoint)
+        self._cards[key] = (name, worker_id)
+        model = self.embedding_models.get(name)
+        if model is None:
+            model = ServedModel(name=name, card=card, created=int(time.time()), metrics=self.metrics.for_model(name))
+            model.preprocessor_task = self._preprocessors.get(card)
+            model.reload_preprocessor = self._preprocessors.get
+            model.router = RoundRobinRouter()
+            self.embedding_models[name] = model
+            logger.info(
+                "embedding model added model=%s dimensions=%d context_length=%d worker_id=%x",
+                name, card.embedding.dimensions, card.context_length, worker_id,
+            )
+        if worker_id not in model.workers:
+            model.workers[worker_id] = pool
+            logger.info("model worker added model=%s worker_id=%x workers=%d", name, worker_id, len(model.workers))
         self._notify()
 
     # -- prefill pools --------------------------------------------------------------------------
@@ -353,17 +426,20 @@ class ModelRegistry:
         if entry is None:
             return
         name, worker_id = entry
-        model = self.models.get(name)
+        table = self.models if name in self.models else self.embedding_models
+        model = table.get(name)
         if model is None:
             return
         # Another card of the same worker (same model) may still be there; only drop on the last.
         if not any(v == entry for v in self._cards.values()) and model.workers.pop(worker_id, None) is not None:
             logger.info("model worker removed model=%s worker_id=%x workers=%d", name, worker_id, len(model.workers))
-            for wl in self.worker_listeners:
-                wl(model, worker_id, False)
+            if table is self.models:
+                for wl in self.worker_listeners:
+                    wl(model, worker_id, False)
         if not model.workers:
-            del self.models[name]
+            del table[name]
             logger.info("model removed model=%s", name)
-            for listener in self.model_listeners:
-                listener(model, False)
+            if table is self.models:
+                for listener in self.model_listeners:
+                    listener(model, False)
         self._notify()

@@ -30,6 +30,9 @@ TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, msgspec.Meta(ge=-1, le=_I32)]
 Seed = Annotated[int, msgspec.Meta(ge=-_I64 - 1, le=_I64)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=100.0)]
+MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+LogitBias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
 ChoiceCount = Annotated[int, msgspec.Meta(ge=1, le=128)]
 TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=_I32)]
@@ -63,6 +66,13 @@ class NvExt(msgspec.Struct, kw_only=True):
     ignore_eos: bool | None = None
     router: NvExtRouter | None = None
     agent_hints: AgentHints | None = None
+    # Dynamo's guided decoding under nvext (the same meaning as the top-level guided_* fields).
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: Any = None
 
     def sla_targets(self) -> SlaTargets | None:
         """The targets for ``PreprocessedRequest.router`` (None: the client set none)."""
@@ -75,6 +85,38 @@ class NvExt(msgspec.Struct, kw_only=True):
         """The hints for ``PreprocessedRequest.routing`` (None: the client set none)."""
         h = self.agent_hints
         return None if h is None or h.priority is None else RoutingHints(priority=h.priority)
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """``response_format.json_schema``: the schema under ``schema`` (vLLM also reads ``json_schema``)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema: Any = msgspec.field(default=None, name="schema")
+    json_schema: Any = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema`` (vLLM's
+    ``structural_tag`` is decoded so it can be refused by name)."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True):
+    """vLLM's ``structured_outputs`` request field (its ``StructuredOutputsParams``)."""
+
+    json: Any = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    structural_tag: Any = None
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
@@ -94,6 +136,31 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     ignore_eos: bool | None = False
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
+    # vLLM's sampling extensions; daemon/frontend/sampling.py turns these into ``SamplingOptions``.
+    repetition_penalty: RepetitionPenalty | None = None
+    min_p: MinP | None = None
+    logit_bias: dict[TokenId, LogitBias] | None = None  # JSON keys are token ids as strings
+    allowed_token_ids: list[TokenId] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    # vLLM fields no engine here can honour: decoded so that a non-default value is a 400 naming
+    # it (sampling.py) rather than silently ignored as an unknown field would be.
+    guided_decoding_backend: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    logits_processors: Any = None
+    bad_words: Any = None
     user: str | None = None
     nvext: NvExt | None = None
     return_token_ids: bool | None = False  # vLLM's extension: each choice also carries its token ids
@@ -135,7 +202,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: TopLogprobs | None = None
     tools: list[Any] | None = None
-    tool_choice: Any = None
+    tool_choice: Any = None  # checked in parsers/output.py (ToolSettings): it names functions in ``tools``
+    parallel_tool_calls: bool | None = None  # False: at most one call per reply
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True
 
@@ -210,9 +278,25 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]
 
 
-class ChatMessage(msgspec.Struct):
+class ChatFunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ChatToolCall(msgspec.Struct):
+    id: str
+    function: ChatFunctionCall
+    type: str = "function"
+
+
+class ChatMessage(msgspec.Struct, omit_defaults=True):
+    """``content`` is always present (null when the reply is only tool calls); the other two only
+    when the model's output parsers produced them."""
+
     role: str
     content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ChatToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -232,9 +316,26 @@ class ChatCompletion(msgspec.Struct):
     system_fingerprint: str | None = None
 
 
+class ChatFunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ChatToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """One piece of a streamed tool call: the first piece of a call has ``id``, ``type`` and the
+    function's name; later ones only the next part of its ``arguments``."""
+
+    index: int
+    function: ChatFunctionDelta
+    id: str | None = None
+    type: str | None = None
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ChatToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -340,7 +441,7 @@ class ErrorBody(msgspec.Struct):
 
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
-_PATH_RE = re.compile(r"at `\$\.?([^`]*)`")
+_PATH_RE = re.compile(r"(?:at|in) `\$\.?([^`]*)`")  # "in" for a bad key: "at `key` in `$.logit_bias`"
 
 
 def _param_of(message: str) -> str | None:

@@ -5,6 +5,9 @@ share one port (``SO_REUSEPORT``: the kernel spreads new connections over them) 
 resolves before the copies are started. Accepted sockets get ``TCP_NODELAY``: an SSE chunk is a few hundred
 bytes, and Nagle's algorithm would hold each one back until the previous one is acknowledged.
 
+With ``ssl_context`` (``--http-tls-cert-file``) the same socket serves HTTPS: uvicorn wraps each
+accepted connection in that context (``shared/security/tls.server_context``: TLS 1.2 or newer).
+
 uvicorn's own signal handling is disabled; the role's lifecycle owns signals and calls
 ``stop()`` after the frontend has drained.
 """
@@ -15,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from collections.abc import Iterator
 from typing import Any
 
@@ -74,7 +78,18 @@ class _Server(uvicorn.Server):
 class HttpServer:
     """Serves ``app`` on ``sock`` until ``stop()``."""
 
-    def __init__(self, app: Any, sock: socket.socket, *, keep_alive_s: int = 75, graceful_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        app: Any,
+        sock: socket.socket,
+        *,
+        keep_alive_s: int = 75,
+        graceful_s: float = 5.0,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        tls: dict[str, Any] = {}
+        if ssl_context is not None:
+            tls = {"ssl_context_factory": lambda _config, _default: ssl_context}
         config = uvicorn.Config(
             app,
             http=NoDelayHttpToolsProtocol,
@@ -87,6 +102,7 @@ class HttpServer:
             timeout_keep_alive=keep_alive_s,
             timeout_graceful_shutdown=max(1, int(graceful_s)),
             backlog=LISTEN_BACKLOG,
+            **tls,
         )
         self._server = _Server(config)
         self._sock = sock

@@ -8,8 +8,14 @@ import os
 from dataclasses import dataclass, field
 
 from dynamod.daemon.frontend.dispatch import Dispatcher
+from dynamod.daemon.frontend.fleet_metrics import FleetMetrics
 from dynamod.daemon.frontend.metrics import FrontendMetrics
 from dynamod.daemon.frontend.models import ModelRegistry
+from dynamod.shared.errors import DynamoError, OverloadedError, UnavailableError
+
+# Why a request is turned away before its body is read (also the refusal metric's reason label).
+REFUSED_DRAINING = "draining"
+REFUSED_OVERLOADED = "overloaded"
 
 
 @dataclass(slots=True)
@@ -23,6 +29,7 @@ class FrontendConfig:
     coalesce_s: float = 0.0
     shutdown_grace_s: float = 30.0
     num_frontends: int = 1
+    responses_store_size: int = 1024  # responses kept for previous_response_id (0: none)
 
 
 @dataclass(eq=False)
@@ -35,7 +42,20 @@ class FrontendState:
     inflight: int = 0
     pid: int = field(default_factory=os.getpid)
     frontend_pids: list[int] = field(default_factory=list)
+    fleet_metrics: FleetMetrics | None = None  # a --num-frontends member: /metrics adds up the fleet
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def admission_refusal(self) -> tuple[str, DynamoError] | None:
+        """Why a new request may not be admitted now (reason, error), or None: the one rule the
+        front doors (before the body is read) and the endpoints (after it) both apply."""
+        if self.draining:
+            return REFUSED_DRAINING, UnavailableError("the frontend is shutting down; retry on another frontend")
+        if self.inflight >= self.config.max_inflight:
+            return REFUSED_OVERLOADED, OverloadedError(
+                f"the frontend has {self.inflight} requests in flight (limit {self.config.max_inflight})",
+                retry_after_s=1.0,
+            )
+        return None
 
     def admit(self) -> None:
         self.inflight += 1

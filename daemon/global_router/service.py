@@ -66,6 +66,7 @@ from dynamod.shared.protocol.model_card import (
 )
 from dynamod.shared.runtime.distributed import deregister_all, mark_all_draining
 from dynamod.shared.runtime.model_cards import ModelCardSet
+from dynamod.shared.runtime.model_files import ModelFilesPublisher, ModelFilesReader
 from dynamod.shared.transport.plane import RequestContext
 
 if TYPE_CHECKING:
@@ -121,6 +122,9 @@ class GlobalRouterService:
         self._card_sets: list[ModelCardSet] = []
         self._served: list[ServedInstance] = []
         self._published: dict[str, str] = {}  # stage -> the key of the card published for it
+        # The tokenizer files of mirrored cards, kept in our namespace too (frontends look for a
+        # card's files in the card's namespace): sha256 -> its publisher.
+        self._files: dict[str, ModelFilesPublisher] = {}
         self._stages_of: dict[str, list[str]] = {}  # pool namespace -> the stages it serves
         for stage, pools in grid.stages.items():
             for ns in pools.namespaces:
@@ -188,6 +192,9 @@ class GlobalRouterService:
             except TimeoutError:
                 logger.warning("global router stopping with requests in flight count=%d", self.inflight)
         await deregister_all(self._served)
+        for publisher in self._files.values():
+            await publisher.close()
+        self._files.clear()
         for client in self._clients.values():
             await client.close()
 
@@ -225,6 +232,7 @@ class GlobalRouterService:
                 if not types:
                     continue  # a prefill worker's card says nothing about what clients may ask
             mirrored = msgspec.structs.replace(card, model_types=types)
+            await self._mirror_files(ns, card)
             own = mdc_key(self.namespace, self.config.component, ENDPOINTS[stage], self._rt.instance_id)
             await self._rt.store.put(own, encode_card(mirrored), self._rt.lease)
             self._published[stage] = own
@@ -232,6 +240,19 @@ class GlobalRouterService:
                 "global router model published model=%s stage=%s from_pool=%s context_length=%d block_size=%d",
                 card.served_model_name, stage, ns, card.context_length, card.kv_block_size,
             )
+
+    async def _mirror_files(self, ns: str, card: ModelCard) -> None:
+        """Copies the tokenizer files a pool's card names into our namespace before our copy of
+        the card names them (as a worker publishes its files before its card)."""
+        ref = card.model_files
+        if ref is None or ref.sha256 in self._files or self._rt.lease is None:
+            return
+        files = await ModelFilesReader(self._rt.store, ns).fetch(ref, model=card.served_model_name)
+        publisher = ModelFilesPublisher(self._rt.store, self._rt.lease, self.namespace, files)
+        await publisher.start()
+        self._files[ref.sha256] = publisher
+        logger.info("global router model files mirrored model=%s from_pool=%s sha256=%s",
+                    card.served_model_name, ns, ref.sha256[:12])
 
     # -- requests ---------------------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ class ReplayPlanner:
     scale_downs: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
     _window: list[RequestStats] = field(default_factory=list)
+    _open_before: int = 0  # requests in flight at the previous tick
 
     @property
     def interval_ms(self) -> float:
@@ -108,7 +109,12 @@ class ReplayPlanner:
                 ))
             pools[name] = PoolObservation(pool=name, ready=len(loads), loads=tuple(loads))
         window, self._window = self._window, []
-        return Observation(now=sim.now / 1000.0, pools=pools, traffic=traffic_sample(window, self.policy.interval_s))
+        # Arrivals, as the live planner counts them: finished plus the growth of in-flight.
+        open_now = sim.open_requests
+        arrivals = len(window) + open_now - self._open_before
+        self._open_before = open_now
+        traffic = traffic_sample(window, self.policy.interval_s, arrivals=arrivals)
+        return Observation(now=sim.now / 1000.0, pools=pools, traffic=traffic)
 
     def report(self, sim: _Simulation, done: list[RequestStats], end_ms: float) -> dict[str, Any]:
         pools = self.pools(sim)
@@ -127,18 +133,20 @@ class ReplayPlanner:
         }
 
 
-def traffic_sample(window: list[RequestStats], duration_s: float) -> TrafficSample:
-    """What a frontend's metrics say about the requests that finished in one interval: their count
-    and mean ISL, OSL, TTFT and ITL (token-weighted, as a Prometheus histogram's mean)."""
+def traffic_sample(window: list[RequestStats], duration_s: float, arrivals: int | None = None) -> TrafficSample:
+    """What a frontend's metrics say about one interval: the requests that arrived (``arrivals``;
+    by default the ones that finished) and the finished ones' mean ISL, OSL, TTFT and ITL
+    (token-weighted, as a Prometheus histogram's mean)."""
+    count = float(len(window) if arrivals is None else max(0, arrivals))
     if not window:
-        return TrafficSample(duration_s=duration_s, num_requests=0, isl=None, osl=None, ttft_ms=None, itl_ms=None)
+        return TrafficSample(duration_s=duration_s, num_requests=count, isl=None, osl=None, ttft_ms=None, itl_ms=None)
     n = len(window)
     ttfts = [s.token_times[0] - s.arrival_ms for s in window if s.token_times]
     gaps = sum(s.token_times[-1] - s.token_times[0] for s in window if len(s.token_times) > 1)
     gap_count = sum(len(s.token_times) - 1 for s in window if len(s.token_times) > 1)
     return TrafficSample(
         duration_s=duration_s,
-        num_requests=float(n),
+        num_requests=count,
         isl=sum(s.prompt_tokens for s in window) / n,
         osl=sum(max(1, s.output_tokens) for s in window) / n,
         ttft_ms=sum(ttfts) / len(ttfts) if ttfts else None,

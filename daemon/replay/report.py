@@ -7,6 +7,8 @@ code: a difference in their figures is a difference in the simulated system, not
 from __future__ import annotations
 
 import itertools
+import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -62,7 +64,10 @@ def summary(values: Iterable[float], *qs: tuple[str, float]) -> dict[str, float]
 def client_figures(done: Sequence[RequestStats]) -> dict[str, object]:
     """TTFT, ITL, end-to-end latency, throughput and prefix-cache hit rate over finished requests."""
     ttft = [s.token_times[0] - s.arrival_ms for s in done if s.token_times]
-    itl = [b - a for s in done for a, b in itertools.pairwise(s.token_times)]
+    itl: list[float] = []
+    for s in done:  # each request's gaps, later token minus earlier (a C loop: millions of tokens)
+        times = s.token_times
+        itl.extend(map(operator.sub, itertools.islice(times, 1, None), times))
     e2e = [s.finish_ms - s.arrival_ms for s in done]
     sim_s = sim_seconds(done)
     prompt_total = sum(s.prompt_tokens for s in done)
@@ -94,18 +99,31 @@ class StepLog:
     request: a step that also prefilled is longer, and every running stream waits for it. That
     stall is what disaggregation removes, so its tail (and the share of decode steps that carried
     a prefill) is reported beside the per-token ITL.
+
+    ``busy_ms`` is the exact sum of every step's duration (``math.fsum``): a replay may record the
+    steps of different cores in any order (a stretch of plain decode steps at once), and a plain
+    running sum would then depend on that order in its last bits.
     """
 
-    busy_ms: float = 0.0
     decode_step_ms: list[float] = field(default_factory=list)
+    other_step_ms: list[float] = field(default_factory=list)  # steps that decoded nothing
     decode_steps_with_prefill: int = 0
 
+    @property
+    def busy_ms(self) -> float:
+        return math.fsum(itertools.chain(self.decode_step_ms, self.other_step_ms))
+
     def record(self, duration_ms: float, num_decode_reqs: int, num_prefill_tokens: int) -> None:
-        self.busy_ms += duration_ms
         if num_decode_reqs:
             self.decode_step_ms.append(duration_ms)
             if num_prefill_tokens:
                 self.decode_steps_with_prefill += 1
+        else:
+            self.other_step_ms.append(duration_ms)
+
+    def record_plain_decode_steps(self, duration_ms: float, count: int) -> None:
+        """``count`` decode steps of ``duration_ms`` each that prefilled nothing."""
+        self.decode_step_ms.extend(itertools.repeat(duration_ms, count))
 
     def decode_figures(self) -> dict[str, float]:
         res = summary(self.decode_step_ms, P50, P99)

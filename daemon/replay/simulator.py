@@ -7,6 +7,20 @@ router sees exactly what a live router would: KV events as workers publish them,
 (prefill done) and completions, with the simulated clock as its clock. Nothing sleeps, so a
 1,000-second trace replays in seconds.
 
+Most steps of a long replay only decode: each running request gets one token, no block is
+allocated or cached, nothing finishes or is admitted (``MockerCore.decode_stretch``). No one but
+the requests' own token times can tell such a step happened, so a core runs a stretch of them as
+one ``_DecodeRun``: the loop schedules only its last step and the core applies them all at once
+(``run_plain_decode_steps``). A stretch also takes in the step before it when that step's end is
+unseen (it took a new block and published nothing) and the step after it that fills a block (run
+with ``step(admit=False)`` at the stretch's end, which is that step's end, where its ``KvStored``
+is published). The result is the step-by-step replay's to the last digit
+(``fast_forward=False`` runs that reference; tests compare the two): a request arriving at the
+core cuts the stretch after the step in progress, and a step of the stretch ending at the very
+instant of another event becomes its last, so simultaneous events keep the order step-by-step
+processing gives them (heap entries are ordered by time, then the time they were pushed, then push
+order, which is the reference's order; a stretch's steps use the push order of its first).
+
 Aggregated (``replay``): one pool; each worker prefills and decodes its own requests.
 
 Disaggregated (``replay_disagg``): a prefill pool and a decode pool, each with its own router
@@ -35,8 +49,11 @@ includes prefill queueing, prefill compute, the KV transfer and the decode worke
 
 from __future__ import annotations
 
+import bisect
+import collections
 import heapq
 import itertools
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +61,7 @@ from typing import TYPE_CHECKING
 
 from dynamod.daemon.engines.mocker.config import MockerConfig
 from dynamod.daemon.engines.mocker.core import MockerCore, StepOutput
+from dynamod.daemon.engines.mocker.scheduler import DecodeStretch
 from dynamod.daemon.replay.report import (
     P50,
     P99,
@@ -64,7 +82,7 @@ from dynamod.daemon.router.disagg_policy import DisaggInputs, DisaggPolicyConfig
 from dynamod.daemon.router.kv_router import KvRouter
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.kv.hashing import hash_tokens
-from dynamod.shared.protocol.kv_events import RouterEvent
+from dynamod.shared.protocol.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, RouterEvent
 from dynamod.shared.protocol.routing import DISAGG_REMOTE, DisaggInfo
 
 MODES = ("kv", "round-robin", "random")
@@ -144,24 +162,24 @@ class _Picker:
             self.router.remove_worker(worker)
         self._ids = [w for w in self._ids if w != worker]
 
-    def pick(self, req: TraceRequest, overlap_weight: float | None = None) -> tuple[int, int | None]:
-        """The worker for ``req`` and, in kv mode, the prompt blocks it caches (else None).
+    def pick(self, rid: str, prompt: list[int], overlap_weight: float | None = None) -> tuple[int, int | None]:
+        """The worker for request ``rid`` and, in kv mode, the prompt blocks it caches (else None).
         ``overlap_weight`` overrides the router's (0 for a decode stage after remote prefill)."""
         if self._routes:
             assert self.router is not None
-            decision = self.router.select_worker(str(req.index), req.prompt, overlap_weight=overlap_weight)
+            decision = self.router.select_worker(rid, prompt, overlap_weight=overlap_weight)
             return decision.worker_id, decision.overlap_blocks
         if self.mode == "random":
             return self._ids[self._rng.randrange(len(self._ids))], None
         return self._ids[next(self._rr) % len(self._ids)], None
 
-    def estimate(self, req: TraceRequest) -> tuple[int, int] | None:
+    def estimate(self, rid: str, prompt: list[int]) -> tuple[int, int] | None:
         """kv mode: the worker ``pick`` would choose and the blocks it caches, counting nothing
         (what the live router's decode estimate gives the disaggregation policy); else None."""
         if not self._routes:
             return None
         assert self.router is not None
-        decision = self.router.best_worker(str(req.index), req.prompt)
+        decision = self.router.best_worker(rid, prompt)
         return decision.worker_id, decision.overlap_blocks
 
     def cached_blocks(self, worker: int, prompt: list[int]) -> int:
@@ -189,9 +207,9 @@ class _Picker:
             self.router.free(request_id)
 
 
-# Event kinds. Events at the same instant run in the order they were pushed (the heap's second
-# key), which keeps a replay deterministic.
-_ARRIVAL, _STEP_DONE, _TRANSFER_DONE, _PLANNER_TICK, _WORKER_READY = 0, 1, 2, 3, 4
+# Event kinds. Events at the same instant run in the order they were pushed (the heap keys after
+# the time), which keeps a replay deterministic.
+_ARRIVAL, _STEP_DONE, _TRANSFER_DONE, _PLANNER_TICK, _WORKER_READY, _DECODE_RUN_DONE = 0, 1, 2, 3, 4, 5
 
 # Core lifecycle (planner replays): launched -> STARTING -> READY -> DRAINING -> STOPPED.
 STARTING, READY, DRAINING, STOPPED = "starting", "ready", "draining", "stopped"
@@ -216,11 +234,14 @@ class _Pool:
     # Requests routed to a core that have not reached it yet (a KV transfer in flight): a
     # draining decode core must wait for them too.
     incoming: list[int] = field(default_factory=list)
+    # The stretch of decode steps each core is in, if any (``_DecodeRun``).
+    runs: list[_DecodeRun | None] = field(default_factory=list)
 
     @classmethod
     def create(cls, name: str, n: int, mocker: MockerConfig) -> _Pool:
         return cls(name, [MockerCore(mocker) for _ in range(n)], [False] * n, [0] * n,
-                   state=[READY] * n, launched_ms=[0.0] * n, stopped_ms=[-1.0] * n, incoming=[0] * n)
+                   state=[READY] * n, launched_ms=[0.0] * n, stopped_ms=[-1.0] * n, incoming=[0] * n,
+                   runs=[None] * n)
 
     def ids(self, state: str) -> list[int]:
         return [w for w, st in enumerate(self.state) if st == state]
@@ -234,6 +255,7 @@ class _Pool:
         self.launched_ms.append(now_ms)
         self.stopped_ms.append(-1.0)
         self.incoming.append(0)
+        self.runs.append(None)
         return len(self.cores) - 1
 
     def idle(self, w: int) -> bool:
@@ -255,18 +277,52 @@ class _Pool:
         return self.cores[w].load().active_prefill_tokens + self.inflight_prefill[w]
 
 
+@dataclass(slots=True, eq=False)
+class _DecodeRun:
+    """A stretch of decode steps of one core, run at once when its last step ends.
+
+    Its steps: optionally a first one already run (``first``: a step whose end nobody sees, such
+    as one that took a new block), ``plain`` plain ones, then optionally the block-filling one
+    (``fills``: its ``KvStored`` is seen at its end, the stretch's end). ``ends[i]`` is when step
+    ``i + 1`` ends: the same float sums a step-by-step replay computes. Only the first ``steps``
+    are run: the stretch is cut short when a request arrives at the core or another event falls on
+    the instant one of its steps ends. ``order`` is the push order its first step would have had,
+    ``version`` tells its current last-step heap entry from old ones.
+    """
+
+    pool: _Pool
+    worker: int
+    order: int
+    start_ms: float
+    step_ms: float
+    ends: list[float]
+    steps: int
+    first: StepOutput | None = None  # a step already run on the core (its end unseen), or None
+    plain: int = 0  # then this many plain steps
+    fills: bool = False  # then one block-filling step, run when the stretch ends
+    version: int = 0
+    shares_an_instant: bool = False  # another stretch has a step ending at one of its instants
+
+    def last_step_entry(self) -> tuple[float, float, int, int, object]:
+        """The heap entry of its last step: keyed as the reference would push that step."""
+        n = self.steps
+        started = self.ends[n - 2] if n >= 2 else self.start_ms
+        return (self.ends[n - 1], started, self.order, _DECODE_RUN_DONE, (self, self.version))
+
+
 class _Simulation:
     """The event loop shared by agg and disaggregated replays (agg: no policy, no prefill pool)."""
 
     def __init__(self, *, prefill_workers: int, decode_workers: int, mode: str, mocker: MockerConfig,
                  router_config: KvRouterConfig | None, seed: int, policy: DisaggPolicyConfig | None,
                  transfer: TransferModel, planner: ReplayPlanner | None = None,
-                 sla_targets: tuple[float, float] | None = None) -> None:
+                 sla_targets: tuple[float, float] | None = None, fast_forward: bool = True) -> None:
         self.now = 0.0
+        self.fast_forward = fast_forward
         self.sla_targets = sla_targets
         self.planner = planner
         self._to_arrive = 0
-        self._open = 0  # arrived, not finished
+        self._open = 0  # arrived, not finished (read as ``open_requests``)
         self.mocker = mocker
         self.policy = policy
         self.transfer = transfer
@@ -285,21 +341,45 @@ class _Simulation:
         )
         self.stats: dict[str, RequestStats] = {}
         self.reasons: dict[str, int] = {}
-        self._requests: dict[str, TraceRequest] = {}
-        self._heap: list[tuple[float, int, int, object]] = []
+        # Remote prefills in flight: the request and its prompt, until its KV reaches the decode core.
+        self._requests: dict[str, tuple[TraceRequest, list[int]]] = {}
+        # (time, time it was pushed, push order, kind, payload): pushes happen in time order, so
+        # this orders events exactly as (time, push order) does, and lets a stretch of plain decode
+        # steps key its last step as the step-by-step reference would.
+        self._heap: list[tuple[float, float, int, int, object]] = []
         self._order = itertools.count()
+        # Instant -> the stretch (or stretches) with a step ending then that is not its last.
+        self._inner_ends: dict[float, _DecodeRun | list[_DecodeRun]] = {}
 
     # ---- the loop ------------------------------------------------------------------------------
 
+
+    @property
+    def open_requests(self) -> int:
+        """Requests that arrived and have not finished: a frontend's in-flight gauge."""
+        return self._open
     def run(self, requests: list[TraceRequest]) -> None:
+        self.now = -math.inf  # pushed before anything happens: first among events at their instant
         for req in requests:
             self._push(req.arrival_ms, _ARRIVAL, req)
         self._to_arrive = len(requests)
         if self.planner is not None:
             self._push(self.planner.interval_ms, _PLANNER_TICK, None)
+        self.now = 0.0
         heap = self._heap
+        inner_ends = self._inner_ends
         while heap:
-            self.now, _, kind, payload = heapq.heappop(heap)
+            entry = heapq.heappop(heap)
+            at, _, _, kind, payload = entry
+            if kind == _DECODE_RUN_DONE and payload[1] != payload[0].version:  # type: ignore[index]
+                continue  # the stretch was cut short; its new last step has its own entry
+            if inner_ends and at in inner_ends:
+                # A stretch has a step ending at this very instant: make it the stretch's last, so
+                # the heap orders the two as the step-by-step reference would, and look again.
+                self._cut_runs_at(at)
+                heapq.heappush(heap, entry)
+                continue
+            self.now = at
             if kind == _ARRIVAL:
                 self._to_arrive -= 1
                 self._open += 1
@@ -321,14 +401,20 @@ class _Simulation:
                     self._prefill_step_done(w, out)
                 else:
                     self._decode_step_done(w, out)
-                if pool.cores[w].has_unfinished_requests():
-                    self._start_step(pool, w)
-                else:
-                    pool.busy[w] = False
-                    if pool.state[w] == DRAINING and pool.idle(w):
-                        self.stop_core(pool, w)
+                self._next_step(pool, w)
+            elif kind == _DECODE_RUN_DONE:
+                self._finish_run(payload[0])  # type: ignore[index]
             else:
                 self._transfer_done(payload)  # type: ignore[arg-type]
+
+    def _next_step(self, pool: _Pool, w: int) -> None:
+        """After a step of core ``w`` ended: the next one, or idle (and stop, if draining)."""
+        if pool.cores[w].has_unfinished_requests():
+            self._start_step(pool, w)
+        else:
+            pool.busy[w] = False
+            if pool.state[w] == DRAINING and pool.idle(w):
+                self.stop_core(pool, w)
 
     # ---- scaling (planner replays) -------------------------------------------------------------
 
@@ -364,10 +450,17 @@ class _Simulation:
             picker.remove_worker(w)
 
     def _push(self, at_ms: float, kind: int, payload: object) -> None:
-        heapq.heappush(self._heap, (at_ms, next(self._order), kind, payload))
+        heapq.heappush(self._heap, (at_ms, self.now, next(self._order), kind, payload))
 
     def _start_step(self, pool: _Pool, w: int) -> None:
-        out = pool.cores[w].step()
+        core = pool.cores[w]
+        stretches = self.fast_forward and pool is not self.prefill  # a prefill core never decodes
+        if stretches:
+            stretch = core.decode_stretch()
+            if stretch.plain + stretch.then_fills >= 2:
+                self._start_run(pool, w, stretch, None)
+                return
+        out = core.step()
         if not (out.num_prefill_reqs or out.num_decode_reqs or out.req_ids or out.finished):
             pool.busy[w] = False  # nothing could run; the next request wakes the worker
             return
@@ -376,60 +469,181 @@ class _Simulation:
         pool.busy[w] = True
         pool.inflight_prefill[w] = out.num_prefill_tokens
         pool.log.record(out.duration_ms, out.num_decode_reqs, out.num_prefill_tokens)
+        if stretches and self._end_unseen(out):
+            stretch = core.decode_stretch()
+            if stretch.plain + stretch.then_fills:
+                self._start_run(pool, w, stretch, out)  # this step is the stretch's first
+                return
         self._push(self.now + out.duration_ms, _STEP_DONE, (pool, w, out))
+
+    def _end_unseen(self, out: StepOutput) -> bool:
+        """Whether nothing happens at the end of a decode core's step but its tokens' arrival: it
+        only decoded requests that had streamed before (no prefill, no first token), published no
+        KV event and finished nothing. Such a step (one that took a new block, typically) can be
+        the first of the stretch that follows it."""
+        if out.num_prefill_reqs or out.kv_events or out.finished or out.num_preempted or out.remote_loads:
+            return False
+        stats = self.stats
+        return all(stats[rid].token_times for rid in out.req_ids)
 
     def _wake(self, pool: _Pool, w: int) -> None:
         if not pool.busy[w]:
             self._start_step(pool, w)
 
+    # ---- stretches of plain decode steps -------------------------------------------------------
+
+    def _start_run(self, pool: _Pool, w: int, stretch: DecodeStretch, first: StepOutput | None) -> None:
+        """Core ``w`` begins a stretch: ``first`` (a step already run, see ``_end_unseen``), the
+        plain steps, then the block-filling step if the stretch announces one."""
+        step_ms = pool.cores[w].plain_decode_step_ms()
+        start = self.now
+        after = stretch.plain + stretch.then_fills
+        # now + d, (now + d) + d, ...: the sums stepping one by one makes, left to right.
+        if first is None:
+            ends = list(itertools.accumulate(itertools.repeat(step_ms, after), initial=start))
+            del ends[0]
+        else:
+            ends = list(itertools.accumulate(itertools.repeat(step_ms, after), initial=start + first.duration_ms))
+        run = _DecodeRun(pool, w, next(self._order), start, step_ms, ends, len(ends), first=first,
+                         plain=stretch.plain, fills=stretch.then_fills)
+        pool.runs[w] = run
+        pool.busy[w] = True
+        pool.inflight_prefill[w] = 0
+        self._remember_inner_ends(run)
+        heapq.heappush(self._heap, run.last_step_entry())
+
+    def _finish_run(self, run: _DecodeRun) -> None:
+        """The stretch's last step ended: run its steps on the core, as if stepped one by one."""
+        pool, w, steps = run.pool, run.worker, run.steps
+        self._forget_inner_ends(run, 0, steps - 1)
+        pool.runs[w] = None
+        core = pool.cores[w]
+        stats = self.stats
+        ends = run.ends
+        done = 0
+        if run.first is not None:  # already run on the core when the stretch began
+            at = ends[0]
+            for rid in run.first.req_ids:
+                stats[rid].token_times.append(at)
+            done = 1
+        plain = min(steps - done, run.plain)
+        if plain:
+            request_ids = core.run_plain_decode_steps(plain)
+            pool.log.record_plain_decode_steps(run.step_ms, plain)
+            times = ends[done : done + plain]
+            for rid in request_ids:
+                stats[rid].token_times.extend(times)
+        pool.inflight_prefill[w] = 0
+        if done + plain < steps:
+            # The block-filling step: it began before any request that arrived since, so those
+            # wait; its KV events and tokens are seen now, at its end, as a step's always are.
+            out = core.step(admit=False)
+            if out.duration_ms != run.step_ms or out.finished or out.num_prefill_reqs:
+                raise RuntimeError(f"a stretch's last step was not the block-filling step announced: {out}")
+            pool.log.record(out.duration_ms, out.num_decode_reqs, out.num_prefill_tokens)
+            self._decode_step_done(w, out)
+        self._next_step(pool, w)
+
+    def _cut_run(self, run: _DecodeRun, steps: int) -> None:
+        """Makes step ``steps`` (1-based) the stretch's last."""
+        self._forget_inner_ends(run, steps - 1, run.steps - 1)
+        run.steps = steps
+        run.version += 1
+        heapq.heappush(self._heap, run.last_step_entry())
+
+    def _cut_runs_at(self, at: float) -> None:
+        entry = self._inner_ends[at]
+        for run in entry if isinstance(entry, list) else [entry]:
+            self._cut_run(run, bisect.bisect_left(run.ends, at, 0, run.steps - 1) + 1)
+
+    def _interrupt_run(self, pool: _Pool, w: int) -> None:
+        """A request is about to reach core ``w``: a stretch it is in ends with the step in
+        progress, after which the request can be admitted (as after any step)."""
+        run = pool.runs[w]
+        if run is not None:
+            done = bisect.bisect_right(run.ends, self.now, 0, run.steps)
+            if done + 1 < run.steps:
+                self._cut_run(run, done + 1)
+
+    def _remember_inner_ends(self, run: _DecodeRun) -> None:
+        inner = self._inner_ends
+        ends = run.ends[: run.steps - 1]
+        if inner.keys().isdisjoint(ends):
+            inner.update(dict.fromkeys(ends, run))
+            return
+        for at in ends:  # another core's step ends at the very same instant as one of these
+            other = inner.setdefault(at, run)
+            if other is not run:
+                others = other if isinstance(other, list) else [other]
+                for o in others:
+                    o.shares_an_instant = True
+                run.shares_an_instant = True
+                inner[at] = [*others, run]
+
+    def _forget_inner_ends(self, run: _DecodeRun, lo: int, hi: int) -> None:
+        inner = self._inner_ends
+        if not run.shares_an_instant:
+            collections.deque(map(inner.pop, run.ends[lo:hi]), maxlen=0)  # a C loop
+            return
+        for at in run.ends[lo:hi]:
+            other = inner.pop(at)
+            if other is not run:  # shared with another stretch: keep it there
+                rest = [r for r in other if r is not run]  # type: ignore[union-attr]
+                inner[at] = rest[0] if len(rest) == 1 else rest
+
     # ---- requests ------------------------------------------------------------------------------
 
     def _arrive(self, req: TraceRequest) -> None:
         rid = str(req.index)
+        prompt = req.prompt  # built once here; the cores copy it, and it is dropped when they have it
         if self.policy is None:
-            dw, _ = self.decode_picker.pick(req)
-            self.stats[rid] = RequestStats(arrival_ms=self.now, prompt_tokens=len(req.prompt), worker=dw)
-            self._start_local(req, rid, dw)
+            dw, _ = self.decode_picker.pick(rid, prompt)
+            self.stats[rid] = RequestStats(arrival_ms=self.now, prompt_tokens=len(prompt), worker=dw)
+            self._start_local(req, rid, prompt, dw)
             return
         # As the live frontend: the decode worker normal KV routing would pick (counting nothing)
         # gives the effective ISL; after the decision the decode stage is routed for real, with no
         # overlap credit when the prompt is prefilled remotely. Round-robin and random choose the
         # same worker either way, so they choose once.
-        estimate = self.decode_picker.estimate(req)
+        estimate = self.decode_picker.estimate(rid, prompt)
         chosen = estimate is None
-        dw, overlap = self.decode_picker.pick(req) if estimate is None else estimate
-        st = self.stats[rid] = RequestStats(arrival_ms=self.now, prompt_tokens=len(req.prompt), worker=dw)
-        info, pw = self._decide(req, rid, dw, overlap)
+        dw, overlap = self.decode_picker.pick(rid, prompt) if estimate is None else estimate
+        st = self.stats[rid] = RequestStats(arrival_ms=self.now, prompt_tokens=len(prompt), worker=dw)
+        info, pw = self._decide(rid, prompt, dw, overlap)
         st.reason = info.reason
         self.reasons[info.reason] = self.reasons.get(info.reason, 0) + 1
         remote = info.mode == DISAGG_REMOTE
         if not chosen:
-            dw, _ = self.decode_picker.pick(req, overlap_weight=0.0 if remote else None)
+            dw, _ = self.decode_picker.pick(rid, prompt, overlap_weight=0.0 if remote else None)
             st.worker = dw
         if not remote:
-            self._start_local(req, rid, dw)
+            self._start_local(req, rid, prompt, dw)
             return
         st.remote = True
         st.prefill_worker = pw
         # The decode worker will not compute this prompt: its router stops counting it as prefill
         # load now and keeps only its blocks as decode load.
         self.decode_picker.on_first_token(rid)
-        self._requests[rid] = req
-        self.prefill.cores[pw].add_request(rid, req.prompt, max_tokens=1, ignore_eos=True, seed=req.index)
+        self._requests[rid] = (req, prompt)
+        self._interrupt_run(self.prefill, pw)
+        self.prefill.cores[pw].add_request(rid, prompt, max_tokens=1, ignore_eos=True, seed=req.index,
+                                           check_tokens=False)
         self._wake(self.prefill, pw)
 
-    def _start_local(self, req: TraceRequest, rid: str, dw: int) -> None:
-        self.decode.cores[dw].add_request(rid, req.prompt, max_tokens=req.output_length, ignore_eos=True, seed=req.index)
+    def _start_local(self, req: TraceRequest, rid: str, prompt: list[int], dw: int) -> None:
+        self._interrupt_run(self.decode, dw)
+        self.decode.cores[dw].add_request(rid, prompt, max_tokens=req.output_length, ignore_eos=True, seed=req.index,
+                                          check_tokens=False)
         self._wake(self.decode, dw)
 
-    def _decide(self, req: TraceRequest, rid: str, dw: int, overlap: int | None) -> tuple[DisaggInfo, int]:
-        """Remote or local prefill for ``req`` with decode candidate ``dw``; the prefill worker
-        (-1 without one). A prefill worker routed to but not used hears at once it will not be."""
+    def _decide(self, rid: str, prompt: list[int], dw: int, overlap: int | None) -> tuple[DisaggInfo, int]:
+        """Remote or local prefill for request ``rid`` with decode candidate ``dw``; the prefill
+        worker (-1 without one). A prefill worker routed to but not used hears at once it will not be."""
         assert self.policy is not None
         bs = self.mocker.block_size
-        isl = len(req.prompt)
+        isl = len(prompt)
         if overlap is None:
-            overlap = self.decode_picker.cached_blocks(dw, req.prompt)
+            overlap = self.decode_picker.cached_blocks(dw, prompt)
         decode_load = self.decode.cores[dw].load()
         new_blocks = -(-isl // bs) - overlap
         inputs = DisaggInputs(
@@ -442,7 +656,7 @@ class _Simulation:
         pw = -1
         if inputs.prefill_available:
             assert self.prefill_picker is not None
-            pw, _ = self.prefill_picker.pick(req)
+            pw, _ = self.prefill_picker.pick(rid, prompt)
             inputs = DisaggInputs(
                 isl=inputs.isl, decode_cached_tokens=inputs.decode_cached_tokens,
                 prefill_load=float(self.prefill.prefill_load_tokens(pw)),
@@ -465,20 +679,22 @@ class _Simulation:
             st = self.stats[rid]
             st.prefill_done_ms = self.now
             st.cached_tokens = fin.usage.cached_tokens
-            req = self._requests[rid]
+            _, prompt = self._requests[rid]
             # Only the blocks the decode worker lacks travel; it caches the rest already.
-            lacking = -(-len(req.prompt) // bs) - self.decode_picker.cached_blocks(st.worker, req.prompt)
+            lacking = -(-len(prompt) // bs) - self.decode_picker.cached_blocks(st.worker, prompt)
             st.transfer_bytes = self.transfer.bytes_for(lacking, bs)
             st.transfer_ms = self.transfer.time_ms(st.transfer_bytes)
             self.decode.incoming[st.worker] += 1
             self._push(self.now + st.transfer_ms, _TRANSFER_DONE, rid)
 
     def _transfer_done(self, rid: str) -> None:
-        req = self._requests.pop(rid)
+        req, prompt = self._requests.pop(rid)
         dw = self.stats[rid].worker
         self.decode.incoming[dw] -= 1
+        self._interrupt_run(self.decode, dw)
         self.decode.cores[dw].add_request(
-            rid, req.prompt, max_tokens=req.output_length, ignore_eos=True, seed=req.index, kv_transferred=True
+            rid, prompt, max_tokens=req.output_length, ignore_eos=True, seed=req.index, kv_transferred=True,
+            check_tokens=False,
         )
         self._wake(self.decode, dw)
 
@@ -538,6 +754,9 @@ class _Simulation:
                 "prefill": [sum(1 for s in remote if s.prefill_worker == w) for w in range(len(self.prefill.cores))],
                 "decode": [sum(1 for s in done if s.worker == w) for w in range(len(self.decode.cores))],
             }
+        tiers = self.tier_hit_rates()
+        if tiers is not None:
+            res["kv_tiers"] = tiers
         res["sim_s"] = round(sim_s, 3)
         end_ms = max((s.finish_ms for s in done), default=0.0)
         if self.sla_targets is not None:
@@ -546,6 +765,29 @@ class _Simulation:
         if self.planner is not None:
             res["planner"] = self.planner.report(self, done, end_ms)
         return res
+
+
+    def tier_hit_rates(self) -> dict[str, object] | None:
+        """With host/disk KV tiers: the share of prompt tokens each tier served (device hits,
+        onboarded from host, from disk) and the blocks moved, summed over every core."""
+        cores = [c for pool in (self.prefill, self.decode) for c in pool.cores if c.tiers is not None]
+        if not cores:
+            return None
+        prompt = sum(c.scheduler.prompt_tokens_seen for c in cores)
+        cached = sum(c.scheduler.cached_tokens_seen for c in cores)
+        by_tier = {m: sum(c.scheduler.onboarded_tokens_seen.get(m, 0) for c in cores) for m in (MEDIUM_CPU, MEDIUM_DISK)}
+        device = cached - sum(by_tier.values())
+
+        def rate(n: int) -> float:
+            return round(n / prompt, 4) if prompt else 0.0
+
+        return {
+            "hit_rate": {MEDIUM_GPU: rate(device), MEDIUM_CPU: rate(by_tier[MEDIUM_CPU]),
+                         MEDIUM_DISK: rate(by_tier[MEDIUM_DISK]), "total": rate(cached)},
+            "onboarded_blocks": {m: sum(c.tiers.stats.onboarded[m] for c in cores) for m in by_tier},  # type: ignore[union-attr]
+            "offloaded_blocks": {m: sum(c.tiers.stats.offloaded[m] for c in cores) for m in by_tier},  # type: ignore[union-attr]
+            "onboard_ms_total": round(sum(c.tiers.stats.onboard_ms for c in cores), 3),  # type: ignore[union-attr]
+        }
 
 
 def replay(
@@ -558,15 +800,17 @@ def replay(
     seed: int = 0,
     planner: ReplayPlanner | None = None,
     sla_targets: tuple[float, float] | None = None,
+    fast_forward: bool = True,
 ) -> dict:
     """Replays ``requests`` on ``workers`` aggregated workers; returns the summary (the ``--json``
     object, without wall time). With ``planner``, ``workers`` is the starting count and the
-    planner resizes the pool every interval; ``sla_targets`` (TTFT ms, ITL ms) adds attainment."""
+    planner resizes the pool every interval; ``sla_targets`` (TTFT ms, ITL ms) adds attainment.
+    ``fast_forward=False`` steps every core one step at a time: the reference, same figures."""
     if workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {workers}")
     sim = _Simulation(prefill_workers=0, decode_workers=workers, mode=mode, mocker=mocker,
                       router_config=router_config, seed=seed, policy=None, transfer=TransferModel(),
-                      planner=planner, sla_targets=sla_targets)
+                      planner=planner, sla_targets=sla_targets, fast_forward=fast_forward)
     sim.run(requests)
     return sim.report(mode)
 
@@ -584,6 +828,7 @@ def replay_disagg(
     seed: int = 0,
     planner: ReplayPlanner | None = None,
     sla_targets: tuple[float, float] | None = None,
+    fast_forward: bool = True,
 ) -> dict:
     """Replays ``requests`` on a prefill pool and a decode pool; returns the summary.
 
@@ -598,6 +843,6 @@ def replay_disagg(
         raise ConfigError("--prefill-workers 0 with --no-decode-fallback leaves no worker to prefill")
     sim = _Simulation(prefill_workers=prefill_workers, decode_workers=decode_workers, mode=mode, mocker=mocker,
                       router_config=router_config, seed=seed, policy=policy, transfer=transfer or TransferModel(),
-                      planner=planner, sla_targets=sla_targets)
+                      planner=planner, sla_targets=sla_targets, fast_forward=fast_forward)
     sim.run(requests)
     return sim.report(mode)

@@ -4,6 +4,11 @@
 id stands for one block of ``trace_block_size`` prompt tokens (the last block may be partial) and
 equal leading ids mean a shared prefix. We turn ids back into token ids deterministically so that
 equal ids give equal tokens (and so equal KV block hashes) and different ids never collide.
+
+A request keeps its hash ids, not its tokens: the prompts of a 12k-request trace are 145 million
+tokens, over a gigabyte as Python lists. ``TraceRequest.prompt`` builds them when the request
+arrives (tens of microseconds), and the replay drops them once the router and the engine have
+them. Every hash id is checked when the trace is read, so a built prompt is always in vocabulary.
 """
 
 from __future__ import annotations
@@ -27,8 +32,29 @@ class TraceRecord(msgspec.Struct):
 class TraceRequest:
     index: int
     arrival_ms: float
-    prompt: list[int]
+    hash_ids: list[int]
+    input_length: int
     output_length: int
+    block_size: int  # tokens per hash id
+    vocab_size: int
+
+    @property
+    def prompt(self) -> list[int]:
+        """The prompt's token ids, built anew on each call (see the module docstring).
+
+        Each hash id is one block: its first token carries the id's high part (``id //
+        vocab_size``), the others its low part. That is unique per id below ``vocab_size**2``;
+        the router and the engine chain block hashes by position, so repeated tokens inside a
+        block are harmless."""
+        hi_lo = [divmod(hid, self.vocab_size) for hid in self.hash_ids]
+        tail = self.block_size - 1
+        prompt: list[int] = []
+        append, extend = prompt.append, prompt.extend
+        for hi, lo in hi_lo:
+            append(hi)
+            extend([lo] * tail)
+        del prompt[self.input_length :]  # the last block is partial when input_length is not a multiple
+        return prompt
 
 
 def load_trace(path: str | Path) -> list[TraceRecord]:
@@ -54,16 +80,12 @@ def load_trace(path: str | Path) -> list[TraceRecord]:
     return records
 
 
-def block_tokens(hash_id: int, block_size: int, vocab_size: int) -> list[int]:
-    """The tokens standing for one trace block: unique per hash id for ids below vocab_size**2.
-
-    The first token carries the id's high part and the rest its low part; the router and engine
-    chain block hashes by position, so repeated tokens inside a block are harmless.
-    """
-    hi, lo = divmod(hash_id, vocab_size)
-    if hi >= vocab_size:
+def check_hash_id(hash_id: int, vocab_size: int) -> None:
+    """Raises ``InvalidRequestError`` for an id whose tokens would fall outside the vocabulary."""
+    if hash_id < 0:
+        raise InvalidRequestError(f"hash id {hash_id} is negative")
+    if hash_id // vocab_size >= vocab_size:
         raise InvalidRequestError(f"hash id {hash_id} is too large for a vocabulary of {vocab_size}")
-    return [hi] + [lo] * (block_size - 1)
 
 
 def build_requests(
@@ -71,21 +93,15 @@ def build_requests(
 ) -> list[TraceRequest]:
     if arrival_speedup <= 0:
         raise InvalidRequestError(f"--arrival-speedup must be positive, got {arrival_speedup}")
-    cache: dict[int, list[int]] = {}
     out: list[TraceRequest] = []
     for i, rec in enumerate(records):
-        prompt: list[int] = []
         for hid in rec.hash_ids:
-            block = cache.get(hid)
-            if block is None:
-                block = cache[hid] = block_tokens(hid, trace_block_size, vocab_size)
-            prompt.extend(block)
-        # The last block is partial when input_length is not a multiple of the block size.
-        del prompt[rec.input_length :]
-        if len(prompt) < rec.input_length:
+            check_hash_id(hid, vocab_size)
+        if rec.input_length > len(rec.hash_ids) * trace_block_size:
             raise InvalidRequestError(
                 f"record {i}: input_length {rec.input_length} exceeds {len(rec.hash_ids)} blocks of {trace_block_size}"
             )
-        out.append(TraceRequest(i, rec.timestamp / arrival_speedup, prompt, rec.output_length))
+        out.append(TraceRequest(i, rec.timestamp / arrival_speedup, rec.hash_ids, rec.input_length,
+                                rec.output_length, trace_block_size, vocab_size))
     out.sort(key=lambda r: (r.arrival_ms, r.index))
     return out

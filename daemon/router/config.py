@@ -20,6 +20,8 @@ from dynamod.shared.errors import ConfigError
 @dataclass(frozen=True, slots=True)
 class KvRouterConfig:
     overlap_score_weight: float = 1.0  # weight of prefill blocks against decode blocks in the cost
+    host_cache_hit_weight: float = 0.75  # credit for a prompt block found only in host memory (0..1)
+    disk_cache_hit_weight: float = 0.25  # credit for a prompt block found only on disk (0..1)
     router_temperature: float = 0.0  # 0: lowest cost wins; > 0: softmax sampling over costs
     use_kv_events: bool = True  # False: approximate mode (routed blocks assumed cached for a TTL)
     router_ttl_secs: float = 120.0  # approximate mode: how long routed blocks count as cached
@@ -36,6 +38,12 @@ class KvRouterConfig:
     def validate(self) -> KvRouterConfig:
         if self.overlap_score_weight < 0:
             raise ConfigError(f"--kv-overlap-score-weight must be >= 0, got {self.overlap_score_weight}")
+        for flag, w in (
+            ("--router-host-cache-hit-weight", self.host_cache_hit_weight),
+            ("--router-disk-cache-hit-weight", self.disk_cache_hit_weight),
+        ):
+            if not 0.0 <= w <= 1.0:  # also rejects NaN
+                raise ConfigError(f"{flag} must be within [0, 1], got {w}")
         if self.router_temperature < 0:
             raise ConfigError(f"--router-temperature must be >= 0, got {self.router_temperature}")
         if self.router_ttl_secs <= 0:
@@ -89,6 +97,19 @@ _OPTIONS: dict[str, tuple[tuple[str, ...], str, Callable[[str], Any], str]] = {
         "DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT",
         float,
         "weight of prefill cost against decode load; higher favours cache reuse (TTFT), 0 ignores the cache",
+    ),
+    "host_cache_hit_weight": (
+        ("--router-host-cache-hit-weight",),
+        "DYN_ROUTER_HOST_CACHE_HIT_WEIGHT",
+        float,
+        "credit (0..1) for prompt blocks a worker holds only in host memory (offloaded KV), "
+        "after its device prefix; 1 counts them as cached, 0 as uncached",
+    ),
+    "disk_cache_hit_weight": (
+        ("--router-disk-cache-hit-weight",),
+        "DYN_ROUTER_DISK_CACHE_HIT_WEIGHT",
+        float,
+        "credit (0..1) for prompt blocks a worker holds only on its disk tier, after its device and host prefix",
     ),
     "router_temperature": (
         ("--router-temperature",),

@@ -457,7 +457,14 @@ class KvRouter:
             candidates = free_workers
         isl = len(token_ids)
         scores, keys = self.scheduler.score(
-            candidates, overlaps, self.active, isl=isl, seq_hashes=seq, overlap_weight=weight
+            candidates,
+            overlaps,
+            self.active,
+            isl=isl,
+            seq_hashes=seq,
+            overlap_weight=weight,
+            host_weight=self.config.host_cache_hit_weight,
+            disk_weight=self.config.disk_cache_hit_weight,
         )
         sel = self.scheduler.select(scores, keys, temp)
         won = scores[sel.index]
@@ -487,7 +494,7 @@ class KvRouter:
             else:
                 self._remember(decision.worker, local, seq)
             m.decisions.labels(sel.reason).inc()
-            m.observe_hit(len(local), won.overlap_blocks)
+            m.observe_hit(len(local), won.overlap_blocks, won.host_overlap_blocks, won.disk_overlap_blocks)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "route request_id=%s worker_id=%x dp_rank=%d overlap=%d blocks=%d cost=%.3f reason=%s candidates=%d busy=%d",
@@ -575,9 +582,14 @@ class KvRouter:
 
 
 def _best_of(known: OverlapScores, guessed: OverlapScores) -> OverlapScores:
-    """Per worker, the longer of the cached prefix the index knows and the one routing implies."""
+    """Per worker, the longer of the cached prefix the index knows and the one routing implies
+    (a worker whose prefix was lengthened by the guess loses its lower-tier continuation, which
+    was measured from the shorter prefix)."""
     scores = dict(known.scores)
+    lower = known.lower
     for worker, blocks in guessed.scores.items():
         if blocks > scores.get(worker, 0):
             scores[worker] = blocks
-    return OverlapScores(scores, known.tree_sizes)
+            if worker in lower:
+                lower = {w: c for w, c in lower.items() if w != worker}
+    return OverlapScores(scores, known.tree_sizes, lower)

@@ -64,6 +64,14 @@ class RouterMetrics:
             "Prompt blocks already cached on the chosen worker when routed",
             registry=registry,
         )
+        self.tier_overlap_blocks = Counter(
+            "dynamo_router_tier_overlap_blocks",
+            "Prompt blocks the chosen worker held when routed, by KV tier (GPU: its device prefix; "
+            "CPU, DISK: the continuation in host memory, then on disk)",
+            ("medium",),
+            registry=registry,
+        )
+        self._tier_counters = tuple(self.tier_overlap_blocks.labels(m) for m in ("GPU", "CPU", "DISK"))
         self.kv_hit_rate = Gauge(
             "dynamo_router_kv_hit_rate",
             "Cached share of routed prompt blocks since start (overlap blocks / prompt blocks)",
@@ -73,12 +81,19 @@ class RouterMetrics:
         self._hit_total = 0
         self._hit_overlap = 0
 
-    def observe_hit(self, request_blocks: int, overlap_blocks: int) -> None:
-        """Counts one routed request's prompt blocks and how many were already cached."""
+    def observe_hit(self, request_blocks: int, overlap_blocks: int, host_blocks: int = 0, disk_blocks: int = 0) -> None:
+        """Counts one routed request's prompt blocks and how many were already cached: on the
+        device (``overlap_blocks``, the hit rate's numerator) and below it, per tier."""
         if request_blocks <= 0:
             return
         self.request_blocks.inc(request_blocks)
         self.overlap_blocks.inc(overlap_blocks)
+        gpu, cpu, disk = self._tier_counters
+        gpu.inc(overlap_blocks)
+        if host_blocks:
+            cpu.inc(host_blocks)
+        if disk_blocks:
+            disk.inc(disk_blocks)
         with self._hit_lock:
             self._hit_total += request_blocks
             self._hit_overlap += overlap_blocks

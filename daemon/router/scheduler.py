@@ -10,6 +10,14 @@
   pushes repeated prefixes away from it: on the Mooncake trace replay this one change raises the
   hit rate from 0.50 to 0.53 at 1x and from 0.38 to 0.46 at 4x, and lowers mean and p99 TTFT.)
 
+KV tiers: a worker whose device prefix of ``g`` blocks continues in its host memory (``h`` more
+blocks) and then on its disk (``d`` more; shared/kv/index_tiers.py) does not have to recompute
+those blocks, only to onboard them. They are credited as ``host_weight * h + disk_weight * d``
+blocks off its prefill (Dynamo's ``--router-host-cache-hit-weight`` 0.75 and
+``--router-disk-cache-hit-weight`` 0.25): ``prefill_blocks(w) = (w's active prefill tokens +
+prompt tokens not on its device) / block_size - credit``. A block counts once, in its fastest tier.
+``decode_blocks`` is unchanged: onboarded blocks need device blocks like new ones.
+
 Exact arithmetic: the weight is turned into a fraction ``a/b`` (its shortest decimal, so 0.1 is
 1/10, not the binary double) and every cost is compared as the integer
 ``a * prefill_tokens + b * block_size * decode_blocks`` = ``cost * b * block_size``. Ties are
@@ -78,6 +86,8 @@ class KvScheduler:
         isl: int,
         seq_hashes: Sequence[int],
         overlap_weight: float,
+        host_weight: float = 0.0,
+        disk_weight: float = 0.0,
     ) -> tuple[list[CandidateScore], list[int]]:
         """Each candidate's cost terms, plus the exact integer cost keys used for comparison.
 
@@ -87,6 +97,18 @@ class KvScheduler:
         every worker's active blocks."""
         bs = self.block_size
         a, b = weight_ratio(overlap_weight)
+        lower = overlaps.lower
+        if lower:
+            # Tier credit in exact integers too: every key is scaled by the weights' common
+            # denominator, the same for all candidates, so comparisons and ties are unchanged.
+            hn, hd = weight_ratio(host_weight)
+            dn, dd = weight_ratio(disk_weight)
+            scale = math.lcm(hd, dd)
+            host_units = hn * (scale // hd) * bs  # credited prefill tokens x scale, per host block
+            disk_units = dn * (scale // dd) * bs
+            return self._score_tiered(
+                candidates, overlaps, active, isl, seq_hashes, a, b, scale, host_units, disk_units
+            )
         decode_scale = b * bs
         request_blocks = -(-isl // bs)
         overlap_of = overlaps.scores.get
@@ -132,6 +154,72 @@ class KvScheduler:
                     decode_blocks,
                     key / decode_scale,
                     tree_size_of(worker, 0),
+                )
+            )
+        return scores, keys
+
+    def _score_tiered(
+        self,
+        candidates: Sequence[WorkerKey],
+        overlaps: OverlapScores,
+        active: ActiveSequences,
+        isl: int,
+        seq_hashes: Sequence[int],
+        a: int,
+        b: int,
+        scale: int,
+        host_units: int,
+        disk_units: int,
+    ) -> tuple[list[CandidateScore], list[int]]:
+        """``score`` when some worker holds prompt blocks below its device (kept apart so the
+        common case stays lean). Keys are ``cost * b * block_size * scale``."""
+        bs = self.block_size
+        decode_scale = b * bs * scale
+        request_blocks = -(-isl // bs)
+        overlap_of = overlaps.scores.get
+        lower_of = overlaps.lower.get
+        tree_size_of = overlaps.tree_sizes.get
+        loads = active.loads()
+        shared_of: dict[WorkerKey, int] = {}
+        if seq_hashes:
+            for worker in active.workers_sharing_first_block(seq_hashes[0]):
+                load = loads.get(worker)
+                if load is not None:
+                    shared_of[worker] = load.shared_prefix(seq_hashes)
+        scores: list[CandidateScore] = []
+        keys: list[int] = []
+        for worker in candidates:
+            overlap = overlap_of(worker, 0)
+            uncached = max(isl - overlap * bs, 0)
+            host, disk = lower_of(worker, (0, 0))[:2]
+            load = loads.get(worker)
+            if load is None:
+                prefill_tokens = uncached
+                decode_blocks = request_blocks - overlap
+            else:
+                prefill_tokens = load.prefill_tokens + uncached
+                shared = shared_of.get(worker, 0)
+                decode_blocks = (
+                    len(load.block_refs) + load.partial_blocks + request_blocks - (shared if shared > overlap else overlap)
+                )
+            credited = host * host_units + disk * disk_units  # tokens x scale
+            prefill_scaled = prefill_tokens * scale - credited
+            key = a * prefill_scaled + decode_scale * decode_blocks
+            keys.append(key)
+            scores.append(
+                CandidateScore(
+                    worker[0],
+                    worker[1],
+                    overlap,
+                    prefill_tokens,
+                    prefill_scaled / (bs * scale),
+                    decode_blocks,
+                    key / decode_scale,
+                    tree_size_of(worker, 0),
+                    None,
+                    host,
+                    disk,
+                    credited / (bs * scale),
                 )
             )
         return scores, keys

@@ -248,7 +248,8 @@ class WorkerFactory:
 def runtime_flags(file_kv: str, namespace: str) -> tuple[list[str], dict[str, str]]:
     """Every child's runtime flags and environment: file discovery in ``file_kv``, ZMQ events."""
     runtime = ["--discovery-backend", "file", "--event-plane", "zmq", "--file-kv", file_kv, "--namespace", namespace]
-    env = daemon_env({"DYN_FILE_KV": file_kv}, drop=("DYN_DISCOVERY_BACKEND", "DYN_EVENT_PLANE"))
+    # A pinned request-plane port is one process's: every child asking for it would collide.
+    env = daemon_env({"DYN_FILE_KV": file_kv}, drop=("DYN_DISCOVERY_BACKEND", "DYN_EVENT_PLANE", "DYN_REQUEST_PLANE_PORT"))
     return runtime, env
 
 

@@ -41,6 +41,10 @@ class EmptyRequest(msgspec.Struct):
     pass
 
 
+class ClearKvRequest(msgspec.Struct, forbid_unknown_fields=True):
+    medium: str | None = None  # one KV tier (kv_events.MEDIA: GPU, CPU, DISK); None: every tier
+
+
 def parse_body(body: Any, cls: type[T], endpoint: str) -> T:
     if body is None:
         body = {}

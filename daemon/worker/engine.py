@@ -13,11 +13,12 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from dynamod.shared.kv.transfer.memory import KvBlockMemory
+from dynamod.shared.protocol.embedding import EmbedRequest, EmbedResponse
 from dynamod.shared.protocol.kv_events import RouterEvent
 from dynamod.shared.protocol.kv_transfer import KvLayout
 from dynamod.shared.protocol.llm import EngineOutput, PreprocessedRequest
 from dynamod.shared.protocol.load import LoadMetrics
-from dynamod.shared.protocol.model_card import RuntimeConfig
+from dynamod.shared.protocol.model_card import EmbeddingSpec, RuntimeConfig
 
 if TYPE_CHECKING:
     from dynamod.daemon.worker.kv_transfer import KvTransferContext
@@ -61,6 +62,7 @@ class EngineInfo:
     runtime_config: RuntimeConfig
     vocab_size: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
+    embedding: EmbeddingSpec | None = None  # an embedding engine's vector size (known once started)
 
 
 @runtime_checkable
@@ -90,8 +92,9 @@ class Engine(Protocol):
         """The blocks cached now, as stored events, so a router can rebuild its index."""
         ...
 
-    async def clear_kv_blocks(self) -> int:
-        """Drops every cached block not in use; emits a cleared event. Returns blocks dropped."""
+    async def clear_kv_blocks(self, medium: str | None = None) -> int:
+        """Drops every cached block not in use, of one KV tier (``medium``: GPU, CPU, DISK as in
+        ``kv_events.MEDIA``) or of all (None); emits a cleared event. Returns blocks dropped."""
         ...
 
     async def sleep(self, level: int) -> None:
@@ -129,4 +132,15 @@ class KvTransferEngine(Protocol):
 
     def attach_kv_transfer(self, ctx: KvTransferContext) -> None:
         """Called once, after ``start()`` and before ``generate`` is served."""
+        ...
+
+
+@runtime_checkable
+class EmbeddingEngine(Protocol):
+    """An engine that embeds (``--model-type embedding``): the worker serves ``embed`` with it
+    instead of ``generate``. Optional, like ``KvTransferEngine``: the mocker's and vLLM's
+    embedding engines implement it; the worker refuses ``--model-type embedding`` otherwise."""
+
+    async def embed(self, request: EmbedRequest) -> EmbedResponse:
+        """One float32 vector per input, in order (``InvalidRequestError`` for bad dimensions or ids)."""
         ...

@@ -21,6 +21,7 @@ from dynamod.daemon.worker.metrics import KvTransferMetrics
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.kv.transfer.base import KvTransferAgent, TransferResult
 from dynamod.shared.protocol.kv_transfer import KvTransferMetadata
+from dynamod.shared.security.settings import RequestPlaneSecurity
 
 DEFAULT_HOLD_TIMEOUT_S = 60.0
 DEFAULT_TRANSFER_TIMEOUT_S = 10.0
@@ -44,6 +45,8 @@ class KvTransferSettings:
     hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S
     transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
     peer_component: str = "prefill"  # where decode workers look prefill workers' agents up
+    advertise_host: str | None = None  # what the agent's metadata names instead of ``host``
+    security: RequestPlaneSecurity | None = None  # the request plane's TLS and token guard the block server too
 
 
 def add_kv_transfer_args(group: argparse._ActionsContainer) -> None:
@@ -67,8 +70,16 @@ def add_kv_transfer_args(group: argparse._ActionsContainer) -> None:
     )
 
 
-def kv_transfer_settings(args: argparse.Namespace, host: str, index: int = 0) -> KvTransferSettings:
-    """Settings of worker ``index`` of this process; the agent binds the runtime's ``host``."""
+def kv_transfer_settings(
+    args: argparse.Namespace,
+    host: str,
+    index: int = 0,
+    *,
+    advertise_host: str | None = None,
+    security: RequestPlaneSecurity | None = None,
+) -> KvTransferSettings:
+    """Settings of worker ``index`` of this process; the agent binds the runtime's ``host``,
+    advertises ``advertise_host`` and admits readers as the request plane does (``security``)."""
     for flag, value in (("--kv-hold-timeout", args.kv_hold_timeout), ("--kv-transfer-timeout", args.kv_transfer_timeout)):
         if not value > 0:
             raise ConfigError(f"{flag} must be > 0 seconds, got {value}")
@@ -78,6 +89,8 @@ def kv_transfer_settings(args: argparse.Namespace, host: str, index: int = 0) ->
         port=args.kv_transfer_port + index if args.kv_transfer_port else 0,
         hold_timeout_s=args.kv_hold_timeout,
         transfer_timeout_s=args.kv_transfer_timeout,
+        advertise_host=advertise_host,
+        security=security,
     )
 
 

@@ -16,8 +16,10 @@ import asyncio
 import dataclasses
 import logging
 import os
+from collections.abc import Callable, Mapping
 
 from dynamod.daemon.engines.factory import ENGINES, add_engine_args, create_engine
+from dynamod.daemon.frontend.parsers.registry import REASONING_PARSERS, TOOL_CALL_PARSERS
 from dynamod.daemon.models.local import LocalModel, resolve_model
 from dynamod.daemon.worker.engine import EngineInfo
 from dynamod.daemon.worker.kv_transfer import add_kv_transfer_args, kv_transfer_settings
@@ -28,16 +30,21 @@ from dynamod.shared.errors import ConfigError
 from dynamod.shared.protocol.model_card import (
     MODEL_TYPE_CHAT,
     MODEL_TYPE_COMPLETIONS,
+    MODEL_TYPE_EMBEDDING,
     MODEL_TYPE_PREFILL,
     ModelCard,
 )
+from dynamod.shared.protocol.model_files import ModelFilesRef
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from dynamod.shared.runtime.intent import IntentRecorder
+from dynamod.shared.runtime.model_files import ModelFiles, ModelFilesPublisher
 
 logger = logging.getLogger(__name__)
 
 COMPONENT_BY_ROLE = {"agg": "backend", "decode": "backend", "prefill": "prefill"}
 DISAGG_ROLES = ("prefill", "decode")
+MODEL_TYPE_CHOICES = ("chat", MODEL_TYPE_EMBEDDING)  # chat: chat and text completions (``generate``)
+EMBEDDING_ENGINES = ("mocker", "vllm")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +54,22 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=os.environ.get("DYN_MODEL", "tiny"),
                    help="model directory, or 'tiny' for the shipped test model [env DYN_MODEL, default tiny]")
     g.add_argument("--served-model-name", help="name clients use (default: the model's name)")
+    g.add_argument("--model-type", choices=MODEL_TYPE_CHOICES, default=os.environ.get("DYN_MODEL_TYPE", "chat"),
+                   help="what the model serves: chat (chat and text completions, endpoint generate) or embedding "
+                        "(/v1/embeddings, endpoint embed; role agg, engines mocker and vllm) "
+                        "[env DYN_MODEL_TYPE, default chat]")
     g.add_argument("--component", help="component name (default: backend for agg/decode, prefill for prefill)")
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), type=_parser_name(TOOL_CALL_PARSERS),
+                   default=os.environ.get("DYN_TOOL_CALL_PARSER") or None,
+                   help="how the frontend finds tool calls in this model's output, published in the model card "
+                        "(hermes: Qwen 2.5/3 and Hermes; llama3_json: Llama 3.1+; mistral; pythonic: Llama 3.2/4) "
+                        "[env DYN_TOOL_CALL_PARSER, default none: no tool calls are parsed]")
+    g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), type=_parser_name(REASONING_PARSERS),
+                   default=os.environ.get("DYN_REASONING_PARSER") or None,
+                   help="how the frontend separates this model's reasoning into reasoning_content, published in "
+                        "the model card (basic/qwen3: <think>...</think> when the reply opens with it; deepseek_r1: "
+                        "the reply starts in reasoning; gpt_oss: harmony analysis channel) "
+                        "[env DYN_REASONING_PARSER, default none]")
     g.add_argument("--num-workers", type=int, default=1, help="engines in this process, each its own instance [default 1]")
     g.add_argument("--context-length", type=int, help="override the model's context length")
     g.add_argument("--migration-limit", type=int, default=3, help="times a frontend may migrate a broken stream [default 3]")
@@ -60,6 +82,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "--system-port, else none and nothing is kept across restarts]")
     add_kv_transfer_args(parser.add_argument_group("kv transfer (roles prefill and decode)"))
     add_runtime_args(parser)
+
+
+def _parser_name(known: Mapping[str, object]) -> Callable[[str], str]:
+    """argparse checks ``choices`` on the command line only; this checks a DYN_* default too."""
+
+    def check(value: str) -> str:
+        if value not in known:
+            raise argparse.ArgumentTypeError(f"unknown parser {value!r}; choose one of {', '.join(sorted(known))}")
+        return value
+
+    return check
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
@@ -79,19 +112,46 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Nam
     return args
 
 
-def build_card(args: argparse.Namespace, model: LocalModel, engine_info: EngineInfo) -> ModelCard:
-    types = [MODEL_TYPE_PREFILL] if args.role == "prefill" else [MODEL_TYPE_CHAT, MODEL_TYPE_COMPLETIONS]
+def build_card(
+    args: argparse.Namespace, model: LocalModel, engine_info: EngineInfo, model_files: ModelFilesRef | None = None
+) -> ModelCard:
+    if getattr(args, "model_type", "chat") == MODEL_TYPE_EMBEDDING:
+        types = [MODEL_TYPE_EMBEDDING]
+    elif args.role == "prefill":
+        types = [MODEL_TYPE_PREFILL]
+    else:
+        types = [MODEL_TYPE_CHAT, MODEL_TYPE_COMPLETIONS]
     return ModelCard(
         served_model_name=args.served_model_name or model.name,
         model_types=types,
         tokenizer_source=str(model.tokenizer_path),
+        model_files=model_files,  # the tokenizer files themselves, in discovery (frontends on other hosts)
         chat_template=model.chat_template,
         context_length=engine_info.context_length,
         kv_block_size=engine_info.kv_block_size,
         runtime_config=engine_info.runtime_config,
         eos_token_ids=list(engine_info.eos_token_ids),
         migration_limit=args.migration_limit,
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
+        embedding=engine_info.embedding if MODEL_TYPE_EMBEDDING in types else None,
     )
+
+
+def check_model_type(args: argparse.Namespace) -> None:
+    """An embedding model is served whole by one worker: no prefill/decode split, and only by an
+    engine with an embedding mode."""
+    model_type = getattr(args, "model_type", "chat")
+    if model_type not in MODEL_TYPE_CHOICES:  # argparse checks the flag, not the DYN_MODEL_TYPE default
+        raise ConfigError(f"--model-type must be one of {', '.join(MODEL_TYPE_CHOICES)}, got {model_type!r}")
+    if model_type != MODEL_TYPE_EMBEDDING:
+        return
+    if args.role != "agg":
+        raise ConfigError(f"--model-type embedding needs --role agg (an embedding has no prefill/decode split), got {args.role}")
+    if args.engine not in EMBEDDING_ENGINES:
+        raise ConfigError(
+            f"--model-type embedding is not available with --engine {args.engine}; use one of {', '.join(EMBEDDING_ENGINES)}"
+        )
 
 
 def worker_names(worker_name: str | None, node_name: str, system_port: int | None, num_workers: int) -> list[str | None]:
@@ -111,13 +171,16 @@ def worker_names(worker_name: str | None, node_name: str, system_port: int | Non
 async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     if args.num_workers < 1:
         raise ConfigError("--num-workers must be at least 1")
+    check_model_type(args)
     settings = settings_from_args(args)
     names = worker_names(args.worker_name, settings.node_name, settings.system_port, args.num_workers)
     model = resolve_model(args.model)
     if args.context_length:
         model = dataclasses.replace(model, context_length=args.context_length)
+    files = await asyncio.to_thread(ModelFiles.from_dir, model.path)
     runtime = await DistributedRuntime.create(settings)
     services: list[WorkerService] = []
+    publishers: list[ModelFilesPublisher] = []
     try:
         component = runtime.namespace().component(args.component or COMPONENT_BY_ROLE[args.role])
         metrics = WorkerMetrics(runtime.registry)
@@ -132,14 +195,21 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
             engine = create_engine(args.engine, args, model, worker_id=lease.id, worker_index=index)
             name = names[index]
             intent = IntentRecorder(runtime.store, component.namespace.name, component.name, name) if name else None
+            # The tokenizer files go into discovery before the card that names them.
+            publisher = ModelFilesPublisher(runtime.store, lease, component.namespace.name, files, node=settings.node_name)
+            await publisher.start()
+            publishers.append(publisher)
             service = WorkerService(
                 component,
                 engine,
-                lambda info: build_card(args, model, info),
+                lambda info: build_card(args, model, info, files.ref),
                 lease,
                 role=args.role,
                 metrics=metrics,
-                kv_transfer=kv_transfer_settings(args, settings.host, index) if args.role in DISAGG_ROLES else None,
+                kv_transfer=kv_transfer_settings(
+                    args, settings.host, index,
+                    advertise_host=settings.advertised(settings.host), security=settings.security.request_plane,
+                ) if args.role in DISAGG_ROLES else None,
                 intent=intent,
             )
             await service.start()
@@ -152,5 +222,6 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     finally:
         # Deregister everything first so routers stop sending, then let requests finish.
         await asyncio.gather(*(s.stop(args.shutdown_grace) for s in services), return_exceptions=True)
+        await asyncio.gather(*(p.close() for p in publishers), return_exceptions=True)
         await runtime.shutdown(grace_s=args.shutdown_grace)
     return 0

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dynamod.shared.kv.transfer.base import TransferResult
 from dynamod.shared.protocol.instance import STATUSES
-from dynamod.shared.protocol.load import LoadMetrics
+from dynamod.shared.protocol.load import KvTierLoad, LoadMetrics
 
 # KV reads take from well under a millisecond (a few blocks on loopback) to seconds (a long
 # prompt of a large model over a slow link).
@@ -61,6 +61,53 @@ class KvTransferMetrics:
         self.held_blocks.labels(worker_id).set(num_blocks)
 
 
+class KvTierMetrics:
+    """Lower KV tiers (host memory, disk) per rank: occupancy and traffic, labelled by ``medium``.
+
+    Engines report cumulative counts (``KvTierLoad``); the counters advance by the difference
+    since the last report, so a scrape sees ordinary monotonic counters."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ("worker_id", "dp_rank", "medium")
+        self.usage = Gauge(
+            "dynamo_component_kv_tier_usage_percent", "Blocks a lower KV tier holds over its capacity (0-1)",
+            labels, registry=registry,
+        )
+        self.blocks = Gauge("dynamo_component_kv_tier_blocks", "Blocks a lower KV tier holds", labels, registry=registry)
+        self.capacity = Gauge(
+            "dynamo_component_kv_tier_capacity_blocks", "Capacity of a lower KV tier in blocks", labels, registry=registry
+        )
+        self.hit_tokens = Counter(
+            "dynamo_component_kv_tier_hit_tokens", "Prompt tokens onboarded from a lower KV tier instead of recomputed",
+            labels, registry=registry,
+        )
+        self.onboarded = Counter(
+            "dynamo_component_kv_tier_onboarded_blocks", "Blocks copied from a lower KV tier back to the device",
+            labels, registry=registry,
+        )
+        self.offloaded = Counter(
+            "dynamo_component_kv_tier_offloaded_blocks", "Blocks moved into a lower KV tier", labels, registry=registry
+        )
+        self._last: dict[tuple[str, str, str, str], int] = {}
+
+    def load(self, worker_id: str, dp_rank: str, tiers: dict[str, KvTierLoad]) -> None:
+        for medium, t in tiers.items():
+            labels = (worker_id, dp_rank, medium)
+            self.usage.labels(*labels).set(t.usage)
+            self.blocks.labels(*labels).set(t.blocks)
+            self.capacity.labels(*labels).set(t.total_blocks)
+            for name, counter, value in (
+                ("hit", self.hit_tokens, t.hit_tokens),
+                ("on", self.onboarded, t.onboarded_blocks),
+                ("off", self.offloaded, t.offloaded_blocks),
+            ):
+                key = (*labels, name)
+                delta = value - self._last.get(key, 0)
+                if delta > 0:
+                    counter.labels(*labels).inc(delta)
+                self._last[key] = value  # a smaller value: the engine restarted its count
+
+
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         labels = ("worker_id", "dp_rank")
@@ -80,6 +127,7 @@ class WorkerMetrics:
             "dynamo_component_worker_status", "1 for the worker's current status", ("worker_id", "status"), registry=registry
         )
         self.kv_transfer = KvTransferMetrics(registry)
+        self.kv_tiers = KvTierMetrics(registry)
 
     def load(self, m: LoadMetrics) -> None:
         labels = (f"{m.worker_id:x}", str(m.dp_rank))
@@ -88,6 +136,8 @@ class WorkerMetrics:
         self.waiting.labels(*labels).set(m.num_waiting)
         self.hit_rate.labels(*labels).set(m.prefix_hit_rate)
         self.active_blocks.labels(*labels).set(m.active_decode_blocks)
+        if m.kv_tiers:
+            self.kv_tiers.load(*labels, m.kv_tiers)
 
     def kv_event(self, worker_id: int, kind: str) -> None:
         self.kv_events.labels(f"{worker_id:x}", kind).inc()

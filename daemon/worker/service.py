@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 
 from dynamod.daemon.worker.control_types import (
+    ClearKvRequest,
     DrainRequest,
     EmptyRequest,
     LoadLoraRequest,
@@ -36,21 +37,28 @@ from dynamod.daemon.worker.control_types import (
     UnloadLoraRequest,
     parse_body,
 )
-from dynamod.daemon.worker.engine import Engine, EngineInfo, KvTransferEngine, LoraInfo
+from dynamod.daemon.worker.engine import EmbeddingEngine, Engine, EngineInfo, KvTransferEngine, LoraInfo
 from dynamod.daemon.worker.kv_transfer import KvTransferContext, KvTransferSettings, KvTransferStats
 from dynamod.daemon.worker.metrics import WorkerMetrics
 from dynamod.shared.discovery.store import Lease
-from dynamod.shared.errors import InvalidRequestError, NotFoundError, UnavailableError
+from dynamod.shared.errors import (
+    ConfigError,
+    ContextLengthError,
+    InvalidRequestError,
+    NotFoundError,
+    UnavailableError,
+)
 from dynamod.shared.events.plane import TOPIC_KV_EVENTS, TOPIC_KV_METRICS, EventPublisher
 from dynamod.shared.kv.transfer.directory import KvTransferDirectory
 from dynamod.shared.kv.transfer.factory import create_agent
 from dynamod.shared.protocol import control
+from dynamod.shared.protocol.embedding import EMBED_ENDPOINT, EmbedRequest
 from dynamod.shared.protocol.instance import STATUS_DRAINING, STATUS_READY, STATUS_SLEEPING
 from dynamod.shared.protocol.keys import mdc_key
-from dynamod.shared.protocol.kv_events import router_event_encoder
+from dynamod.shared.protocol.kv_events import MEDIA, router_event_encoder
 from dynamod.shared.protocol.llm import PreprocessedRequest
 from dynamod.shared.protocol.load import LoadMetrics, load_encoder
-from dynamod.shared.protocol.model_card import ModelCard, encode_card
+from dynamod.shared.protocol.model_card import MODEL_TYPE_EMBEDDING, ModelCard, encode_card
 from dynamod.shared.runtime.distributed import Component, ServedInstance, deregister_all, mark_all_draining
 from dynamod.shared.runtime.intent import IntentRecorder
 from dynamod.shared.transport.plane import RequestContext
@@ -61,6 +69,40 @@ GENERATE = "generate"
 _KV_DUMP_CHUNK = 2000
 _LOAD_POLL_S = 0.1
 _LOAD_MAX_INTERVAL_S = 1.0
+
+
+def check_generate_limits(request: PreprocessedRequest, context_length: int) -> None:
+    """The worker's own limits, whoever the caller (a frontend, a router, a script on the request
+    plane): an empty prompt, a prompt the engine's context cannot hold or an output budget out of
+    range is refused here with a 400-class error (``ContextLengthError`` for the context, which the
+    frontend relays as a 400 and never migrates), not handed to the engine, where it would fail
+    mid-batch or be silently cut short. ``context_length`` 0: not known, only the ranges are checked."""
+    prompt = request.token_ids
+    if not prompt:
+        raise InvalidRequestError("the prompt has no tokens", param="prompt")
+    prompt_len = len(prompt)
+    if context_length and prompt_len >= context_length:
+        raise ContextLengthError(
+            f"This model's maximum context length is {context_length} tokens. However, your prompt has "
+            f"{prompt_len} tokens, which leaves no room for the completion. Please shorten the prompt.",
+            param="messages",
+        )
+    stop = request.stop
+    max_tokens = stop.max_tokens
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if context_length and prompt_len + max_tokens > context_length:
+            raise ContextLengthError(
+                f"This model's maximum context length is {context_length} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+                "Please reduce the length of the prompt or the completion.",
+                param="max_tokens",
+            )
+    if stop.min_tokens is not None and (stop.min_tokens < 0 or (max_tokens is not None and stop.min_tokens > max_tokens)):
+        raise InvalidRequestError(
+            f"min_tokens must be between 0 and max_tokens ({max_tokens}), got {stop.min_tokens}", param="min_tokens"
+        )
 
 
 class WorkerService:
@@ -104,12 +146,22 @@ class WorkerService:
     def namespace(self) -> str:
         return self.component.namespace.name
 
+    @property
+    def model_endpoint(self) -> str:
+        """Where the model is served and its cards live: ``embed`` for an embedding model, else
+        ``generate`` (a frontend reaches the workers of a card through the card's endpoint)."""
+        if self.card is not None and MODEL_TYPE_EMBEDDING in self.card.model_types:
+            return EMBED_ENDPOINT
+        return GENERATE
+
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
         await self.engine.start()
         # Real engines learn their KV geometry (blocks, block size, context) only once started.
         self.card = self._card_builder(self.engine.info)
+        if self.model_endpoint == EMBED_ENDPOINT and not isinstance(self.engine, EmbeddingEngine):
+            raise ConfigError(f"engine {type(self.engine).__name__} cannot embed; --model-type embedding needs one that can")
         if self._kv_settings is not None:
             await self._start_kv_transfer(self._kv_settings)
         self._kv_pub = await self.component.publisher(TOPIC_KV_EVENTS)
@@ -117,7 +169,7 @@ class WorkerService:
         self._tasks.append(asyncio.create_task(self._publish_kv_events(), name=f"kv-events-{self.worker_id:x}"))
         self._tasks.append(asyncio.create_task(self._publish_load(), name=f"load-{self.worker_id:x}"))
         handlers = {
-            GENERATE: self._generate,
+            self.model_endpoint: self._embed if self.model_endpoint == EMBED_ENDPOINT else self._generate,
             control.CLEAR_KV_BLOCKS: self._clear_kv_blocks,
             control.SLEEP: self._sleep,
             control.WAKE_UP: self._wake_up,
@@ -205,7 +257,8 @@ class WorkerService:
         assert isinstance(engine, KvTransferEngine)
         agent = create_agent(
             memory, worker_id=self.worker_id, backend=settings.backend, host=settings.host, port=settings.port,
-            layout=engine.kv_layout,
+            layout=engine.kv_layout, advertise_host=settings.advertise_host, security=settings.security,
+            metrics=self.component.runtime.request_plane_metrics,
         )
         await agent.start()
         directory = KvTransferDirectory(self.component.runtime.store, self.namespace)
@@ -305,7 +358,7 @@ class WorkerService:
     # -- discovery records ------------------------------------------------------------------------
 
     def _card_key(self, lora: str | None) -> str:
-        return mdc_key(self.namespace, self.component.name, GENERATE, self.worker_id, lora)
+        return mdc_key(self.namespace, self.component.name, self.model_endpoint, self.worker_id, lora)
 
     async def _put_card(self, lora: str | None, card: ModelCard) -> None:
         await self.component.runtime.store.put(self._card_key(lora), encode_card(card), self.lease)
@@ -333,16 +386,37 @@ class WorkerService:
             raise InvalidRequestError(f"bad generate request: {exc}") from None
         if request.lora_name and request.lora_name not in {lo.name for lo in self.engine.list_loras()}:
             raise InvalidRequestError(f"LoRA adapter {request.lora_name!r} is not loaded on worker {self.worker_id:x}")
+        assert self.card is not None  # served only after start()
+        check_generate_limits(request, self.card.context_length)
         async for out in self.engine.generate(request):
             yield out
+
+    async def _embed(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
+        """One reply frame: the vectors of all inputs (``EmbedResponse``)."""
+        if self.status != STATUS_READY:
+            raise UnavailableError(f"worker {self.worker_id:x} is {self.status}; it takes no new requests")
+        try:
+            request = msgspec.convert(body, EmbedRequest)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequestError(f"bad embed request: {exc}") from None
+        if request.lora_name and request.lora_name not in {lo.name for lo in self.engine.list_loras()}:
+            raise InvalidRequestError(f"LoRA adapter {request.lora_name!r} is not loaded on worker {self.worker_id:x}")
+        assert isinstance(self.engine, EmbeddingEngine)  # start() refused anything else
+        yield await self.engine.embed(request)
 
     # -- control endpoints ------------------------------------------------------------------------
 
     async def _clear_kv_blocks(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
-        parse_body(body, EmptyRequest, control.CLEAR_KV_BLOCKS)
-        cleared = await self.engine.clear_kv_blocks()
-        logger.info("kv cache cleared worker_id=%x blocks=%d", self.worker_id, cleared)
-        yield control.ok(f"cleared {cleared} cached blocks", cleared_blocks=cleared)
+        req = parse_body(body, ClearKvRequest, control.CLEAR_KV_BLOCKS)
+        if req.medium is None:
+            cleared = await self.engine.clear_kv_blocks()
+        else:
+            if req.medium not in MEDIA:
+                raise InvalidRequestError(f"unknown KV tier {req.medium!r}; expected one of {', '.join(MEDIA)}")
+            cleared = await self.engine.clear_kv_blocks(req.medium)
+        where = "every tier" if req.medium is None else f"the {req.medium} tier"
+        logger.info("kv cache cleared worker_id=%x medium=%s blocks=%d", self.worker_id, req.medium or "all", cleared)
+        yield control.ok(f"cleared {cleared} cached blocks from {where}", cleared_blocks=cleared, medium=req.medium)
 
     async def _sleep(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
         req = parse_body(body, SleepRequest, control.SLEEP)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import shlex
 
-from dynamod.shared.cluster.inventory import ClusterSpec, RoleSpec
+from dynamod.shared.cluster.inventory import ClusterSpec, HostSpec, RoleSpec
 
 MODE_SYSTEM = "systemd"
 MODE_USER = "systemd-user"
@@ -40,13 +40,21 @@ def q(value: str) -> str:
     return shlex.quote(value)
 
 
-def dynamod_argv(cluster: ClusterSpec, role: RoleSpec) -> list[str]:
+def dynamod_argv(cluster: ClusterSpec, role: RoleSpec, host: HostSpec | None = None) -> list[str]:
     """The command line of one role: the ``dynamod`` entry point, the cluster's connection flags,
-    then the role's own args."""
+    the host's address, then the role's own args (which win: argparse keeps the last value).
+
+    With ``host`` every listener of the role binds and advertises the host's cluster address
+    (``--host``; the frontend's ``--http-host``; ``--system-host`` with a ``system_port``), so the
+    other hosts can dial what discovery names. Without it (a single host) they stay on loopback."""
     argv = [cluster.dynamod]
     if role.role == "up":
         return [*argv, "up", *role.args]
     argv += ["--role", role.role, "--namespace", cluster.namespace, "--discovery-backend", cluster.discovery]
+    if host is not None:
+        argv += ["--host", host.listen_address]
+        if role.role == "frontend":
+            argv += ["--http-host", host.listen_address]
     if cluster.etcd_endpoints:
         argv += ["--etcd-endpoints", ",".join(cluster.etcd_endpoints)]
     if cluster.nats_server:
@@ -56,8 +64,14 @@ def dynamod_argv(cluster: ClusterSpec, role: RoleSpec) -> list[str]:
     if cluster.event_plane:
         argv += ["--event-plane", cluster.event_plane]
     if role.system_port is not None:
-        argv += ["--system-port", str(role.system_port), "--system-host", "127.0.0.1"]
+        argv += ["--system-port", str(role.system_port), "--system-host", system_host(role, host)]
     return [*argv, *role.args]
+
+
+def system_host(role: RoleSpec, host: HostSpec | None) -> str:
+    """Where a role's status server listens: the host's cluster address (Prometheus and the console
+    scrape it from elsewhere, and discovery advertises it), loopback on a single host."""
+    return host.listen_address if host is not None and role.role != "up" else "127.0.0.1"
 
 
 def role_env(cluster: ClusterSpec, role: RoleSpec) -> dict[str, str]:
@@ -97,10 +111,11 @@ def _systemctl(mode: str) -> str:
     return "systemctl --user" if mode == MODE_USER else "systemctl"
 
 
-def start_command(cluster: ClusterSpec, role: RoleSpec, mode: str) -> str:
-    """Starts the role unless it already runs; prints ``started <pid>`` or ``already running <pid>``."""
+def start_command(cluster: ClusterSpec, role: RoleSpec, mode: str, host: HostSpec | None = None) -> str:
+    """Starts the role unless it already runs; prints ``started <pid>`` or ``already running <pid>``.
+    ``host``: the inventory host it runs on (its address goes on the command line)."""
     p = _paths(cluster, role)
-    argv = dynamod_argv(cluster, role)
+    argv = dynamod_argv(cluster, role, host)
     env = role_env(cluster, role)
     prep = f"mkdir -p {q(p['workdir'])}/run {q(p['workdir'])}/logs && printf %s {q(mode)} > {q(p['mode'])}"
     if mode in (MODE_SYSTEM, MODE_USER):
@@ -185,13 +200,15 @@ def mode_command(cluster: ClusterSpec, role: RoleSpec) -> str:
     return f"if [ -f {q(p['mode'])} ]; then cat {q(p['mode'])}; else {DETECT_SUPERVISOR}; fi"
 
 
-def health_command(cluster: ClusterSpec, role: RoleSpec) -> str:
+def health_command(cluster: ClusterSpec, role: RoleSpec, host: HostSpec | None = None) -> str:
     """Asks the role's /health on the host itself, so no port has to be reachable from here."""
     assert role.system_port is not None
+    address = system_host(role, host)
+    url = f"http://{f'[{address}]' if ':' in address else address}:{role.system_port}/health"
     script = (
         "import sys, urllib.request, urllib.error\n"
         "try:\n"
-        f"    r = urllib.request.urlopen('http://127.0.0.1:{role.system_port}/health', timeout=3)\n"
+        f"    r = urllib.request.urlopen({url!r}, timeout=3)\n"
         "    sys.stdout.write(r.read().decode()[:500])\n"
         "except urllib.error.HTTPError as e:\n"
         "    sys.stdout.write(e.read().decode()[:500]); sys.exit(1)\n"

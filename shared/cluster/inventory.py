@@ -17,7 +17,8 @@ Example (deploy/inventory/cluster.example.toml has a full one)::
 
     [[hosts]]
     name = "gpu-a"
-    address = "10.0.0.11"
+    address = "10.0.0.11"                  # SSH reaches it here; its roles bind and advertise it too
+    # cluster_address = "192.168.1.11"     # when the cluster network is another than SSH's
       [[hosts.roles]]
       role = "agg"
       args = ["--engine", "vllm", "--model", "/models/llama"]
@@ -67,9 +68,16 @@ class RoleSpec:
 @dataclass(slots=True)
 class HostSpec:
     name: str
-    address: str
+    address: str  # where SSH reaches the host
     ssh: SshSettings
     roles: list[RoleSpec] = field(default_factory=list)
+    cluster_address: str | None = None  # where the other hosts reach its roles; None: ``address``
+
+    @property
+    def listen_address(self) -> str:
+        """The address this host's roles bind and advertise (``--host``, ``--http-host``,
+        ``--system-host``): the other hosts dial it, so it is never a loopback default."""
+        return self.cluster_address or self.address
 
 
 @dataclass(slots=True)
@@ -178,11 +186,17 @@ def parse_inventory(data: dict[str, Any], path: str = "<inventory>") -> Inventor
     for i, h in enumerate(hosts_raw):
         where = f"{path}: hosts[{i}]"
         _expect(h, dict, where)
-        h_known = {"name", "address", "ssh", "roles"}
+        h_known = {"name", "address", "cluster_address", "ssh", "roles"}
         extra = set(h) - h_known
         if extra:
             raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(extra))}")
         address = _expect(h.get("address"), str, f"{where}.address")
+        cluster_address = h.get("cluster_address")
+        if cluster_address is not None:
+            cluster_address = _expect(cluster_address, str, f"{where}.cluster_address")
+        for field_name, value in (("address", address), ("cluster_address", cluster_address)):
+            if value is not None and value.strip() in ("", "0.0.0.0", "::"):
+                raise ConfigError(f"{where}.{field_name} must be an address the other hosts can dial, got {value!r}")
         name = _expect(h.get("name", address), str, f"{where}.name")
         if name in seen_hosts:
             raise ConfigError(f"{where}: duplicate host name {name!r}")
@@ -218,7 +232,7 @@ def parse_inventory(data: dict[str, Any], path: str = "<inventory>") -> Inventor
                     env=_str_map(r.get("env", {}), f"{rwhere}.env"),
                 )
             )
-        hosts.append(HostSpec(name, address, ssh, roles))
+        hosts.append(HostSpec(name, address, ssh, roles, cluster_address))
     return Inventory(path, c, hosts)
 
 

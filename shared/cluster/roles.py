@@ -52,14 +52,14 @@ async def role_health(session: HostSession, cluster: ClusterSpec, role: RoleSpec
     """(``ok`` | ``fail`` | ``-`` without a system port, the /health body or error)."""
     if role.system_port is None:
         return "-", ""
-    res = await session.run(cmds.health_command(cluster, role), timeout_s=HEALTH_TIMEOUT_S)
+    res = await session.run(cmds.health_command(cluster, role, session.host), timeout_s=HEALTH_TIMEOUT_S)
     return ("ok" if res.rc == 0 else "fail"), res.stdout.strip()[:200]
 
 
 async def start_role(session: HostSession, cluster: ClusterSpec, role: RoleSpec, mode: str | None = None) -> RoleState:
     """Starts ``role`` unless it already runs (``started`` / ``already running`` / ``error``)."""
     mode = mode or await role_mode(session, cluster, role)
-    res = await session.run(cmds.start_command(cluster, role, mode))
+    res = await session.run(cmds.start_command(cluster, role, mode, session.host))
     if res.rc != 0:
         return RoleState(mode, "error", detail=(res.stderr or res.stdout).strip()[:300])
     out = res.stdout.strip()

@@ -22,13 +22,15 @@ def make_event_plane(
     store: DiscoveryStore | None = None,
     lease: Lease | None = None,
     host: str = "127.0.0.1",
+    advertise_host: str | None = None,
     nats_security: NatsSecurity | None = None,
 ) -> EventPlane:
     """Builds (does not start) the event plane called ``name``.
 
     ``nats`` needs ``nats_url`` (and logs in with ``nats_security``); ``zmq`` needs the process's
     discovery ``store`` and ``lease`` (its publishers are registered under that lease) and binds its
-    PUB sockets on ``host``.
+    PUB sockets on ``host``, advertising ``advertise_host`` (default: ``host``, or this node's
+    primary address for a wildcard).
     """
     if name == "nats":
         if not nats_url:
@@ -47,7 +49,7 @@ def make_event_plane(
         assert store is not None and lease is not None
         from dynamod.shared.events.zmq_plane import ZmqEventPlane
 
-        return ZmqEventPlane(store, lease, host=host)
+        return ZmqEventPlane(store, lease, host=host, advertise_host=advertise_host)
     raise ConfigError(
         f"unknown event plane {name!r}; choose one of {', '.join(EVENT_PLANE_NAMES)} (--event-plane / DYN_EVENT_PLANE)"
     )

@@ -33,7 +33,7 @@ from dynamod.shared.errors import ConfigError, DiscoveryError, EventPlaneError, 
 from dynamod.shared.events.plane import ConnectionListener
 from dynamod.shared.events.zmq_subscriber import ZmqEventSubscriber
 from dynamod.shared.protocol.keys import event_channel_key
-from dynamod.shared.transport.address import advertised_host
+from dynamod.shared.transport.address import advertised_host, join_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,9 @@ class ZmqEventPlane:
     """Publishers and subscribers of one process, registered under its discovery lease.
 
     ``host`` is where PUB sockets bind (the runtime's ``--host``); discovery gets the address
-    subscribers should dial: ``host`` itself, or this node's primary address when ``host`` is a
-    wildcard (0.0.0.0 is not an address another machine can use).
+    subscribers should dial: ``advertise_host`` (``--advertise-host``) when given, else ``host``
+    itself, or this node's primary address when ``host`` is a wildcard (0.0.0.0 is not an address
+    another machine can use).
     """
 
     name = "zmq"
@@ -60,6 +61,7 @@ class ZmqEventPlane:
         lease: Lease,
         *,
         host: str = "127.0.0.1",
+        advertise_host: str | None = None,
         sndhwm: int = DEFAULT_HWM,
         rcvhwm: int = DEFAULT_HWM,
         subscriber_queue: int = DEFAULT_SUBSCRIBER_QUEUE,
@@ -67,6 +69,7 @@ class ZmqEventPlane:
         self.store = store
         self.lease = lease
         self.host = host
+        self.advertise_host = advertised_host(host, advertise_host)
         self.sndhwm = sndhwm
         self.rcvhwm = rcvhwm
         self.subscriber_queue = subscriber_queue
@@ -167,14 +170,17 @@ class ZmqEventPlane:
         # HWM must be set before bind/connect: ZMQ applies it to a pipe when the pipe is created.
         sock.setsockopt(zmq.SNDHWM, self.sndhwm)
         sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
+        bind_host = self.host or "*"
+        if ":" in bind_host:
+            sock.setsockopt(zmq.IPV6, 1)
+            bind_host = bind_host if bind_host.startswith("[") else f"[{bind_host}]"
         try:
-            sock.bind(f"tcp://{self.host}:0")
+            sock.bind(f"tcp://{bind_host}:0")
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             raise EventPlaneError(f"cannot bind a ZMQ PUB socket on {self.host}: {exc}") from exc
-        port = sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]
-        host = advertised_host(self.host)
-        address = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+        port = int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+        address = f"tcp://{join_host_port(self.advertise_host, port)}"
         value = json.dumps({"address": address, "pid": os.getpid()}).encode()
         try:
             await self.store.put(key, value, lease=self.lease)

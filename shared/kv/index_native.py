@@ -14,6 +14,7 @@ from types import ModuleType
 
 from dynamod.shared.kv import native
 from dynamod.shared.kv.index_common import APPLIED, PARENT_MISSING, KvIndexerBase, OverlapScores, WorkerKey
+from dynamod.shared.kv.index_tiers import LowerTiers
 from dynamod.shared.protocol.kv_events import KvStored, StoredBlock
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ class NativeKvIndexer(KvIndexerBase):
         self._holder: dict[WorkerKey, int] = {}
         self._sizes: dict[WorkerKey, int] = self._index.sizes  # kept up to date by the core
         self._collisions = 0
+        self._core = core
+        self.tiers = LowerTiers(self.device_node_of)
 
     # ------------------------------------------------------------------------------------------
     # Introspection.
@@ -67,8 +70,13 @@ class NativeKvIndexer(KvIndexerBase):
         holder = self._holder.get(worker)
         return holder is not None and self._index.holds(holder, block_hash)
 
+    def device_node_of(self, worker: WorkerKey, block_hash: int) -> int | None:
+        holder = self._holder.get(worker)
+        return None if holder is None else self._index.node_hash(holder, block_hash)
+
     def check_invariants(self) -> None:
         """Asserts the structure is consistent (tests and debugging; walks everything)."""
+        self.tiers.check_invariants()
         self._index.check()
         assert set(self._holder) == set(self._sizes)
 
@@ -79,11 +87,16 @@ class NativeKvIndexer(KvIndexerBase):
         """Per worker key, how many leading blocks of the prompt (its local hashes) it holds."""
         if not isinstance(local_hashes, list | tuple):
             local_hashes = list(local_hashes)
+        if self.tiers.blocks:  # lower tiers need the whole chain
+            return self.find_matches_sequence(self._core.sequence_hashes(local_hashes))
         return OverlapScores(self._index.match_local(local_hashes), self._sizes.copy())
 
     def find_matches_sequence(self, seq_hashes: Sequence[int]) -> OverlapScores:
         """``find_matches`` for a prompt whose chained sequence hashes are already computed."""
-        return OverlapScores(self._index.match_seq(seq_hashes), self._sizes.copy())
+        result = OverlapScores(self._index.match_seq(seq_hashes), self._sizes.copy())
+        if self.tiers.blocks:
+            result.lower = self.tiers.continuation(seq_hashes, result.scores)
+        return result
 
     # ------------------------------------------------------------------------------------------
     # Events.

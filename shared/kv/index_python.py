@@ -30,8 +30,9 @@ from collections.abc import Iterable, Sequence
 
 import xxhash
 
-from dynamod.shared.kv.hashing import KV_HASH_SEED
+from dynamod.shared.kv.hashing import KV_HASH_SEED, compute_sequence_hashes
 from dynamod.shared.kv.index_common import APPLIED, PARENT_MISSING, KvIndexerBase, OverlapScores, WorkerKey
+from dynamod.shared.kv.index_tiers import LowerTiers
 from dynamod.shared.protocol.kv_events import KvStored, StoredBlock
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class PythonKvIndexer(KvIndexerBase):
         self._free_bits: list[int] = []
         self._next_bit_index = 0
         self._total = 0  # blocks held, summed over worker keys
+        self.tiers = LowerTiers(self.device_node_of)
 
     # ------------------------------------------------------------------------------------------
     # Introspection.
@@ -101,8 +103,13 @@ class PythonKvIndexer(KvIndexerBase):
         holder = self._holders.get(worker)
         return holder is not None and block_hash in holder.by_hash
 
+    def device_node_of(self, worker: WorkerKey, block_hash: int) -> int | None:
+        holder = self._holders.get(worker)
+        return None if holder is None else holder.by_hash.get(block_hash)
+
     def check_invariants(self) -> None:
         """Asserts the structure is consistent (tests and debugging; walks everything)."""
+        self.tiers.check_invariants()
         seen = set()
         stack = [_ROOT]
         while stack:
@@ -137,6 +144,8 @@ class PythonKvIndexer(KvIndexerBase):
         Walks block by block, hashing the chain on the way: the hashes cost more than the
         lookups, and the walk stops hashing at the first block nobody holds.
         """
+        if self.tiers.blocks:  # lower tiers need the whole chain: hash it first, then gallop
+            return self._match(compute_sequence_hashes(list(local_hashes)))
         scores: dict[WorkerKey, int] = {}
         mask_get = self._mask.get
         it = iter(local_hashes)
@@ -217,7 +226,10 @@ class PythonKvIndexer(KvIndexerBase):
                 low = mask & -mask
                 scores[key_of_bit[low]] = n
                 mask ^= low
-        return OverlapScores(scores, self._sizes.copy())
+        result = OverlapScores(scores, self._sizes.copy())
+        if self.tiers.blocks:
+            result.lower = self.tiers.continuation(seqs, scores)
+        return result
 
     # ------------------------------------------------------------------------------------------
     # Events.

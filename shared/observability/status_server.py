@@ -16,6 +16,7 @@ from collections.abc import Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from dynamod.shared.errors import ConfigError
+from dynamod.shared.transport.address import advertised_host, join_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -24,10 +25,20 @@ _MAX_REQUEST_BYTES = 16 * 1024
 
 
 class StatusServer:
-    def __init__(self, registry: CollectorRegistry, health: HealthProbe, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        health: HealthProbe,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+    ) -> None:
         self._registry = registry
         self._health = health
         self._host = host
+        # ``url`` goes into discovery (instances' system_url) for scrapers on other hosts: never a wildcard.
+        self._advertise_host = advertise_host or advertised_host(host)
         self._port = port
         self._server: asyncio.base_events.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
@@ -42,7 +53,7 @@ class StatusServer:
                 "pick another --system-port (0 = any free port) or stop the process holding it"
             ) from None
         port = self._server.sockets[0].getsockname()[1]
-        self.url = f"http://{self._host}:{port}"
+        self.url = f"http://{join_host_port(self._advertise_host, port)}"
         logger.info("status server listening url=%s", self.url)
         return self.url
 

@@ -12,6 +12,7 @@ from dynamod.shared.errors import InvalidRequestError
 
 INSTANCES_ROOT = "v1/instances/"
 MDC_ROOT = "v1/mdc/"
+MDC_FILES_ROOT = "v1/mdc_files/"
 EVENT_CHANNELS_ROOT = "v1/event_channels/"
 KV_TRANSFER_ROOT = "v1/kv_transfer/"
 PLANNER_ROOT = "v1/planner/"
@@ -44,6 +45,31 @@ def mdc_key(namespace: str, component: str, endpoint: str, instance_id: int, lor
 
 def mdc_prefix(namespace: str | None = None) -> str:
     return MDC_ROOT + (f"{namespace}/" if namespace else "")
+
+
+def mdc_files_prefix(namespace: str, sha256: str) -> str:
+    """Everything of one tokenizer-files bundle (``shared/protocol/model_files.py``)."""
+    if not sha256 or not all(c in "0123456789abcdef" for c in sha256):
+        raise InvalidRequestError(f"a model files hash is lowercase hex, got {sha256!r}")
+    return f"{MDC_FILES_ROOT}{_check_segment(namespace, 'namespace')}/{sha256}/"
+
+
+def mdc_files_copies_prefix(namespace: str, sha256: str) -> str:
+    """The holders of a bundle: one ``ModelFilesCopy`` per worker holding a copy."""
+    return f"{mdc_files_prefix(namespace, sha256)}copies/"
+
+
+def mdc_files_copy_key(namespace: str, sha256: str, instance_id: int) -> str:
+    return f"{mdc_files_copies_prefix(namespace, sha256)}{instance_id:x}"
+
+
+def mdc_files_chunks_prefix(namespace: str, sha256: str, instance_id: int) -> str:
+    """The chunks of one holder's copy, ``{index:05d}`` in order."""
+    return f"{mdc_files_prefix(namespace, sha256)}chunks/{instance_id:x}/"
+
+
+def mdc_files_chunk_key(namespace: str, sha256: str, instance_id: int, index: int) -> str:
+    return f"{mdc_files_chunks_prefix(namespace, sha256, instance_id)}{index:05d}"
 
 
 def event_channel_key(namespace: str, component: str, topic: str, instance_id: int) -> str:

@@ -7,15 +7,51 @@ ids; detokenization and stop strings stay in the frontend. Responses are a strea
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 
+class GuidedDecoding(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One output constraint (structured outputs): exactly one of ``json`` (a JSON schema; ``{"type":
+    "object"}`` for ``response_format: json_object``), ``regex``, ``choice`` or ``grammar`` (EBNF/GBNF
+    or Lark) is set. The frontend has checked that it compiles, so an engine can trust it; the names
+    are vLLM's ``StructuredOutputsParams`` and Dynamo's ``guided_decoding``."""
+
+    json: Any = None  # a JSON schema: an object or a boolean
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    whitespace_pattern: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: ``json``, ``regex``, ``choice`` or ``grammar``."""
+        if self.json is not None:
+            return "json"
+        if self.regex is not None:
+            return "regex"
+        if self.choice is not None:
+            return "choice"
+        return "grammar"
+
+
 class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How to pick tokens; unset (None) values take the engine's or the model's defaults. Every
+    field reaches the engine: an engine that cannot honour one refuses the request."""
+
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
-    logprobs: int | None = None  # number of top logprobs wanted; None: none
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    logprobs: int | None = None  # number of top logprobs wanted (0: the sampled token's only); None: none
+    guided_decoding: GuidedDecoding | None = None
 
 
 class StopConditions(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -66,6 +102,9 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     token_ids: list[int] = []
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     log_probs: list[float] | None = None
+    # Per token in ``token_ids``: the most likely alternatives as (token id, logprob), best first
+    # (``SamplingOptions.logprobs`` of them); only when top logprobs were asked for.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     usage: Usage | None = None
     disaggregated_params: dict | None = None
     error: str | None = None

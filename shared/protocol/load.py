@@ -5,6 +5,17 @@ from __future__ import annotations
 import msgspec
 
 
+class KvTierLoad(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One lower KV tier (host memory, disk) of one rank: occupancy now, traffic since start."""
+
+    blocks: int = 0  # blocks the tier holds
+    total_blocks: int = 0  # its capacity
+    usage: float = 0.0  # blocks / total_blocks
+    hit_tokens: int = 0  # prompt tokens onboarded from this tier instead of recomputed
+    onboarded_blocks: int = 0  # blocks copied from this tier back to the device
+    offloaded_blocks: int = 0  # blocks that moved into this tier
+
+
 class LoadMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
     worker_id: int
     dp_rank: int = 0
@@ -25,6 +36,9 @@ class LoadMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
     kv_transfer_ms_p50: float = 0.0  # over the last transfers (a bounded window)
     kv_transfer_ms_p99: float = 0.0
     kv_held_blocks: int = 0  # prefill: blocks held for decode workers to read
+    # Lower KV tiers by medium ("CPU", "DISK"; kv_events.MEDIA), when the engine has them; the
+    # device cache is ``kv_usage``/``total_blocks`` above.
+    kv_tiers: dict[str, KvTierLoad] | None = None
 
 
 load_encoder = msgspec.msgpack.Encoder()

@@ -41,8 +41,14 @@ class CandidateScore(msgspec.Struct):
     prefill_blocks: float  # prefill_tokens / block_size, not rounded
     decode_blocks: int  # its active blocks + the prompt blocks new to it
     cost: float
-    tree_size: int  # blocks it caches (first tie-breaker)
+    tree_size: int  # blocks it caches on the device (first tie-breaker)
     probability: float | None = None  # sampling probability when temperature > 0
+    # KV tiers (shared/kv/index_tiers.py): the prompt blocks after ``overlap_blocks`` found in the
+    # worker's host memory, then on its disk, each credited at its tier's weight in
+    # ``prefill_blocks`` (``prefill_tokens`` does not include the credit).
+    host_overlap_blocks: int = 0
+    disk_overlap_blocks: int = 0
+    tier_credit_blocks: float = 0.0  # host_weight * host_overlap_blocks + disk_weight * disk_overlap_blocks
 
 
 # Stages of a routing decision.
@@ -106,7 +112,8 @@ class RoutingDecision(msgspec.Struct, kw_only=True):
     def to_header(self) -> str:
         """Compact JSON for the ``x-dynamo-route-explain`` header: winner, reason, and the
         cheapest candidates as ``[worker_id, dp_rank, overlap, prefill_blocks, decode_blocks,
-        cost]``."""
+        cost]``; ``tiers`` lists those among them holding prompt blocks below the device as
+        ``[worker_id, dp_rank, host_blocks, disk_blocks]``."""
         best = sorted(self.candidates, key=lambda c: c.cost)[:HEADER_MAX_CANDIDATES]
         body = {
             "w": self.worker_id,
@@ -119,6 +126,9 @@ class RoutingDecision(msgspec.Struct, kw_only=True):
             "stage": self.stage,
             "c": [[c.worker_id, c.dp_rank, c.overlap_blocks, round(c.prefill_blocks, 3), c.decode_blocks, round(c.cost, 3)] for c in best],
         }
+        tiers = [[c.worker_id, c.dp_rank, c.host_overlap_blocks, c.disk_overlap_blocks] for c in best if c.host_overlap_blocks or c.disk_overlap_blocks]
+        if tiers:  # only when some candidate holds the prompt below its device cache
+            body["tiers"] = tiers
         if self.disagg is not None:
             body["disagg"] = msgspec.to_builtins(self.disagg)
         return _json.encode(body).decode("ascii")

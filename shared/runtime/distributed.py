@@ -109,11 +109,18 @@ class DistributedRuntime:
                     store=store,
                     lease=rt.lease,
                     host=settings.host,  # ZMQ publishers bind here and advertise an address peers can dial
+                    advertise_host=settings.advertised(settings.host),
                     nats_security=settings.security.nats,
                 )
                 await rt.events.start()
             if settings.system_port is not None:
-                rt._status = StatusServer(rt.registry, rt._health, host=settings.system_host, port=settings.system_port)
+                rt._status = StatusServer(
+                    rt.registry,
+                    rt._health,
+                    host=settings.system_host,
+                    port=settings.system_port,
+                    advertise_host=settings.advertised(settings.system_host),
+                )
                 await rt._status.start()
         except BaseException:
             # Half-built: release the lease, the planes and the store, so nothing keeps running
@@ -162,10 +169,13 @@ class DistributedRuntime:
                 server = make_server(
                     self.settings.request_plane,
                     host=self.settings.host,
+                    port=self.settings.request_plane_port,
+                    advertise_host=self.settings.advertised(self.settings.host),
                     nats_url=self.settings.nats_server,
                     security=self.settings.security.request_plane,
                     nats_security=self.settings.security.nats,
                     metrics=self.request_plane_metrics,
+                    limits=self.settings.request_plane_limits,
                 )
                 self._server_address = await server.start()
                 self._server = server

@@ -22,7 +22,7 @@ from dynamod.shared.transport.plane import (
     ServerAddress,
 )
 from dynamod.shared.transport.tcp_client import TcpRequestClient
-from dynamod.shared.transport.tcp_server import TcpRequestServer
+from dynamod.shared.transport.tcp_server import ConnectionLimits, TcpRequestServer
 
 TRANSPORTS = ("tcp", "nats")
 
@@ -32,19 +32,24 @@ def make_server(
     *,
     host: str = "127.0.0.1",
     port: int = 0,
+    advertise_host: str | None = None,
     nats_url: str | None = None,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     security: RequestPlaneSecurity | None = None,
     nats_security: NatsSecurity | None = None,
     metrics: RequestPlaneMetrics | None = None,
+    limits: ConnectionLimits | None = None,
 ) -> RequestPlaneServer:
     """The request-plane server for ``name``. ``host``/``port`` apply to TCP (port 0 picks a free
-    one); ``nats_url`` to NATS (default: ``NATS_SERVER``, else ``nats://127.0.0.1:4222``).
+    one; ``advertise_host``: what discovery gets instead of ``host``); ``nats_url`` to NATS (default: ``NATS_SERVER``, else ``nats://127.0.0.1:4222``).
     ``security``: who gets served (TLS for TCP, the cluster token for both); ``nats_security``: how
-    to log in to NATS; ``metrics`` counts refused peers."""
+    to log in to NATS; ``metrics`` counts refused peers; ``limits``: TCP connections held and idle time."""
     kind = name.strip().lower()
     if kind == "tcp":
-        return TcpRequestServer(host, port, max_frame_bytes=max_frame_bytes, security=security, metrics=metrics)
+        return TcpRequestServer(
+            host, port, max_frame_bytes=max_frame_bytes, advertise_host=advertise_host, security=security, metrics=metrics,
+            limits=limits,
+        )
     if kind == "nats":
         return NatsRequestServer(
             nats_url, max_frame_bytes=max_frame_bytes, security=security, nats_security=nats_security, metrics=metrics

@@ -15,6 +15,14 @@ is counted and logged like any other refusal; with a cluster token the first fra
 matching hello (``framing``). Until both passed nothing is dispatched, the first frame may not
 exceed ``HELLO_MAX_BYTES``, and a peer that takes longer than the handshake timeout is closed.
 
+Connection limits (``ConnectionLimits``): past ``max_connections`` open connections a new one is
+told ``overloaded`` (a connection-level error frame; a TLS peer just sees the close) and closed, so
+a flood of connections cannot exhaust the process's descriptors. A connection with no open stream
+from which nothing has been read for ``idle_timeout_s`` is closed (a peer that opened a connection
+and went quiet, or stalled in the middle of a frame); clients simply dial again for their next
+request. A connection with open streams is never closed as idle: its client pings it while it
+waits, and a slow handler is not the peer's fault.
+
 A ping (``{stream_id: 0, ping: n}``) is answered with a pong from ``data_received`` itself: the
 answer proves that this process's event loop runs, which is all the client's heartbeat asks. A
 server that is frozen or whose loop is blocked answers nothing and its clients give up on it; a
@@ -29,11 +37,13 @@ import logging
 import ssl
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from msgspec import UNSET
 
 from dynamod.shared.errors import (
+    ConfigError,
     DynamoError,
     FrameTooLargeError,
     OverloadedError,
@@ -72,6 +82,24 @@ from dynamod.shared.transport.tls_session import ServerTlsSession, TlsClosed
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_STREAMS_PER_CONNECTION = 16384
+DEFAULT_MAX_CONNECTIONS = 4096
+DEFAULT_IDLE_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """How many connections one request-plane server holds, and how long one may sit idle
+    (no open stream, nothing read); ``idle_timeout_s`` 0 keeps idle connections forever."""
+
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+
+    def validate(self) -> ConnectionLimits:
+        if self.max_connections < 1:
+            raise ConfigError(f"request-plane max connections must be at least 1, got {self.max_connections}")
+        if self.idle_timeout_s < 0:
+            raise ConfigError(f"request-plane idle timeout must be 0 (off) or more, got {self.idle_timeout_s}")
+        return self
 
 
 class _TcpServerStream(ServerStream):
@@ -111,6 +139,8 @@ class _ServerConnection(FrameConnection):
         self.rejected = False
         self._hello: bytearray | None = None
         self._handshake_timer: asyncio.TimerHandle | None = None
+        self._last_read = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -118,9 +148,17 @@ class _ServerConnection(FrameConnection):
         super().connection_made(transport)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        self._server._connections.add(self)
+        server = self._server
+        guard = server.guard
+        if len(server._connections) >= server.limits.max_connections:
+            self._refuse_over_limit()
+            return
+        server._connections.add(self)
         logger.debug("request_plane.tcp.connection_opened peer=%s", self.peer)
-        guard = self._server.guard
+        idle_s = server.limits.idle_timeout_s
+        if idle_s > 0:
+            self._last_read = self._loop.time()
+            self._idle_timer = self._loop.call_later(idle_s, self._idle_check)
         if guard.open:
             return
         self.authenticated = guard.token is None
@@ -128,6 +166,32 @@ class _ServerConnection(FrameConnection):
         if guard.ssl_context is not None:
             self.tls = ServerTlsSession(guard.ssl_context)
         self._handshake_timer = self._loop.call_later(guard.handshake_timeout_s, self._handshake_expired)
+
+    # -- connection limits ---------------------------------------------------------------------
+
+    def _refuse_over_limit(self) -> None:
+        server = self._server
+        self.rejected = True
+        self.authenticated = False
+        server.log_over_limit(self.peer)
+        if server.guard.ssl_context is None:  # a TLS peer cannot read a frame before its handshake
+            self._send_error(
+                CONNECTION_STREAM_ID,
+                OverloadedError(f"this server holds {server.limits.max_connections} connections already; retry later"),
+            )
+        self.close()
+
+    def _idle_check(self) -> None:
+        self._idle_timer = None
+        if self.closed:
+            return
+        idle_s = self._server.limits.idle_timeout_s
+        quiet = self._loop.time() - self._last_read
+        if self.streams or quiet < idle_s:
+            self._idle_timer = self._loop.call_later(idle_s - quiet if not self.streams else idle_s, self._idle_check)
+            return
+        logger.info("request_plane.tcp.idle_close peer=%s idle_s=%.0f", self.peer, quiet)
+        self.close()
 
     # -- security handshake (TLS, then the hello) ------------------------------------------------
 
@@ -211,6 +275,8 @@ class _ServerConnection(FrameConnection):
         return bytes(hello[end:])
 
     def data_received(self, data: bytes) -> None:
+        if self._idle_timer is not None:
+            self._last_read = self._loop.time()
         if self.tls is not None:
             plain = self._decrypt(data)
             if not plain:
@@ -235,6 +301,9 @@ class _ServerConnection(FrameConnection):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._handshake_done()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         self._server._connections.discard(self)
         if self.streams:
             logger.info(
@@ -387,8 +456,13 @@ class TcpRequestServer:
         max_streams_per_connection: int = DEFAULT_MAX_STREAMS_PER_CONNECTION,
         security: RequestPlaneSecurity | None = None,
         metrics: RequestPlaneMetrics | None = None,
+        limits: ConnectionLimits | None = None,
     ) -> None:
         self.guard = ServerGuard(security, transport="tcp", metrics=metrics)
+        self.limits = (limits or ConnectionLimits()).validate()
+        self.refused_over_limit = 0
+        self._over_limit_logged_at = -1e9
+        self._over_limit_unlogged = 0
         self.host = host
         self.port = port
         self.max_frame_bytes = max_frame_bytes
@@ -431,6 +505,20 @@ class TcpRequestServer:
     def stopping(self) -> bool:
         """True once ``stop()`` began: new requests are refused with UnavailableError."""
         return self._state.stopping
+
+    def log_over_limit(self, peer: str) -> None:
+        """Counts a connection refused at ``max_connections``; logs at most one line a minute."""
+        self.refused_over_limit += 1
+        now = time.monotonic()
+        if now - self._over_limit_logged_at < 60.0:
+            self._over_limit_unlogged += 1
+            return
+        logger.warning(
+            "request_plane.tcp.connection_refused peer=%s reason=max_connections limit=%d suppressed_since_last=%d",
+            peer, self.limits.max_connections, self._over_limit_unlogged,
+        )
+        self._over_limit_logged_at = now
+        self._over_limit_unlogged = 0
 
     def next_request_id(self) -> str:
         """An id for a request that came without one: unique, and cheaper than a uuid per request."""

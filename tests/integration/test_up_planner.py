@@ -164,6 +164,17 @@ async def _until(rt: DistributedRuntime, predicate, timeout: float, what: str, u
         await asyncio.sleep(0.2)
 
 
+def _stop(up: subprocess.Popen[str]) -> int:
+    """Ctrl-C to ``dynamod up`` (unless it already exited); its exit code."""
+    if up.poll() is None:
+        up.send_signal(signal.SIGINT)
+    try:
+        return up.wait(90)
+    except subprocess.TimeoutExpired:
+        up.kill()
+        return up.wait(10)
+
+
 def _start(cmd: list[str], file_kv: Path) -> tuple[subprocess.Popen[str], list[str]]:
     """``dynamod up`` in the background; its output lines collect in the list."""
     up = subprocess.Popen(cmd, env=clean_env(file_kv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -224,13 +235,7 @@ async def test_up_planner_load_follows_a_stepped_load(tmp_path: Path) -> None:
     finally:
         await load.close()
         await rt.shutdown(grace_s=0)
-        if up.poll() is None:
-            up.send_signal(signal.SIGINT)
-        try:
-            code = up.wait(90)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            code = up.wait(10)
+        code = _stop(up)
     assert code == 0, "".join(out)[-4000:]
 
 
@@ -306,11 +311,5 @@ async def test_up_planner_sla_sizes_the_prefill_and_decode_pools(tmp_path: Path)
     finally:
         await load.close()
         await rt.shutdown(grace_s=0)
-        if up.poll() is None:
-            up.send_signal(signal.SIGINT)
-        try:
-            code = up.wait(90)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            code = up.wait(10)
+        code = _stop(up)
     assert code == 0, "".join(out)[-4000:]

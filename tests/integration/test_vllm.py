@@ -13,6 +13,7 @@ per worker on 2 cores, so everything shares one cluster and each test leaves it 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 import urllib.error
@@ -173,6 +174,21 @@ def test_streamed_chat_through_frontend(cluster: VllmCluster, api: openai.OpenAI
     assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.prompt_tokens > 5
     # Random weights: any tokens, even ones whose bytes are not valid UTF-8 on their own.
     assert "".join(c.choices[0].delta.content or "" for c in content).strip()
+
+
+def test_structured_output_and_top_logprobs_from_vllm(cluster: VllmCluster, api: openai.OpenAI) -> None:
+    """Random weights, yet vLLM's structured outputs make the answer valid, and its logprobs
+    arrive with their top alternatives (issue 16)."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    resp = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Answer as JSON"}], max_tokens=24, logprobs=True, top_logprobs=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )
+    choice = resp.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(json.loads(choice.message.content)["ok"], bool)
+    assert choice.logprobs.content and all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    picked = api.completions.create(model=MODEL, prompt="Colour:", max_tokens=8, extra_body={"guided_choice": ["red", "blue"]})
+    assert picked.choices[0].text in ("red", "blue")
 
 
 def test_repeated_long_prompt_reports_cached_tokens(cluster: VllmCluster, api: openai.OpenAI) -> None:

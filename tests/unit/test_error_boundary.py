@@ -29,7 +29,8 @@ from tests.unit.frontend.test_app import Cluster
 
 LAYERS = ("shared", "daemon", "console")
 ERROR_KEYS = {"message", "type", "param", "code"}
-TYPE_BY_STATUS = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
+TYPE_BY_STATUS = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                  413: "invalid_request_error", 429: "rate_limit_error",
                   500: "internal_server_error", 502: "bad_gateway", 503: "service_unavailable", 504: "timeout"}
 
 
@@ -135,7 +136,7 @@ def test_every_dynamo_error_maps_to_its_class_status(cls: type[DynamoError]) -> 
     detail = _assert_openai_body(error.body, error.status)
     assert detail["code"] in (exc.public_code, "model_not_found")
     assert detail["message"] == str(exc)
-    assert any(k == b"retry-after" for k, _ in error.headers) == (error.status == 503)
+    assert any(k == b"retry-after" for k, _ in error.headers) == (error.status in (429, 503))
 
 
 @pytest.mark.parametrize("cls", ERROR_TREE, ids=lambda c: c.__qualname__)

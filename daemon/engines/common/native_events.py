@@ -21,6 +21,9 @@ import xxhash
 
 from dynamod.shared.kv.hashing import compute_block_hashes
 from dynamod.shared.protocol.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_DISK,
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -52,13 +55,27 @@ def engine_hash_to_int(block_hash: int | bytes) -> int:
     return xxhash.xxh3_64_intdigest(bytes(block_hash), _BYTES_HASH_SEED)
 
 
+def medium_of(native_medium: str | None) -> str:
+    """An engine's storage medium name as ours (``kv_events.MEDIA``): vLLM says "GPU"/"CPU" (its
+    offloading connector's host tier); a disk-backed tier may say "DISK", "NVME", "SSD" or
+    "LOCAL_DISK"; no medium means the device cache."""
+    name = (native_medium or MEDIUM_GPU).upper()
+    if name in (MEDIUM_GPU, "CUDA", "DEVICE", "HBM"):
+        return MEDIUM_GPU
+    if name in (MEDIUM_CPU, "HOST", "CPU_PINNED", "HOST_PINNED"):
+        return MEDIUM_CPU
+    if "DISK" in name or name in ("NVME", "SSD", "FILE", "LOCAL_FILE"):
+        return MEDIUM_DISK
+    return name
+
+
 def _medium_ok(medium: str | None, mediums: frozenset[str]) -> bool:
-    return (medium or "GPU").upper() in mediums
+    return medium_of(medium) in mediums
 
 
 def convert_native_event(event: NativeKvEvent, *, mediums: Iterable[str] = ("GPU",)) -> KvEvent | None:
     """One native event as an internal one; None when it is for another cache tier or unusable."""
-    accepted = frozenset(m.upper() for m in mediums)
+    accepted = frozenset(medium_of(m) for m in mediums)
     if isinstance(event, BlockStored):
         if not _medium_ok(event.medium, accepted):
             return None
@@ -78,11 +95,11 @@ def convert_native_event(event: NativeKvEvent, *, mediums: Iterable[str] = ("GPU
             n = len(local)
         blocks = [StoredBlock(engine_hash_to_int(h), local[i]) for i, h in enumerate(event.block_hashes[:n])]
         parent = None if event.parent_block_hash is None else engine_hash_to_int(event.parent_block_hash)
-        return KvStored(parent_hash=parent, blocks=blocks, lora_name=event.lora_name)
+        return KvStored(parent_hash=parent, blocks=blocks, lora_name=event.lora_name, medium=medium_of(event.medium))
     if isinstance(event, BlockRemoved):
         if not _medium_ok(event.medium, accepted):
             return None
-        return KvRemoved(block_hashes=[engine_hash_to_int(h) for h in event.block_hashes])
+        return KvRemoved(block_hashes=[engine_hash_to_int(h) for h in event.block_hashes], medium=medium_of(event.medium))
     if isinstance(event, AllBlocksCleared):
         return KvCleared()
     raise TypeError(f"not a native KV event: {type(event).__name__}")

@@ -1,9 +1,12 @@
-"""The stop settings of a request as engine sampling arguments (the same for every engine)."""
+"""Sampling settings every engine adapter maps the same way: the stop settings as engine
+arguments, a choice list as a grammar, and the refusal of options an engine cannot take."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from dynamod.shared.errors import InvalidRequestError
 from dynamod.shared.protocol.llm import PreprocessedRequest
 
 
@@ -26,3 +29,19 @@ def stop_kwargs(request: PreprocessedRequest, *, context_length: int, max_key: s
     if stop.ignore_eos:
         out["ignore_eos"] = True
     return out
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """A choice list as a GBNF/EBNF grammar (``root ::= "a" | "b"``) for engines whose
+    structured-output API has no choice form; JSON string escapes are GBNF's literal escapes."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def refuse_unsupported(request: PreprocessedRequest, names: tuple[str, ...], engine: str) -> None:
+    """``InvalidRequestError`` naming the first of ``names`` the request sets: a sampling option
+    this engine's API cannot take is refused, never dropped."""
+    s = request.sampling
+    for name in names:
+        value = getattr(s, name)
+        if value is not None and value != {}:
+            raise InvalidRequestError(f"{name} is not supported by the {engine} engine", param=name)

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+from pathlib import Path
 
-from dynamod.daemon.engines.mocker.config import add_mocker_flags, config_from_args
+from dynamod.daemon.engines.mocker.config import MockerConfig, add_mocker_flags, config_from_args
+from dynamod.daemon.engines.mocker.embedding import MockerEmbeddingEngine, add_embedding_args
 from dynamod.daemon.engines.mocker.engine import MockerEngine
 from dynamod.daemon.models.kv_layout import geometry_for_bytes_per_token
 from dynamod.daemon.models.local import LocalModel
@@ -25,6 +28,7 @@ DISAGG_ROLES = ("prefill", "decode")
 
 def add_args(group: argparse._ActionsContainer) -> None:
     add_mocker_flags(group)
+    add_embedding_args(group)
     group.add_argument(
         "--kv-bytes-per-token", type=int, default=None,
         help="prefill/decode roles: KV bytes per token to hold and transfer, instead of the model's "
@@ -34,8 +38,11 @@ def add_args(group: argparse._ActionsContainer) -> None:
 
 
 def kv_layout_for(args: argparse.Namespace, model: LocalModel) -> KvLayout | None:
-    """The KV block layout a prefill/decode mocker keeps bytes for; None for other roles."""
-    if getattr(args, "role", "agg") not in DISAGG_ROLES:
+    """The KV block layout a mocker keeps bytes for: a prefill/decode worker's (transfers) and any
+    worker's with a host or disk KV tier (offloads move real bytes, the disk tier writes them to
+    files); None otherwise."""
+    tiers = getattr(args, "num_host_blocks", 0) or getattr(args, "num_disk_blocks", 0)
+    if getattr(args, "role", "agg") not in DISAGG_ROLES and not tiers:
         return None
     override = getattr(args, "kv_bytes_per_token", None)
     geometry = geometry_for_bytes_per_token(override) if override is not None else model.kv_geometry
@@ -45,6 +52,16 @@ def kv_layout_for(args: argparse.Namespace, model: LocalModel) -> KvLayout | Non
             "head_dim or hidden_size/num_attention_heads); pass --kv-bytes-per-token for a disaggregated mocker"
         )
     return geometry.layout(args.block_size)
+
+
+def disk_dir_for(config: MockerConfig, worker_index: int) -> Path:
+    """One worker's part of ``--disk-cache-dir`` (each rank adds ``dp{rank}``). A persistent tier
+    is found again by the worker's index (the same command restarted); a throw-away one is private
+    to this process, so two daemons on one host never share files."""
+    base = Path(config.disk_cache_dir)
+    if config.disk_cache_persist:
+        return base / f"worker-{worker_index}"
+    return base / f"run-{os.getpid()}-{worker_index}"
 
 
 def create(args: argparse.Namespace, model: LocalModel, *, worker_id: int, worker_index: int = 0) -> MockerEngine:
@@ -64,4 +81,7 @@ def create(args: argparse.Namespace, model: LocalModel, *, worker_id: int, worke
         eos_token_ids=model.eos_token_ids,
         context_length=context_length,
     )
-    return MockerEngine(config, worker_id, kv_layout=kv_layout_for(args, model))
+    config.disk_cache_dir = str(disk_dir_for(config, worker_index))
+    if getattr(args, "model_type", "chat") == "embedding":
+        return MockerEmbeddingEngine(config, worker_id, dimensions=args.embedding_dimensions)
+    return MockerEngine(config, worker_id, kv_layout=kv_layout_for(args, model), tokenizer_path=model.tokenizer_path)

@@ -13,7 +13,7 @@ engine-side identity, also the hash-map key) and ``tokens_hash`` the block's loc
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from dynamod.shared.protocol.kv_events import KvCleared, KvEvent, KvRemoved, KvStored, StoredBlock
 
@@ -85,6 +85,52 @@ class FreeBlockQueue:
         self._head.next_free = block
         self.num_free_blocks += 1
 
+    def popleft_many(self, n: int) -> list[KVBlock]:
+        """The ``n`` blocks at the head, unlinked with one splice (a prefill takes hundreds)."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot take {n} free blocks ({self.num_free_blocks} free)")
+        out: list[KVBlock] = []
+        append = out.append
+        head = self._head
+        block = head.next_free
+        for _ in range(n):
+            append(block)  # type: ignore[arg-type]
+            nxt = block.next_free  # type: ignore[union-attr]
+            block.prev_free = block.next_free = None  # type: ignore[union-attr]
+            block = nxt
+        head.next_free = block
+        block.prev_free = head  # type: ignore[union-attr]
+        self.num_free_blocks -= n
+        return out
+
+    def extend(self, blocks: list[KVBlock]) -> None:
+        """``append`` each block in order, with one splice at the tail."""
+        if not blocks:
+            return
+        tail = self._tail
+        last = tail.prev_free
+        for block in blocks:
+            last.next_free = block  # type: ignore[union-attr]
+            block.prev_free = last
+            last = block
+        last.next_free = tail  # type: ignore[union-attr]
+        tail.prev_free = last
+        self.num_free_blocks += len(blocks)
+
+    def extendleft(self, blocks: list[KVBlock]) -> None:
+        """``appendleft`` each block in order (the last one ends at the head), with one splice."""
+        if not blocks:
+            return
+        head = self._head
+        first = head.next_free
+        for block in blocks:
+            block.next_free = first
+            first.prev_free = block  # type: ignore[union-attr]
+            first = block
+        head.next_free = first
+        first.prev_free = head  # type: ignore[union-attr]
+        self.num_free_blocks += len(blocks)
+
     def _unlink(self, block: KVBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
         prev.next_free = nxt  # type: ignore[union-attr]
@@ -114,6 +160,9 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[int, KVBlock] = {}
         self._events: list[KvEvent] = []
+        # Called with the cached blocks an allocation evicts, before their hashes are dropped
+        # (the lower KV tiers take them: tiers.py). None: evicted blocks are simply forgotten.
+        self.on_evict: Callable[[list[KVBlock]], None] | None = None
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -141,21 +190,25 @@ class BlockPool:
         queue = self.free_block_queue
         if num_blocks > queue.num_free_blocks:
             raise ValueError(f"cannot get {num_blocks} free blocks from the pool ({queue.num_free_blocks} free)")
-        out = []
+        out = queue.popleft_many(num_blocks)
         evicted: list[int] | None = None
         cache = self.cached_block_hash_to_block
-        for _ in range(num_blocks):
-            block = queue.popleft()
-            if block.block_hash is not None:
-                del cache[block.block_hash]
+        on_evict = self.on_evict
+        if on_evict is not None:
+            leaving = [block for block in out if block.block_hash is not None]
+            if leaving:
+                on_evict(leaving)
+        for block in out:
+            block.ref_cnt = 1
+            block_hash = block.block_hash
+            if block_hash is not None:
+                del cache[block_hash]
                 if evicted is None:
                     evicted = []
-                evicted.append(block.block_hash)
+                evicted.append(block_hash)
                 block.block_hash = None
                 block.parent_hash = None
                 block.lora_name = None
-            block.ref_cnt = 1
-            out.append(block)
         if evicted:
             self._events.append(KvRemoved(block_hashes=evicted))
         return out
@@ -163,10 +216,18 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Takes a reference on cache-hit blocks, pulling free ones out of the free list."""
         queue = self.free_block_queue
+        revived = 0
         for block in blocks:
             if block.ref_cnt == 0:
-                queue.remove(block)
+                prev, nxt = block.prev_free, block.next_free
+                if prev is None or nxt is None:
+                    raise RuntimeError(f"{block!r} is not in the free list")
+                prev.next_free = nxt
+                nxt.prev_free = prev
+                block.prev_free = block.next_free = None
+                revived += 1
             block.ref_cnt += 1
+        queue.num_free_blocks -= revived
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drops one reference each; blocks reaching zero become free in the given order.
@@ -174,16 +235,18 @@ class BlockPool:
         Cached blocks go to the tail (evicted last among the free); blocks without a hash hold
         nothing reusable, so they go to the head and are reused before any cached block is evicted.
         """
-        queue = self.free_block_queue
+        reusable: list[KVBlock] = []  # to the tail, in order
+        empty: list[KVBlock] = []  # to the head, each ahead of the previous
         for block in ordered_blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    queue.appendleft(block)
-                else:
-                    queue.append(block)
-            elif block.ref_cnt < 0:
+            ref = block.ref_cnt - 1
+            block.ref_cnt = ref
+            if ref == 0:
+                (empty if block.block_hash is None else reusable).append(block)
+            elif ref < 0:
                 raise RuntimeError(f"{block!r} freed more often than referenced")
+        queue = self.free_block_queue
+        queue.extend(reusable)
+        queue.extendleft(empty)
 
     # ---- prefix cache --------------------------------------------------------------------------
 
@@ -205,6 +268,52 @@ class BlockPool:
         cache[block_hash] = block
         return True
 
+    def cache_full_blocks(
+        self,
+        blocks: list[KVBlock],
+        block_hashes: list[int],
+        tokens_hashes: list[int],
+        start: int,
+        end: int,
+        lora_name: str | None,
+    ) -> None:
+        """``cache_block`` for ``blocks[start:end]`` of one request (block i's parent is
+        ``block_hashes[i - 1]``), queueing one ``KvStored`` per run of blocks new to the cache:
+        the same cache and the same events as block by block, without a call per block."""
+        cache = self.cached_block_hash_to_block
+        run_start = -1  # first block of the current run of newly cached blocks
+        i = start
+        for block, block_hash, tokens_hash in zip(
+            blocks[start:end], block_hashes[start:end], tokens_hashes[start:end], strict=True
+        ):
+            if block_hash in cache:  # another block holds it: the router knows it already
+                if run_start >= 0:
+                    self._stored_run(block_hashes, tokens_hashes, run_start, i, lora_name)
+                    run_start = -1
+            else:
+                if block.block_hash is not None:
+                    raise RuntimeError(f"{block!r} is already cached")
+                block.block_hash = block_hash
+                block.tokens_hash = tokens_hash
+                block.parent_hash = block_hashes[i - 1] if i else None
+                block.lora_name = lora_name
+                cache[block_hash] = block
+                if run_start < 0:
+                    run_start = i
+            i += 1
+        if run_start >= 0:
+            self._stored_run(block_hashes, tokens_hashes, run_start, end, lora_name)
+
+    def _stored_run(self, block_hashes: list[int], tokens_hashes: list[int], lo: int, hi: int,
+                    lora_name: str | None) -> None:
+        self._events.append(
+            KvStored(
+                parent_hash=block_hashes[lo - 1] if lo else None,
+                blocks=list(map(StoredBlock, block_hashes[lo:hi], tokens_hashes[lo:hi])),
+                lora_name=lora_name,
+            )
+        )
+
     def emit_stored(self, parent_hash: int | None, blocks: list[KVBlock], lora_name: str | None) -> None:
         """Queues one ``KvStored`` for a run of consecutive newly cached blocks of one request."""
         self._events.append(
@@ -215,9 +324,11 @@ class BlockPool:
             )
         )
 
-    def reset_prefix_cache(self) -> int:
+    def reset_prefix_cache(self, medium: str | None = None) -> int:
         """Forgets every cached hash (blocks in use keep their contents but are no longer
-        shareable), queues ``KvCleared`` and returns how many blocks were dropped from the cache."""
+        shareable), queues ``KvCleared(medium)`` and returns how many blocks were dropped from the
+        cache. ``medium`` None says every tier of the worker was emptied (no lower tiers, or all
+        of them cleared too); ``MEDIUM_GPU`` only this device cache."""
         cache = self.cached_block_hash_to_block
         dropped = len(cache)
         queue = self.free_block_queue
@@ -230,8 +341,12 @@ class BlockPool:
                 queue.remove(block)
                 queue.appendleft(block)
         cache.clear()
-        self._events.append(KvCleared())
+        self._events.append(KvCleared(medium=medium))
         return dropped
+
+    def queue_events(self, events: list[KvEvent]) -> None:
+        """Adds events produced beside the pool (the lower tiers'), after the pool's own."""
+        self._events.extend(events)
 
     def take_events(self) -> list[KvEvent]:
         """Hands over the queued events; the caller owns the returned list."""

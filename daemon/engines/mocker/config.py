@@ -10,6 +10,8 @@ real engine takes from its tokenizer and model (``vocab_size``, ``eos_token_ids`
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 from dataclasses import dataclass, field
 
 from dynamod.shared.errors import ConfigError
@@ -22,6 +24,15 @@ DEFAULT_WATERMARK = 0.01
 DEFAULT_SPEEDUP_RATIO = 1.0
 DEFAULT_DATA_PARALLEL_SIZE = 1
 DEFAULT_VOCAB_SIZE = 32000
+# KV tiers. Bytes per token size the blocks the tiers move when the engine keeps no bytes of its
+# own (Llama-3-8B in bf16, as the trace replayer's transfer model); bandwidths are decimal GB/s
+# (PCIe Gen4 x16 for host <-> device, an NVMe Gen4 drive for the disk), 0 meaning unlimited.
+DEFAULT_KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
+DEFAULT_HOST_D2H_GBPS = 25.0
+DEFAULT_HOST_H2D_GBPS = 25.0
+DEFAULT_DISK_WRITE_GBPS = 3.0
+DEFAULT_DISK_READ_GBPS = 6.0
+DEFAULT_DISK_CACHE_DIR = os.path.join(tempfile.gettempdir(), "dynamod-kv-disk")
 
 
 class MockerConfigError(ConfigError, ValueError):
@@ -44,6 +55,16 @@ class MockerConfig:
     vocab_size: int = DEFAULT_VOCAB_SIZE
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     context_length: int = 0
+    # Lower KV tiers behind each rank's device cache (tiers.py); 0 blocks: the tier is off.
+    num_host_blocks: int = 0
+    num_disk_blocks: int = 0
+    disk_cache_dir: str = DEFAULT_DISK_CACHE_DIR  # the daemon adds a per-worker, per-rank part
+    disk_cache_persist: bool = False
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN  # sizes tier transfers without a KV layout
+    host_offload_d2h_bandwidth_gbps: float = DEFAULT_HOST_D2H_GBPS
+    host_offload_h2d_bandwidth_gbps: float = DEFAULT_HOST_H2D_GBPS
+    disk_offload_write_bandwidth_gbps: float = DEFAULT_DISK_WRITE_GBPS
+    disk_offload_read_bandwidth_gbps: float = DEFAULT_DISK_READ_GBPS
 
     def __post_init__(self) -> None:
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
@@ -55,6 +76,10 @@ class MockerConfig:
     def kv_capacity_tokens(self) -> int:
         """Tokens one data-parallel rank's KV cache can hold."""
         return self.num_gpu_blocks * self.block_size
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        return self.num_host_blocks > 0 or self.num_disk_blocks > 0
 
     @property
     def watermark_blocks(self) -> int:
@@ -81,6 +106,22 @@ class MockerConfig:
                 f"{self.kv_capacity_tokens} tokens (--num-gpu-blocks {self.num_gpu_blocks} x "
                 f"--block-size {self.block_size}); a request that long could never be scheduled"
             )
+        for name, blocks in (("--num-host-blocks", self.num_host_blocks), ("--num-disk-blocks", self.num_disk_blocks)):
+            if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0:
+                raise MockerConfigError(f"{name} must be an integer >= 0 (0: no such tier), got {blocks!r}")
+        if self.has_lower_tiers and not self.enable_prefix_caching:
+            raise MockerConfigError("--num-host-blocks/--num-disk-blocks need prefix caching (--enable-prefix-caching)")
+        _positive("--kv-bytes-per-token", self.kv_bytes_per_token)
+        for name, gbps in (
+            ("--host-offload-d2h-bandwidth-gbps", self.host_offload_d2h_bandwidth_gbps),
+            ("--host-offload-h2d-bandwidth-gbps", self.host_offload_h2d_bandwidth_gbps),
+            ("--disk-offload-write-bandwidth-gbps", self.disk_offload_write_bandwidth_gbps),
+            ("--disk-offload-read-bandwidth-gbps", self.disk_offload_read_bandwidth_gbps),
+        ):
+            if not gbps >= 0.0:
+                raise MockerConfigError(f"{name} must be >= 0 (0: unlimited), got {gbps}")
+        if self.num_disk_blocks and not self.disk_cache_dir:
+            raise MockerConfigError("--disk-cache-dir must not be empty with --num-disk-blocks")
         for tok in self.eos_token_ids:
             if not 0 <= tok < self.vocab_size:
                 raise MockerConfigError(f"eos token id {tok} is outside the vocabulary [0, {self.vocab_size})")
@@ -132,6 +173,51 @@ def add_mocker_flags(group: argparse._ActionsContainer) -> None:
         "--data-parallel-size", type=int, default=DEFAULT_DATA_PARALLEL_SIZE,
         help="data-parallel ranks, each with its own scheduler and KV cache (default: %(default)s)",
     )
+    add_tier_flags(group)
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def add_tier_flags(group: argparse._ActionsContainer) -> None:
+    """The host and disk KV tiers' flags (Dynamo's names where it has them), with DYN_* fallbacks."""
+    group.add_argument(
+        "--num-host-blocks", type=int, default=_env("DYN_NUM_HOST_BLOCKS", "0"),  # argparse converts a string default
+        help="host (CPU) KV tier per data-parallel rank, in blocks: device evictions go there and a "
+        "prefix found there is onboarded instead of recomputed; 0 disables it "
+        "[env DYN_NUM_HOST_BLOCKS, default %(default)s]",
+    )
+    group.add_argument(
+        "--num-disk-blocks", type=int, default=_env("DYN_NUM_DISK_BLOCKS", "0"),
+        help="disk KV tier per data-parallel rank, in blocks, behind the host tier (one file per block "
+        "under --disk-cache-dir); 0 disables it [env DYN_NUM_DISK_BLOCKS, default %(default)s]",
+    )
+    group.add_argument(
+        "--disk-cache-dir", default=_env("DYN_DISK_CACHE_DIR", DEFAULT_DISK_CACHE_DIR),
+        help="directory of the disk KV tier (a subdirectory per worker and rank) "
+        "[env DYN_DISK_CACHE_DIR, default %(default)s]",
+    )
+    group.add_argument(
+        "--disk-cache-persist", action=argparse.BooleanOptionalAction,
+        default=_env("DYN_DISK_CACHE_PERSIST", "0").lower() in ("1", "true", "yes", "on"),
+        help="keep the disk tier's files when the worker stops and re-use them at the next start; "
+        "otherwise they are removed [env DYN_DISK_CACHE_PERSIST, default off]",
+    )
+    for flag, env, default, what in (
+        ("--host-offload-d2h-bandwidth-gbps", "DYN_HOST_OFFLOAD_D2H_BANDWIDTH_GBPS", DEFAULT_HOST_D2H_GBPS,
+         "device to host (offload)"),
+        ("--host-offload-h2d-bandwidth-gbps", "DYN_HOST_OFFLOAD_H2D_BANDWIDTH_GBPS", DEFAULT_HOST_H2D_GBPS,
+         "host to device (onboard)"),
+        ("--disk-offload-write-bandwidth-gbps", "DYN_DISK_OFFLOAD_WRITE_BANDWIDTH_GBPS", DEFAULT_DISK_WRITE_GBPS,
+         "host to disk (offload)"),
+        ("--disk-offload-read-bandwidth-gbps", "DYN_DISK_OFFLOAD_READ_BANDWIDTH_GBPS", DEFAULT_DISK_READ_GBPS,
+         "disk to host (onboard, then host to device)"),
+    ):
+        group.add_argument(
+            flag, type=float, default=_env(env, str(default)),
+            help=f"KV tier bandwidth {what}, decimal GB/s per rank; 0 is unlimited [env {env}, default %(default)s]",
+        )
 
 
 def config_from_args(
@@ -154,4 +240,13 @@ def config_from_args(
         vocab_size=DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size,
         eos_token_ids=tuple(eos_token_ids or ()),
         context_length=context_length or 0,
+        num_host_blocks=ns.num_host_blocks,
+        num_disk_blocks=ns.num_disk_blocks,
+        disk_cache_dir=ns.disk_cache_dir,
+        disk_cache_persist=ns.disk_cache_persist,
+        kv_bytes_per_token=getattr(ns, "kv_bytes_per_token", None) or DEFAULT_KV_BYTES_PER_TOKEN,
+        host_offload_d2h_bandwidth_gbps=ns.host_offload_d2h_bandwidth_gbps,
+        host_offload_h2d_bandwidth_gbps=ns.host_offload_h2d_bandwidth_gbps,
+        disk_offload_write_bandwidth_gbps=ns.disk_offload_write_bandwidth_gbps,
+        disk_offload_read_bandwidth_gbps=ns.disk_offload_read_bandwidth_gbps,
     )

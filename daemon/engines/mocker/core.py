@@ -18,19 +18,37 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
 
 from dynamod.daemon.engines.mocker.block_pool import KVBlock
 from dynamod.daemon.engines.mocker.config import MockerConfig
+from dynamod.daemon.engines.mocker.disk_tier import DiskStore
+from dynamod.daemon.engines.mocker.guided import GuidedState
 from dynamod.daemon.engines.mocker.kv_content import KvContentWriter
 from dynamod.daemon.engines.mocker.kv_manager import KVCacheManager
 from dynamod.daemon.engines.mocker.request import MockRequest, RemoteKv
-from dynamod.daemon.engines.mocker.scheduler import Scheduler, SchedulerOutput
+from dynamod.daemon.engines.mocker.sampling import TokenSampler, needs_sampler
+from dynamod.daemon.engines.mocker.scheduler import (
+    NO_DECODE_STRETCH,
+    DecodeStretch,
+    Scheduler,
+    SchedulerOutput,
+)
+from dynamod.daemon.engines.mocker.tiers import TierBandwidth, TieredKvCache
 from dynamod.daemon.engines.mocker.timing import decode_time_ms, prefill_time_ms
 from dynamod.shared.errors import ContextLengthError, InvalidRequestError
 from dynamod.shared.kv.transfer.memory import KvBlockMemory
-from dynamod.shared.protocol.kv_events import KvEvent, KvStored, StoredBlock
+from dynamod.shared.protocol.kv_events import (
+    MEDIA,
+    MEDIUM_GPU,
+    KvEvent,
+    KvStored,
+    StoredBlock,
+)
 from dynamod.shared.protocol.kv_transfer import KvLayout, KvTransferParams
-from dynamod.shared.protocol.llm import PreprocessedRequest, Usage
+from dynamod.shared.protocol.llm import PreprocessedRequest, SamplingOptions, Usage
 
 
 @dataclass(slots=True)
@@ -86,6 +104,7 @@ class StepOutput:
     duration_ms: float = 0.0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
+    onboard_ms: float = 0.0  # prefix blocks copied back from the host/disk tiers
     num_prefill_tokens: int = 0
     num_prefill_reqs: int = 0
     num_decode_reqs: int = 0
@@ -93,6 +112,8 @@ class StepOutput:
     kv_usage: float = 0.0
     kv_events: list[KvEvent] = field(default_factory=list)
     remote_loads: list[RemoteLoad] | None = None  # reads the engine must start
+    # (request id, logprob, top alternatives) for the tokens of requests that asked for them.
+    logprobs: list[tuple[str, float, list[tuple[int, float]] | None]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -108,6 +129,22 @@ class CoreLoad:
     prefix_hit_rate: float  # cached prompt tokens / prompt tokens, since start
     held_blocks: int = 0  # blocks held for decode workers to read (prefill)
     num_loading: int = 0  # requests waiting for their KV from a prefill worker (decode)
+    tiers: dict[str, TierLoad] | None = None  # lower KV tiers by medium (CPU, DISK), when configured
+
+
+@dataclass(slots=True)
+class TierLoad:
+    """One lower KV tier of one core: occupancy and cumulative traffic (blocks) since start."""
+
+    blocks: int
+    capacity: int
+    hit_tokens: int  # prompt tokens onboarded from this tier instead of recomputed
+    onboarded_blocks: int
+    offloaded_blocks: int
+
+    @property
+    def usage(self) -> float:
+        return self.blocks / self.capacity if self.capacity else 0.0
 
 
 class MockerCore:
@@ -143,10 +180,53 @@ class MockerCore:
             if kv_memory.num_blocks < self.row_offset + config.num_gpu_blocks:
                 raise ValueError(f"KV memory of {kv_memory.num_blocks} blocks does not hold rank {dp_rank}'s blocks")
             self.kv_writer = KvContentWriter(kv_memory, kv_layout, self.row_offset)
+        self.tiers: TieredKvCache | None = None
+        if config.has_lower_tiers:
+            self.tiers = self._make_tiers(config, kv_memory, kv_layout)
+            self.kv_manager.attach_tiers(self.tiers)
         self.holds: dict[str, KvHold] = {}
         self.num_held_blocks = 0
         self.hold_id_prefix = f"dp{dp_rank}-"  # the engine makes it unique per worker
         self._next_hold = 0
+
+    def _make_tiers(self, config: MockerConfig, memory: KvBlockMemory | None, layout: KvLayout | None) -> TieredKvCache:
+        """Host and disk tiers; with KV memory they move the blocks' bytes (the disk tier in files
+        under ``disk_cache_dir/dp{rank}``), without it they keep the index and the timing only."""
+        bandwidth = TierBandwidth(
+            d2h_gbps=config.host_offload_d2h_bandwidth_gbps,
+            h2d_gbps=config.host_offload_h2d_bandwidth_gbps,
+            disk_write_gbps=config.disk_offload_write_bandwidth_gbps,
+            disk_read_gbps=config.disk_offload_read_bandwidth_gbps,
+        )
+        if memory is None or layout is None:
+            return TieredKvCache(
+                num_host_blocks=config.num_host_blocks, num_disk_blocks=config.num_disk_blocks,
+                block_bytes=config.kv_bytes_per_token * config.block_size, bandwidth=bandwidth,
+            )
+        rows = memory.array
+        offset = self.row_offset
+
+        def read_row(block_id: int) -> np.ndarray:
+            return rows[offset + block_id]
+
+        def write_row(block_id: int, data: np.ndarray) -> None:
+            rows[offset + block_id] = data
+
+        store = None
+        if config.num_disk_blocks:
+            store = DiskStore(Path(config.disk_cache_dir) / f"dp{self.dp_rank}", layout.block_bytes,
+                              persist=config.disk_cache_persist)
+        return TieredKvCache(
+            num_host_blocks=config.num_host_blocks, num_disk_blocks=config.num_disk_blocks,
+            block_bytes=layout.block_bytes, bandwidth=bandwidth, disk_store=store,
+            read_row=read_row, write_row=write_row,
+        )
+
+    def close(self) -> None:
+        """Releases what outlives the process otherwise: the disk tier's files (unless they are to
+        persist)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -164,15 +244,27 @@ class MockerCore:
         kv_transferred: bool = False,
         remote: KvTransferParams | None = None,
         hold_kv: bool = False,
+        sampling: SamplingOptions | None = None,
+        guided: GuidedState | None = None,
+        check_tokens: bool = True,
     ) -> None:
         """Queues a request. Raises ``InvalidRequestError`` (``ContextLengthError`` for length).
+
+        ``sampling``: options beyond the seed (log-probabilities, logit bias, penalties, ...);
+        with any the LCG cannot honour, the request samples through a ``TokenSampler``, under
+        ``guided``'s grammar when it has an output constraint (the engine compiles it, off the
+        step loop).
 
         ``kv_transferred``: the prompt's KV is taken as present at no compute (trace replay, which
         models the transfer itself). ``remote``: the prompt's KV is to be read from the prefill
         worker these parameters name (the engine does the read). ``hold_kv``: keep the blocks
-        when the request finishes (``FinishedRequest.hold``), for a decode worker to read."""
+        when the request finishes (``FinishedRequest.hold``), for a decode worker to read.
+
+        ``check_tokens=False`` skips the scan of every prompt token against the vocabulary, for a
+        caller whose token ids are in range by construction: a trace replayer checks each trace
+        block once, where scanning 145 million prompt tokens here would cost seconds."""
         prompt = list(prompt_token_ids)
-        max_out = self.check_request(request_id, prompt, max_tokens, min_tokens)
+        max_out = self.check_request(request_id, prompt, max_tokens, min_tokens, check_tokens=check_tokens)
         stop = frozenset(stop_token_ids)
         if not ignore_eos:
             stop = stop | self._eos
@@ -192,10 +284,24 @@ class MockerCore:
         if remote is not None:
             request.remote = RemoteKv(remote)
         request.hold_kv = hold_kv
+        if guided is not None or (sampling is not None and needs_sampler(sampling)):
+            request.sampler = TokenSampler(
+                sampling or SamplingOptions(),
+                vocab_size=self.config.vocab_size,
+                seed=request.rng_state,
+                prompt_token_ids=prompt,
+                ignore_eos=ignore_eos,
+                guided=guided,
+            )
         self.scheduler.add_request(request)
 
     def add_preprocessed(
-        self, request: PreprocessedRequest, *, remote: KvTransferParams | None = None, hold_kv: bool = False
+        self,
+        request: PreprocessedRequest,
+        *,
+        remote: KvTransferParams | None = None,
+        hold_kv: bool = False,
+        guided: GuidedState | None = None,
     ) -> None:
         """``add_request`` from the ``generate`` endpoint's wire type. The request's
         ``disaggregated_params`` are the engine's to interpret: it passes ``remote`` when it will
@@ -213,9 +319,13 @@ class MockerCore:
             lora_name=request.lora_name,
             remote=remote,
             hold_kv=hold_kv,
+            sampling=request.sampling,
+            guided=guided,
         )
 
-    def check_request(self, request_id: str, prompt: list[int], max_tokens: int | None, min_tokens: int) -> int:
+    def check_request(
+        self, request_id: str, prompt: list[int], max_tokens: int | None, min_tokens: int, *, check_tokens: bool = True
+    ) -> int:
         """Validates a request as vLLM's frontend does; returns its output token limit."""
         cfg = self.config
         if request_id in self.scheduler.requests:
@@ -223,7 +333,7 @@ class MockerCore:
         n = len(prompt)
         if n == 0:
             raise InvalidRequestError("the prompt is empty; it needs at least one token", param="prompt")
-        lo, hi = min(prompt), max(prompt)
+        lo, hi = (min(prompt), max(prompt)) if check_tokens else (0, 0)
         if lo < 0 or hi >= cfg.vocab_size:
             bad = lo if lo < 0 else hi
             raise InvalidRequestError(
@@ -271,9 +381,10 @@ class MockerCore:
 
     # ---- stepping ------------------------------------------------------------------------------
 
-    def step(self) -> StepOutput:
-        """Runs one engine step: schedule, "compute" (timing model), sample, finish."""
-        sched = self.scheduler.schedule()
+    def step(self, admit: bool = True) -> StepOutput:
+        """Runs one engine step: schedule, "compute" (timing model), sample, finish.
+        ``admit=False``: waiting requests stay waiting (``Scheduler.schedule``)."""
+        sched = self.scheduler.schedule(admit)
         out = StepOutput()
         kv_usage = self.kv_manager.usage  # after this step's allocations, before finished free
         out.kv_usage = kv_usage
@@ -286,6 +397,9 @@ class MockerCore:
         if sched.decode_reqs:
             out.decode_ms = decode_time_ms(kv_usage)
         out.duration_ms = out.prefill_ms + out.decode_ms
+        if sched.onboard_ms:
+            out.onboard_ms = sched.onboard_ms
+            out.duration_ms += sched.onboard_ms
         if self.kv_writer is not None:
             self._write_kv(sched)
         if sched.remote_loads is not None:
@@ -293,6 +407,7 @@ class MockerCore:
         result = self.scheduler.update_from_output(sched)
         out.req_ids = result.req_ids
         out.token_ids = result.token_ids
+        out.logprobs = result.logprobs
         for request in result.finished:
             out.finished.append(
                 FinishedRequest(
@@ -311,6 +426,38 @@ class MockerCore:
         self.num_steps += 1
         self.simulated_ms += out.duration_ms
         return out
+
+    def decode_stretch(self) -> DecodeStretch:
+        """The coming ``step()`` calls that would only give each running request one token, with no
+        block, queue or load change, no KV event and no finish (``Scheduler.decode_stretch``), and
+        whether the one after them only fills a block besides.
+
+        A trace replayer advances such a stretch in one ``run_plain_decode_steps`` call instead of
+        one ``step()`` per token: most steps of a long replay are these. Nothing on a core that
+        writes KV bytes (disaggregation), where a decode step may have bytes to write."""
+        if self.kv_writer is not None:
+            return NO_DECODE_STRETCH
+        return self.scheduler.decode_stretch()
+
+    def plain_decode_step_ms(self) -> float:
+        """The simulated duration of each plain decode step: they hold the same blocks, so the
+        timing model gives every one of them the same time."""
+        return 0.0 + decode_time_ms(self.kv_manager.usage)  # as step(): prefill_ms (0) + decode_ms
+
+    def run_plain_decode_steps(self, num_steps: int) -> list[str]:
+        """Runs ``num_steps`` plain decode steps at once; the state afterwards (tokens, progress,
+        ``num_steps``, ``simulated_ms``) is what that many ``step()`` calls give. ``num_steps`` is
+        at most ``decode_stretch().plain`` as it was when the first of them began: requests added
+        since wait in the queue and join the step after. Returns the ids of the running requests,
+        each of which produced one token in every one of the steps."""
+        if num_steps < 0:
+            raise ValueError(f"num_steps must be >= 0, got {num_steps}")
+        step_ms = self.plain_decode_step_ms()
+        requests = self.scheduler.run_plain_decode_steps(num_steps)
+        self.num_steps += num_steps
+        for _ in range(num_steps):  # added one at a time, as step() does, so the sum is the same
+            self.simulated_ms += step_ms
+        return [request.request_id for request in requests]
 
     def take_events(self) -> list[KvEvent]:
         """KV events produced outside ``step()`` (``clear_kv_blocks``, ``finish_remote_load``)."""
@@ -390,14 +537,25 @@ class MockerCore:
 
     # ---- cache ---------------------------------------------------------------------------------
 
-    def clear_kv_blocks(self) -> int:
-        """Releases every hold and forgets every cached block (queues ``KvCleared``); returns how
-        many were cached."""
-        self.release_all_holds()
-        return self.scheduler.reset_prefix_cache()
+    def clear_kv_blocks(self, medium: str | None = None) -> int:
+        """Forgets every cached block of one tier (``MEDIA``) or of all (None), queueing one
+        ``KvCleared``; clearing the device cache also releases every hold. Returns how many blocks
+        were dropped."""
+        if medium is not None and medium not in MEDIA:
+            raise InvalidRequestError(f"unknown KV tier {medium!r}; expected one of {', '.join(MEDIA)}", param="tier")
+        if medium in (None, MEDIUM_GPU):
+            self.release_all_holds()
+        return self.scheduler.reset_prefix_cache(medium)
 
     def kv_dump(self) -> list[KvStored]:
-        """The prefix cache now, as stored events with every parent before its children."""
+        """Every tier's blocks now, as stored events (device first, each with its medium); in the
+        device cache every parent comes before its children."""
+        dump = self._gpu_dump()
+        if self.tiers is not None:
+            dump.extend(self.tiers.dump())
+        return dump
+
+    def _gpu_dump(self) -> list[KvStored]:
         return [
             KvStored(
                 parent_hash=run[0].parent_hash,
@@ -429,4 +587,19 @@ class MockerCore:
             prefix_hit_rate=(sched.cached_tokens_seen / seen) if seen else 0.0,
             held_blocks=self.num_held_blocks,
             num_loading=sched.num_loading,
+            tiers=self._tier_load(),
         )
+
+    def _tier_load(self) -> dict[str, TierLoad] | None:
+        tiers = self.tiers
+        if tiers is None:
+            return None
+        seen = self.scheduler.onboarded_tokens_seen
+        stats = tiers.stats
+        return {
+            tier.medium: TierLoad(
+                blocks=len(tier), capacity=tier.capacity, hit_tokens=seen.get(tier.medium, 0),
+                onboarded_blocks=stats.onboarded[tier.medium], offloaded_blocks=stats.offloaded[tier.medium],
+            )
+            for tier in tiers.tiers
+        }

@@ -25,9 +25,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from dynamod.daemon.engines.mocker.config import MockerConfig
-from dynamod.daemon.engines.mocker.core import MockerCore, StepOutput
+from dynamod.daemon.engines.mocker.core import CoreLoad, MockerCore, StepOutput
+from dynamod.daemon.engines.mocker.guided import GuidedState, GuidedVocab
+from dynamod.daemon.engines.mocker.request import request_seed
 from dynamod.daemon.engines.mocker.streams import RequestStream
 from dynamod.daemon.engines.mocker.transfer import REPORT_KEY, MockerKvTransfer, parse_transfer_params
 from dynamod.daemon.worker.engine import EngineInfo, EngineState, LoraInfo
@@ -40,10 +43,10 @@ from dynamod.shared.errors import (
     UnavailableError,
 )
 from dynamod.shared.kv.transfer.memory import KvBlockMemory
-from dynamod.shared.protocol.kv_events import KvEvent, RouterEvent
+from dynamod.shared.protocol.kv_events import MEDIUM_GPU, KvEvent, RouterEvent
 from dynamod.shared.protocol.kv_transfer import KvLayout, KvTransferParams
 from dynamod.shared.protocol.llm import FINISH_ABORT, EngineOutput, PreprocessedRequest, Usage
-from dynamod.shared.protocol.load import LoadMetrics
+from dynamod.shared.protocol.load import KvTierLoad, LoadMetrics
 from dynamod.shared.protocol.model_card import RuntimeConfig
 
 logger = logging.getLogger(__name__)
@@ -52,6 +55,7 @@ _TIMER_SLACK_S = 0.001  # the event loop's timer resolution: shorter waits are n
 _MAX_LAG_S = 0.25  # behind by more than this: restart the clock instead of catching up in a burst
 _MAX_BUSY_S = 0.005  # yield to the event loop at least this often while running back to back
 DEFAULT_KV_EVENT_BUFFER = 65536
+_GUIDED_SEED_SALT = 0x9E3779B97F4A7C15  # the grammar state's random stream differs from the sampler's
 
 
 
@@ -81,9 +85,13 @@ class MockerEngine:
         *,
         kv_event_buffer: int = DEFAULT_KV_EVENT_BUFFER,
         kv_layout: KvLayout | None = None,
+        tokenizer_path: Path | str | None = None,
     ) -> None:
         self.config = config
         self.worker_id = worker_id
+        # The model's vocabulary for structured outputs (``tokenizer_path``: its tokenizer.json);
+        # loaded on the first constrained request.
+        self._guided_vocab = GuidedVocab(tokenizer_path, config.vocab_size, list(config.eos_token_ids))
         self._kv_layout = kv_layout
         self._kv_memory = self._make_kv_memory(config, kv_layout) if kv_layout is not None else None
         self.cores = [
@@ -133,6 +141,9 @@ class MockerEngine:
         if self._tasks:
             return
         self._status = EngineState.READY
+        for rank, core in enumerate(self.cores):
+            # Blocks a persistent disk tier kept from the last run: the router learns them now.
+            self._publish(rank, core.take_events())
         self._tasks = [
             asyncio.create_task(self._step_loop(rank), name=f"mocker-{self.worker_id:x}-dp{rank}")
             for rank in range(len(self.cores))
@@ -160,6 +171,7 @@ class MockerEngine:
             self._end_all(UnavailableError("mocker engine stopped"))
             for core in self.cores:
                 core.abort_all()
+                core.close()
             try:
                 if self._kv is not None:
                     await self._kv.close()
@@ -233,6 +245,9 @@ class MockerEngine:
 
     async def _generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
         self._check_serving()
+        guided = await self._guided_state(request)
+        if guided is not None:
+            self._check_serving()  # the engine may have gone to sleep while the grammar compiled
         if request.lora_name and request.lora_name not in self._loras:
             loaded = ", ".join(sorted(self._loras)) or "none"
             raise InvalidRequestError(
@@ -247,7 +262,7 @@ class MockerEngine:
         # way to hand it over, so its final output carries no parameters (the frontend then
         # prefills on the decode worker).
         hold = request.prefill_only and self._kv is not None
-        core.add_preprocessed(request, remote=remote, hold_kv=hold)
+        core.add_preprocessed(request, remote=remote, hold_kv=hold, guided=guided)
         request_id = request.request_id
         stream = RequestStream(request_id, rank, len(request.token_ids))
         if request.disaggregated_params is not None and remote is None and not request.prefill_only:
@@ -282,6 +297,15 @@ class MockerEngine:
             self._kv.cancel_load(request_id)
         self._wake[stream.dp_rank].set()
         stream.finish(FINISH_ABORT, Usage(prompt_tokens=stream.prompt_tokens, completion_tokens=stream.num_tokens))
+
+    async def _guided_state(self, request: PreprocessedRequest) -> GuidedState | None:
+        """The grammar state of a request with an output constraint. The first one loads the
+        vocabulary, and a new constraint compiles: both in a thread, off the step loops."""
+        guided = request.sampling.guided_decoding
+        if guided is None:
+            return None
+        seed = request_seed(request.request_id, request.token_ids, request.sampling.seed) ^ _GUIDED_SEED_SALT
+        return await asyncio.to_thread(self._guided_vocab.new_state, guided, seed)
 
     def _check_serving(self) -> None:
         if self._status == EngineState.READY:
@@ -393,6 +417,10 @@ class MockerEngine:
             stream = streams.get(request_id)
             if stream is not None:
                 stream.push(token)
+        for request_id, logprob, top in out.logprobs:
+            stream = streams.get(request_id)
+            if stream is not None:
+                stream.push_logprob(logprob, top)
         for fin in out.finished:
             stream = streams.pop(fin.request_id, None)
             if fin.hold is not None:
@@ -466,16 +494,17 @@ class MockerEngine:
                 out.append(RouterEvent(worker_id=self.worker_id, dp_rank=rank, event_id=self._event_id, event=stored))
         return out
 
-    async def clear_kv_blocks(self) -> int:
-        """Drops the prefix cache and every hold (a decode worker still to read one finds other
-        bytes, fails its checksum and prefills locally)."""
+    async def clear_kv_blocks(self, medium: str | None = None) -> int:
+        """Drops the cached blocks of one KV tier (``medium``: GPU, CPU, DISK) or of every tier
+        (None). Clearing the device cache drops every hold too (a decode worker still to read one
+        finds other bytes, fails its checksum and prefills locally)."""
         dropped = 0
         for rank, core in enumerate(self.cores):
-            dropped += core.clear_kv_blocks()
+            dropped += core.clear_kv_blocks(medium)
             self._publish(rank, core.take_events())
         if self._kv is not None:
             self._kv.forget_released()
-        logger.info("mocker kv cleared worker_id=%x blocks=%d", self.worker_id, dropped)
+        logger.info("mocker kv cleared worker_id=%x medium=%s blocks=%d", self.worker_id, medium or "all", dropped)
         return dropped
 
     # ---- load ----------------------------------------------------------------------------------
@@ -500,6 +529,7 @@ class MockerEngine:
                     status=status,
                     ts=now,
                     kv_held_blocks=load.held_blocks,
+                    kv_tiers=_tier_metrics(load),
                 )
             )
         if self._kv is not None:
@@ -536,7 +566,8 @@ class MockerEngine:
         if self._kv is not None:
             await self._kv.abort_loads()
         for rank, core in enumerate(self.cores):
-            dropped += core.clear_kv_blocks()
+            # Device memory only: the host and disk tiers are not the engine's to release.
+            dropped += core.clear_kv_blocks(MEDIUM_GPU)
             self._publish(rank, core.take_events())
         if self._kv is not None:
             self._kv.forget_released()
@@ -580,3 +611,15 @@ class MockerEngine:
 
     def list_loras(self) -> list[LoraInfo]:
         return list(self._loras.values())
+
+
+def _tier_metrics(load: CoreLoad) -> dict[str, KvTierLoad] | None:
+    if not load.tiers:
+        return None
+    return {
+        medium: KvTierLoad(
+            blocks=t.blocks, total_blocks=t.capacity, usage=round(t.usage, 4), hit_tokens=t.hit_tokens,
+            onboarded_blocks=t.onboarded_blocks, offloaded_blocks=t.offloaded_blocks,
+        )
+        for medium, t in load.tiers.items()
+    }

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 from dynamod.daemon.engines.mocker.block_pool import BlockPool, KVBlock
 from dynamod.daemon.engines.mocker.request import MockRequest
-from dynamod.shared.protocol.kv_events import KvEvent
+from dynamod.daemon.engines.mocker.tiers import OnboardPlan, TieredKvCache
+from dynamod.shared.protocol.kv_events import MEDIUM_GPU, KvCleared, KvEvent
 
 _NO_BLOCKS: list[KVBlock] = []
 
@@ -24,6 +25,15 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.tiers: TieredKvCache | None = None
+
+    def attach_tiers(self, tiers: TieredKvCache) -> None:
+        """Puts host/disk tiers behind the device pool: its evictions go to them, and prefixes
+        continuing there are onboarded (``find_offloaded``/``onboard``)."""
+        if not self.enable_caching:
+            raise ValueError("KV tiers need prefix caching")
+        self.tiers = tiers
+        self.block_pool.on_evict = tiers.on_evict
 
     @property
     def usage(self) -> float:
@@ -58,6 +68,25 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * bs
+
+    def find_offloaded(self, request: MockRequest, num_hit_blocks: int) -> OnboardPlan | None:
+        """The blocks after the ``num_hit_blocks`` device hits that the lower tiers hold (as
+        ``get_computed_blocks``, never the block of the last prompt token)."""
+        tiers = self.tiers
+        if tiers is None:
+            return None
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        if num_hit_blocks >= max_blocks:
+            return None
+        return tiers.find(request.block_hashes, num_hit_blocks, max_blocks)
+
+    def onboard(self, request: MockRequest, plan: OnboardPlan) -> float:
+        """Fills the request's freshly allocated blocks ``plan.start ..`` from the lower tiers
+        (after ``allocate_slots`` made room and cached them); returns the time it takes (ms)."""
+        assert self.tiers is not None
+        blocks = request.blocks[plan.start:plan.start + len(plan.entries)]
+        return self.tiers.onboard(plan, blocks)
 
     def allocate_slots(
         self,
@@ -113,26 +142,11 @@ class KVCacheManager:
     def _cache_full_blocks(self, request: MockRequest, num_full_blocks: int) -> None:
         """Offers blocks [num_cached_blocks, num_full_blocks) to the prefix cache and queues one
         ``KvStored`` per run of blocks that were new to it."""
-        bs = self.block_size
-        pool = self.block_pool
-        request.ensure_block_hashes(num_full_blocks, bs)
-        hashes = request.block_hashes
-        local = request.local_hashes
-        blocks = request.blocks
-        lora = request.lora_name
-        run: list[KVBlock] = []
-        run_parent: int | None = None
-        for i in range(request.num_cached_blocks, num_full_blocks):
-            parent = hashes[i - 1] if i else None
-            if pool.cache_block(blocks[i], hashes[i], local[i], parent, lora):
-                if not run:
-                    run_parent = parent
-                run.append(blocks[i])
-            elif run:
-                pool.emit_stored(run_parent, run, lora)
-                run = []
-        if run:
-            pool.emit_stored(run_parent, run, lora)
+        request.ensure_block_hashes(num_full_blocks, self.block_size)
+        self.block_pool.cache_full_blocks(
+            request.blocks, request.block_hashes, request.local_hashes, request.num_cached_blocks, num_full_blocks,
+            request.lora_name,
+        )
         request.num_cached_blocks = num_full_blocks
 
     def free(self, request: MockRequest) -> None:
@@ -142,8 +156,33 @@ class KVCacheManager:
             request.blocks = []
         request.num_cached_blocks = 0
 
-    def reset_prefix_cache(self) -> int:
-        return self.block_pool.reset_prefix_cache()
+    def reset_prefix_cache(self, medium: str | None = None) -> int:
+        """Clears one tier (``MEDIUM_GPU``, ``MEDIUM_CPU``, ``MEDIUM_DISK``) or every tier (None);
+        returns how many blocks were dropped and queues one ``KvCleared`` naming what was cleared."""
+        tiers = self.tiers
+        pool = self.block_pool
+        if tiers is None:  # the device cache is every tier there is
+            return pool.reset_prefix_cache(None) if medium in (None, MEDIUM_GPU) else 0
+        dropped = 0
+        if medium is None:
+            dropped += tiers.clear(None)
+            pool.queue_events(tiers.take_events())
+            dropped += pool.reset_prefix_cache(None)
+        elif medium == MEDIUM_GPU:
+            tiers.flush()
+            pool.queue_events(tiers.take_events())
+            dropped += pool.reset_prefix_cache(MEDIUM_GPU)
+        else:
+            dropped += tiers.clear(medium)
+            pool.queue_events(tiers.take_events())
+            pool.queue_events([KvCleared(medium=medium)])
+        return dropped
 
     def take_events(self) -> list[KvEvent]:
+        tiers = self.tiers
+        if tiers is not None:
+            tiers.flush()
+            events = tiers.take_events()
+            if events:
+                self.block_pool.queue_events(events)
         return self.block_pool.take_events()

@@ -3,7 +3,8 @@
 The scheduler, the KV manager and the core all read and write these fields directly (as vLLM's
 ``Request``), because the step loop touches every running request every step and attribute
 access is the cheapest thing Python offers. Output token ids come from a per-request 64-bit LCG
-seeded by the request, so the same seed and prompt always give the same tokens.
+seeded by the request, so the same seed and prompt always give the same tokens; a request with
+options the LCG cannot honour carries a ``TokenSampler`` (sampling.py) instead.
 """
 
 from __future__ import annotations
@@ -11,11 +12,15 @@ from __future__ import annotations
 import enum
 from array import array
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from dynamod.shared.kv.hashing import chain_hash, compute_block_hashes, hash_tokens
 from dynamod.shared.protocol.kv_transfer import KvTransferParams
+
+if TYPE_CHECKING:
+    from dynamod.daemon.engines.mocker.sampling import TokenSampler
 
 _MASK64 = (1 << 64) - 1
 _LCG_MUL = 6364136223846793005  # Knuth's MMIX constants
@@ -57,7 +62,7 @@ class MockRequest:
         "request_id", "token_ids", "num_prompt_tokens", "max_output_tokens", "min_tokens", "stop_ids",
         "lora_name", "kv_transferred", "status", "num_computed_tokens", "prefill_target",
         "num_cached_tokens", "blocks", "num_cached_blocks", "block_hashes", "local_hashes",
-        "num_preemptions", "rng_state", "vocab_size", "finish_reason", "remote", "hold_kv",
+        "num_preemptions", "rng_state", "vocab_size", "finish_reason", "remote", "hold_kv", "sampler",
     )
 
     def __init__(
@@ -102,6 +107,9 @@ class MockRequest:
         # decode worker to read (a prefill worker's request).
         self.remote: RemoteKv | None = None
         self.hold_kv = False
+        # Set for a request whose sampling options the LCG cannot honour (log-probabilities, an
+        # output constraint, logit bias, penalties): it samples instead of ``next_token``.
+        self.sampler: TokenSampler | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -138,6 +146,19 @@ class MockRequest:
                 token = (token + 1) % self.vocab_size
         self.rng_state = state
         return token
+
+    def append_plain_tokens(self, n: int) -> None:
+        """Appends ``n`` tokens exactly as ``n`` ``next_token()`` calls would, for a request with
+        no stop tokens (a replay's stretch of plain decode steps): one loop, not a call per token."""
+        if self.stop_ids:
+            raise ValueError("append_plain_tokens is for requests without stop tokens")
+        state = self.rng_state
+        vocab = self.vocab_size
+        append = self.token_ids.append
+        for _ in range(n):
+            state = (state * _LCG_MUL + _LCG_INC) & _MASK64
+            append((state >> 33) % vocab)
+        self.rng_state = state
 
     def __repr__(self) -> str:
         return (

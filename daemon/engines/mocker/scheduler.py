@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from dynamod.daemon.engines.mocker.block_pool import KVBlock
 from dynamod.daemon.engines.mocker.kv_manager import KVCacheManager
@@ -46,11 +47,22 @@ class SchedulerOutput:
     decode_reqs: list[MockRequest] = field(default_factory=list)
     preempted_reqs: list[MockRequest] = field(default_factory=list)
     num_prefill_tokens: int = 0  # new (uncached) prefill tokens that cost compute this step
+    onboard_ms: float = 0.0  # copying prefix blocks back from the host/disk tiers
     remote_loads: list[MockRequest] | None = None  # admitted this step to wait for remote KV
 
     @property
     def is_empty(self) -> bool:
         return not self.prefill_reqs and not self.decode_reqs
+
+
+class DecodeStretch(NamedTuple):
+    """``Scheduler.decode_stretch``: plain decode steps ahead, and whether a block-filling one follows."""
+
+    plain: int
+    then_fills: bool
+
+
+NO_DECODE_STRETCH = DecodeStretch(0, False)
 
 
 @dataclass(slots=True)
@@ -60,6 +72,9 @@ class UpdateResult:
     req_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     finished: list[MockRequest] = field(default_factory=list)
+    # (request id, the sampled token's logprob, its top alternatives or None) for the requests
+    # that asked for log-probabilities, in sampling order.
+    logprobs: list[tuple[str, float, list[tuple[int, float]] | None]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -90,6 +105,8 @@ class Scheduler:
         # Prefix-cache statistics over first schedulings (what usage reports as cached tokens).
         self.prompt_tokens_seen = 0
         self.cached_tokens_seen = 0
+        # Of the cached tokens, those onboarded from each lower tier (medium -> tokens).
+        self.onboarded_tokens_seen: dict[str, int] = {}
 
     # ---- request lifecycle ---------------------------------------------------------------------
 
@@ -158,9 +175,65 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    # ---- plain decode steps in bulk ------------------------------------------------------------
+
+    def decode_stretch(self) -> DecodeStretch:
+        """The coming steps that would only decode, as far as they can be told now.
+
+        A plain step takes ``schedule``'s decode hot path for every running request (no block to
+        allocate or cache), admits nothing (nothing waits) and finishes nothing: it changes no
+        block, queue or load figure, only each request's tokens and progress. A trace replayer
+        runs a stretch of them at once (``run_plain_decode_steps``) instead of step by step.
+        ``then_fills``: the step after them still only decodes, allocates nothing and finishes
+        nothing, but fills a block that joins the prefix cache (a ``KvStored`` at its end); the
+        replayer runs it with ``step(admit=False)`` once the stretch is over. A request that may
+        stop on a sampled token (stop ids, a sampler) makes every step a possible finish, so it
+        allows no stretch at all.
+        """
+        running = self.running
+        if self.waiting or not running or len(running) > self.max_num_batched_tokens:
+            return NO_DECODE_STRETCH
+        bs = self.kv_manager.block_size
+        caching = self.kv_manager.enable_caching
+        context_length = self.context_length
+        fewest = fewest_allocating = context_length  # steps before any event; before a non-fill one
+        for request in running:
+            if request.stop_ids or request.sampler is not None:
+                return NO_DECODE_STRETCH
+            num_computed = request.num_computed_tokens
+            num_tokens = len(request.token_ids)
+            if num_tokens - num_computed != 1 or num_computed < request.prefill_target:
+                return NO_DECODE_STRETCH  # still prefilling (or recomputing after a preemption)
+            # Steps before one needs a new block, or samples the request's last token.
+            steps = min(len(request.blocks) * bs - num_computed,
+                        request.max_output_tokens - (num_tokens - request.num_prompt_tokens) - 1,
+                        context_length - num_tokens - 1)
+            if steps < fewest_allocating:
+                fewest_allocating = steps
+            if caching:
+                steps = min(steps, bs - 1 - num_computed % bs)  # before one fills a block
+            if steps < fewest:
+                fewest = steps
+        if fewest < 0:
+            return NO_DECODE_STRETCH
+        return DecodeStretch(fewest, fewest < fewest_allocating)
+
+    def run_plain_decode_steps(self, num_steps: int) -> list[MockRequest]:
+        """Applies ``num_steps`` plain decode steps (at most ``decode_stretch().plain``): each running
+        request samples ``num_steps`` tokens exactly as that many ``schedule`` +
+        ``update_from_output`` rounds would. Returns the running requests (each produced a token
+        in every one of the steps)."""
+        running = list(self.running)
+        for request in running:
+            request.append_plain_tokens(num_steps)
+            request.num_computed_tokens += num_steps
+        return running
+
     # ---- one step ------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, admit: bool = True) -> SchedulerOutput:
+        """What the next step computes. ``admit=False`` leaves waiting requests waiting (a replayer
+        running, after the fact, a step that began before they arrived)."""
         kv = self.kv_manager
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -210,7 +283,7 @@ class Scheduler:
             break  # the request preempted itself: every request behind it is already preempted
 
         # 2. Admit waiting requests, unless memory was short this step.
-        if not out.preempted_reqs:
+        if admit and not out.preempted_reqs:
             waiting = self.waiting
             while waiting and budget > 0 and len(running) < self.max_num_seqs:
                 request = waiting[0]
@@ -228,8 +301,13 @@ class Scheduler:
                 if arrived:
                     # Its prompt's KV arrived from a prefill worker: the blocks are in place.
                     hits, num_hit_tokens, num_new_hit = _NO_BLOCKS, request.num_computed_tokens, 0
+                    plan = None
                 else:
                     hits, num_hit_tokens = kv.get_computed_blocks(request)
+                    # The prefix may go on in the host or disk tier: onboard instead of recompute.
+                    plan = kv.find_offloaded(request, len(hits)) if kv.tiers is not None else None
+                    if plan is not None:
+                        num_hit_tokens += len(plan.entries) * bs
                     num_new_hit = num_hit_tokens
                 num_new = request.num_tokens - num_hit_tokens
                 if num_new > budget:
@@ -237,12 +315,18 @@ class Scheduler:
                 if kv.allocate_slots(request, num_new, hits, num_new_hit, watermark) is None:
                     break
                 waiting.popleft()
+                if not arrived and plan is not None:
+                    out.onboard_ms += kv.onboard(request, plan)
                 request.num_computed_tokens = num_hit_tokens
                 request.status = RequestStatus.RUNNING
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit_tokens
                     self.prompt_tokens_seen += request.num_prompt_tokens
                     self.cached_tokens_seen += num_hit_tokens
+                    if not arrived and plan is not None:
+                        seen = self.onboarded_tokens_seen
+                        for medium in plan.media:
+                            seen[medium] = seen.get(medium, 0) + bs
                 running.append(request)
                 budget -= num_new
                 if arrived:
@@ -305,14 +389,19 @@ class Scheduler:
         return result
 
     def _sample(self, request: MockRequest, result: UpdateResult) -> None:
-        token = request.next_token()
+        sampler = request.sampler
+        token = request.next_token() if sampler is None else sampler.sample(request)
         tokens = request.token_ids
         tokens.append(token)
         result.req_ids.append(request.request_id)
         result.token_ids.append(token)
+        if sampler is not None and sampler.num_top is not None:
+            result.logprobs.append((request.request_id, sampler.last_logprob, sampler.last_top))
         num_out = len(tokens) - request.num_prompt_tokens
         if request.stop_ids and token in request.stop_ids and num_out >= request.min_tokens:
             reason = FINISH_STOP
+        elif sampler is not None and sampler.complete:
+            reason = FINISH_STOP  # the output constraint is satisfied (the grammar ends here)
         elif num_out >= request.max_output_tokens or len(tokens) >= self.context_length:
             reason = FINISH_LENGTH
         else:
@@ -326,5 +415,5 @@ class Scheduler:
 
     # ---- cache control -------------------------------------------------------------------------
 
-    def reset_prefix_cache(self) -> int:
-        return self.kv_manager.reset_prefix_cache()
+    def reset_prefix_cache(self, medium: str | None = None) -> int:
+        return self.kv_manager.reset_prefix_cache(medium)

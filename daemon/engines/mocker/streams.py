@@ -16,7 +16,10 @@ from dynamod.shared.protocol.llm import EngineOutput, Usage
 class RequestStream:
     """The pending output of one request; one producer (the step loop), one consumer."""
 
-    __slots__ = ("request_id", "dp_rank", "prompt_tokens", "num_tokens", "_tokens", "_finish_reason", "_usage", "_error", "_waiter", "_closed", "final_params")
+    __slots__ = (
+        "request_id", "dp_rank", "prompt_tokens", "num_tokens", "_tokens", "_finish_reason", "_usage", "_error",
+        "_waiter", "_closed", "final_params", "_log_probs", "_top",
+    )
 
     def __init__(self, request_id: str, dp_rank: int, prompt_tokens: int) -> None:
         self.request_id = request_id
@@ -30,6 +33,9 @@ class RequestStream:
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False  # the final output was taken
         self.final_params: dict | None = None  # disaggregated_params for the final output
+        # Parallel to ``_tokens`` for a request that asked for log-probabilities (None: it did not).
+        self._log_probs: list[float] | None = None
+        self._top: list[list[tuple[int, float]]] | None = None
 
     def push(self, token: int) -> None:
         self._tokens.append(token)
@@ -39,6 +45,16 @@ class RequestStream:
             self._waiter = None
             if not waiter.done():
                 waiter.set_result(None)
+
+    def push_logprob(self, logprob: float, top: list[tuple[int, float]] | None) -> None:
+        """The log-probability (and top alternatives) of the token last pushed."""
+        if self._log_probs is None:
+            self._log_probs = []
+        self._log_probs.append(logprob)
+        if top is not None:
+            if self._top is None:
+                self._top = []
+            self._top.append(top)
 
     def finish(self, reason: str, usage: Usage | None) -> None:
         self._finish_reason = reason
@@ -76,12 +92,17 @@ class RequestStream:
             raise self._error
         tokens = self._tokens
         self._tokens = []
+        if self._log_probs is None:
+            out = EngineOutput(token_ids=tokens)
+        else:
+            out = EngineOutput(token_ids=tokens, log_probs=self._log_probs, top_logprobs=self._top)
+            self._log_probs = []
+            if self._top is not None:
+                self._top = []
         if self._finish_reason is None:
-            return EngineOutput(token_ids=tokens)
+            return out
         self._closed = True
-        return EngineOutput(
-            token_ids=tokens,
-            finish_reason=self._finish_reason,
-            usage=self._usage,
-            disaggregated_params=self.final_params,
-        )
+        out.finish_reason = self._finish_reason
+        out.usage = self._usage
+        out.disaggregated_params = self.final_params
+        return out

@@ -325,6 +325,8 @@ class SglangEngine:
                 kwargs["data_parallel_rank"] = request.dp_rank
             if request.sampling.logprobs is not None:
                 kwargs["return_logprob"] = True
+                if request.sampling.logprobs > 0:
+                    kwargs["top_logprobs_num"] = request.sampling.logprobs
             kwargs.update(transfer)
             if stage == STAGE_PREFILL:
                 # The decode leg starts on this frame; the prefill below waits for it to join the room.
@@ -375,7 +377,9 @@ class SglangEngine:
     async def kv_dump(self) -> list[RouterEvent]:
         return self._feed.dump()
 
-    async def clear_kv_blocks(self) -> int:
+    async def clear_kv_blocks(self, medium: str | None = None) -> int:
+        if medium not in (None, "GPU"):
+            raise InvalidRequestError(f"this SGLang worker keeps no {medium} KV tier; clear the device cache (GPU)")
         engine = self._started()
         before = self._feed.table.num_blocks()
         result = await engine.tokenizer_manager.flush_cache()

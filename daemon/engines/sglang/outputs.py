@@ -8,10 +8,11 @@ tokenizer) and ``stream_output`` (each streamed dict carries only the new ``outp
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
-from dynamod.daemon.engines.common.sampling import stop_kwargs
+from dynamod.daemon.engines.common.sampling import choice_grammar, refuse_unsupported, stop_kwargs
 from dynamod.shared.protocol.llm import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -37,7 +38,41 @@ def sampling_params(request: PreprocessedRequest, *, context_length: int, model_
             out[theirs] = value
     if out.get("top_k") == 0:
         out["top_k"] = -1  # SGLang's "off" is -1
+    refuse_unsupported(request, ("allowed_token_ids",), "SGLang")
+    for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = getattr(s, name)
+        if value is None:
+            value = defaults.get(name)
+        if value is not None:
+            out[name] = value
+    if s.logit_bias:
+        out["logit_bias"] = {str(token): bias for token, bias in s.logit_bias.items()}
+    guided = s.guided_decoding
+    if guided is not None:
+        kind = guided.kind
+        if kind == "json":
+            out["json_schema"] = json.dumps(guided.json)
+        elif kind == "regex":
+            out["regex"] = guided.regex
+        elif kind == "choice":
+            out["ebnf"] = choice_grammar(guided.choice or [])
+        else:
+            out["ebnf"] = guided.grammar
     out.update(stop_kwargs(request, context_length=context_length, max_key="max_new_tokens", min_key="min_new_tokens"))
+    return out
+
+
+def top_logprobs(meta: Mapping[str, Any], num_tokens: int) -> list[list[tuple[int, float]]] | None:
+    """The new tokens' alternatives from ``meta_info["output_top_logprobs"]`` (per position a
+    list of ``(logprob, token_id, text)``), as (token id, logprob) best first."""
+    tops = meta.get("output_top_logprobs")
+    if not tops or not num_tokens:
+        return None
+    out = []
+    for position in tops[-num_tokens:]:
+        entries = [(int(e[1]), float(e[0])) for e in position or [] if e[0] is not None]
+        entries.sort(key=lambda e: -e[1])
+        out.append(entries)
     return out
 
 
@@ -80,6 +115,7 @@ class SglangOutputTracker:
         logprobs = meta.get("output_token_logprobs")
         if logprobs and tokens:
             out.log_probs = [float(entry[0]) for entry in logprobs[-len(tokens):]]
+            out.top_logprobs = top_logprobs(meta, len(tokens))
         if reason is not None:
             if meta.get("completion_tokens") is not None:
                 self.completion_tokens = int(meta["completion_tokens"])

@@ -40,7 +40,7 @@ from dynamod.daemon.engines.common.disagg import (
 )
 from dynamod.daemon.engines.common.lora import local_adapter_dir
 from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER, NativeKvEventQueue
-from dynamod.daemon.engines.common.sampling import stop_kwargs
+from dynamod.daemon.engines.common.sampling import choice_grammar, refuse_unsupported, stop_kwargs
 from dynamod.daemon.engines.trtllm import disagg
 from dynamod.daemon.engines.trtllm.kv_format import TrtllmEventMapper
 from dynamod.daemon.models.local import LocalModel
@@ -120,15 +120,32 @@ def build_llm(options: dict[str, Any]) -> Any:
 
 
 def sampling_params(request: PreprocessedRequest, *, context_length: int) -> dict[str, Any]:
+    """``tensorrt_llm.SamplingParams`` keyword arguments; an output constraint is returned as
+    ``guided_decoding`` keyword arguments for ``GuidedDecodingParams`` (the caller builds it).
+    TensorRT-LLM's LLM API has no logit bias or allowed-token list: those are refused."""
     s = request.sampling
+    refuse_unsupported(request, ("logit_bias", "allowed_token_ids"), "TensorRT-LLM")
     out: dict[str, Any] = {"detokenize": False}
-    for name in ("temperature", "top_p", "top_k", "seed"):
+    for name in (
+        "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    ):
         value = getattr(s, name)
         if value is not None:
             out[name] = value
     out.update(stop_kwargs(request, context_length=context_length))
     if s.logprobs is not None:
         out["logprobs"] = max(1, s.logprobs)
+    guided = s.guided_decoding
+    if guided is not None:
+        kind = guided.kind
+        if kind == "json":
+            out["guided_decoding"] = {"json": guided.json}
+        elif kind == "regex":
+            out["guided_decoding"] = {"regex": guided.regex}
+        elif kind == "choice":
+            out["guided_decoding"] = {"grammar": choice_grammar(guided.choice or [])}
+        else:
+            out["guided_decoding"] = {"grammar": guided.grammar}
     return out
 
 
@@ -292,7 +309,12 @@ class TrtllmEngine:
                 raise InvalidRequestError(f"LoRA adapter {request.lora_name!r} is not loaded on this worker", param="model")
             lora_request = LoRARequest(lora.name, lora.lora_id, lora.source)
         try:
-            params = SamplingParams(**sampling_params(request, context_length=self._info.context_length))
+            kwargs = sampling_params(request, context_length=self._info.context_length)
+            if "guided_decoding" in kwargs:
+                from tensorrt_llm.sampling_params import GuidedDecodingParams
+
+                kwargs["guided_decoding"] = GuidedDecodingParams(**kwargs["guided_decoding"])
+            params = SamplingParams(**kwargs)
         except (TypeError, ValueError) as exc:
             raise InvalidRequestError(f"bad sampling parameters: {exc}") from None
         result = llm.generate_async(list(request.token_ids), sampling_params=params, streaming=True,
@@ -355,7 +377,7 @@ class TrtllmEngine:
     async def kv_dump(self) -> list[RouterEvent]:
         return self._feed.dump()
 
-    async def clear_kv_blocks(self) -> int:
+    async def clear_kv_blocks(self, medium: str | None = None) -> int:
         raise InvalidRequestError("TensorRT-LLM's LLM API has no way to drop the cached KV blocks of a running engine")
 
     def load_metrics(self) -> list[LoadMetrics]:

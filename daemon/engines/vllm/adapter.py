@@ -12,6 +12,7 @@ import os
 from dynamod.daemon.engines.common.disagg import worker_role
 from dynamod.daemon.engines.common.flags import engine_tokens
 from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER
+from dynamod.daemon.engines.vllm.embedding import VllmEmbeddingEngine
 from dynamod.daemon.engines.vllm.engine import VllmEngine
 from dynamod.daemon.models.local import LocalModel
 
@@ -39,7 +40,8 @@ def create(args: argparse.Namespace, model: LocalModel, *, worker_id: int, worke
     ``--role`` decides its KV connector (vllm/disagg.py); ``--host`` is where a prefill engine's
     NIXL side channel is reached from other nodes."""
     tokens = engine_tokens(getattr(args, "vllm_args", ""), getattr(args, "engine_args", None))
-    return VllmEngine(
+    engine_class = VllmEmbeddingEngine if getattr(args, "model_type", "chat") == "embedding" else VllmEngine
+    return engine_class(
         tokens,
         model,
         worker_id,

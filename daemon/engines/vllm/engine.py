@@ -55,7 +55,7 @@ from dynamod.shared.errors import (
     NotFoundError,
     UnavailableError,
 )
-from dynamod.shared.protocol.kv_events import KvCleared, RouterEvent, decode_native_batch
+from dynamod.shared.protocol.kv_events import MEDIUM_GPU, KvCleared, RouterEvent, decode_native_batch
 from dynamod.shared.protocol.llm import FINISH_ABORT, FINISH_ERROR, EngineOutput, PreprocessedRequest
 from dynamod.shared.protocol.load import LoadMetrics
 from dynamod.shared.protocol.model_card import RuntimeConfig
@@ -392,14 +392,15 @@ class VllmEngine:
         if request.dp_rank is not None and not 0 <= request.dp_rank < self._dp:
             raise InvalidRequestError(f"dp_rank {request.dp_rank} out of range [0, {self._dp})", param="dp_rank")
         try:
-            params = SamplingParams(
-                **sampling_kwargs(request, context_length=self._info.context_length, model_defaults=self._model_defaults),
-                output_kind=RequestOutputKind.DELTA,
-                extra_args=extra_args,
-            )
+            kwargs = sampling_kwargs(request, context_length=self._info.context_length, model_defaults=self._model_defaults)
+            if "structured_outputs" in kwargs:
+                from vllm.sampling_params import StructuredOutputsParams
+
+                kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
+            params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA, extra_args=extra_args)
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(f"bad sampling parameters: {exc}") from None
-        tracker = OutputTracker(len(request.token_ids))
+        tracker = OutputTracker(len(request.token_ids), request.sampling.logprobs or 0)
         self._active[rid] = tracker
         stream = llm.generate(
             TokensPrompt(prompt_token_ids=list(request.token_ids)),
@@ -466,9 +467,12 @@ class VllmEngine:
     async def kv_dump(self) -> list[RouterEvent]:
         return self._feed.dump()
 
-    async def clear_kv_blocks(self) -> int:
+    async def clear_kv_blocks(self, medium: str | None = None) -> int:
         """``reset_prefix_cache``. vLLM publishes its cleared event only with its next step, so the
-        adapter emits it at once; the late native one is harmless (nothing stored in between)."""
+        adapter emits it at once; the late native one is harmless (nothing stored in between).
+        This adapter runs no offloading tier, so only the device cache (or every tier) is asked."""
+        if medium not in (None, MEDIUM_GPU):
+            raise InvalidRequestError(f"this vLLM worker keeps no {medium} KV tier; clear the device cache (GPU)")
         llm = self._check_started()
         before = self._feed.table.num_blocks()
         if not await llm.reset_prefix_cache():

@@ -23,11 +23,16 @@ from dynamod.shared.protocol.llm import (
     FINISH_LENGTH,
     FINISH_STOP,
     EngineOutput,
+    GuidedDecoding,
     PreprocessedRequest,
     Usage,
 )
 
 _FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT, "error": FINISH_ERROR}
+# SamplingOptions fields that are SamplingParams arguments of the same name and meaning.
+_SAMPLING_NAMES = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+)
 
 
 def sampling_kwargs(
@@ -40,23 +45,48 @@ def sampling_kwargs(
     s = request.sampling
     out: dict[str, Any] = {}
     defaults = dict(model_defaults or {})
-    for name in ("temperature", "top_p", "top_k", "seed"):
+    for name in _SAMPLING_NAMES:
         value = getattr(s, name)
         if value is not None:
             out[name] = value
         elif name in defaults:
             out[name] = defaults[name]
-    # Model defaults other than the four above (repetition_penalty, min_p, ...) also apply.
+    # Model defaults other than the ones above also apply.
     for name, value in defaults.items():
         if name not in out and name not in ("max_tokens",):
             out[name] = value
     if out.get("top_k") == -1:
         out["top_k"] = 0  # older generation configs use -1 for "off"; vLLM now uses 0
+    if s.logit_bias:
+        out["logit_bias"] = dict(s.logit_bias)
+    if s.allowed_token_ids is not None:
+        out["allowed_token_ids"] = list(s.allowed_token_ids)
+    guided = s.guided_decoding
+    if guided is not None:
+        out["structured_outputs"] = structured_outputs_kwargs(guided)
     out.update(stop_kwargs(request, context_length=context_length))
     if s.logprobs is not None:
         out["logprobs"] = s.logprobs
     out["detokenize"] = False
     out["n"] = 1
+    return out
+
+
+def structured_outputs_kwargs(guided: GuidedDecoding) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.sampling_params.StructuredOutputsParams`` (the caller builds
+    it: this module imports nothing of vLLM)."""
+    out: dict[str, Any] = {}
+    kind = guided.kind
+    if kind == "json":
+        out["json"] = guided.json
+        if guided.whitespace_pattern is not None:
+            out["whitespace_pattern"] = guided.whitespace_pattern
+    elif kind == "regex":
+        out["regex"] = guided.regex
+    elif kind == "choice":
+        out["choice"] = list(guided.choice or [])
+    else:
+        out["grammar"] = guided.grammar
     return out
 
 
@@ -80,15 +110,37 @@ def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float] | None:
     return out
 
 
+def top_logprobs(token_ids: list[int], logprobs: Any, num_top: int) -> list[list[tuple[int, float]]] | None:
+    """Each position's ``num_top`` most likely tokens as (token id, logprob), best first, from
+    vLLM's per-position dicts (which hold the top ones, by ``rank``, plus the sampled token)."""
+    if not logprobs or num_top <= 0:
+        return None
+    out: list[list[tuple[int, float]]] = []
+    for _, position in zip(token_ids, logprobs, strict=False):
+        ranked = []
+        if isinstance(position, Mapping):
+            for token, entry in position.items():
+                rank = getattr(entry, "rank", None)
+                value = getattr(entry, "logprob", entry)
+                if value is None:
+                    continue
+                ranked.append((rank if isinstance(rank, int) else num_top + 1, int(token), float(value)))
+        ranked.sort(key=lambda r: (r[0], -r[2]))
+        out.append([(token, value) for _, token, value in ranked[:num_top]])
+    return out
+
+
 class OutputTracker:
-    """Maps one request's delta outputs; keeps the counts its final usage needs."""
+    """Maps one request's delta outputs; keeps the counts its final usage needs. ``num_top``: the
+    top logprobs per token the request asked for (0: none)."""
 
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "num_top")
 
-    def __init__(self, prompt_tokens: int) -> None:
+    def __init__(self, prompt_tokens: int, num_top: int = 0) -> None:
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.num_top = num_top
 
     def usage(self) -> Usage:
         return Usage(
@@ -115,6 +167,7 @@ class OutputTracker:
             lp = sampled_logprobs(token_ids, completion.logprobs)
             if lp is not None:
                 out.log_probs = lp
+                out.top_logprobs = top_logprobs(token_ids, completion.logprobs, self.num_top)
         if reason is not None:
             out.usage = self.usage()
             # A prefill leg's final output carries its KV connector's transfer parameters.

@@ -36,15 +36,21 @@ class IncrementalDetokenizer:
         *,
         skip_special_tokens: bool = True,
         prompt_token_ids: Sequence[int] | None = None,
+        keep_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         """``prompt_token_ids``: the prompt's last tokens are decoding context, never output.
 
         With them the first generated token keeps a leading space that a sentencepiece decoder
         would strip at the start of a text ("Hello" + " world", not "Hello" + "world").
+
+        ``keep_token_ids``: special tokens that stay in the text although special tokens are
+        skipped: the markers an output parser reads (``[TOOL_CALLS]``, ``<|python_tag|>``).
         """
         self._inner = tokenizer.inner
-        self._skip_special_tokens = skip_special_tokens
-        self._skip_ids = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        skip_ids = tokenizer.special_token_ids - keep_token_ids if skip_special_tokens else frozenset()
+        self._skip_ids = skip_ids
+        # The window never holds a skipped id, so with kept ones the decoder must not drop specials.
+        self._skip_special_tokens = skip_special_tokens and not keep_token_ids
         context = [t for t in (prompt_token_ids or ()) if t not in self._skip_ids]
         # _window holds the prefix tokens followed by the not-yet-emitted tokens.
         self._window: list[int] = context[-CONTEXT_TOKENS:]

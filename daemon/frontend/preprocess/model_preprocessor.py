@@ -1,5 +1,10 @@
 """Per-model request preprocessing: chat template and tokenizer from the model card.
 
+The tokenizer comes from the files the card carries (published in discovery by the worker, fetched
+and verified by hash: ``shared/runtime/model_files.py``), so a frontend never opens a path on a
+worker's disk; only a card of an older worker, which carries none, is read from its
+``tokenizer_source`` path, as before.
+
 Loading a tokenizer reads and parses a file of several megabytes, so it happens on a worker thread
 once per tokenizer source and is shared by every model (base and LoRA adapters) that names it.
 Prompt rendering and encoding stay on the event loop for short prompts (a thread hop costs more
@@ -10,14 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 from pathlib import Path
 
 from dynamod.daemon.frontend.preprocess import ChatTemplate, IncrementalDetokenizer, Tokenizer
+from dynamod.daemon.frontend.preprocess.fast_bpe import FastBpeEncoder
 from dynamod.daemon.frontend.preprocess.tokenizer import ASYNC_ENCODE_THRESHOLD_CHARS
 from dynamod.daemon.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from dynamod.daemon.models import LocalModel, load_model_dir
 from dynamod.shared.errors import ConfigError, DynamoError, InvalidRequestError
 from dynamod.shared.protocol.model_card import ModelCard
+from dynamod.shared.protocol.model_files import ModelFilesRef
+from dynamod.shared.runtime.model_files import ModelFiles, ModelFilesReader
 
 logger = logging.getLogger(__name__)
 
@@ -42,25 +51,32 @@ class ModelPreprocessor:
         # ``encode_batch_fast`` skips the character offsets nobody here uses: a quarter less CPU
         # per prompt than ``encode``, same ids, and it releases the GIL like ``encode_batch``.
         self._encode_batch = getattr(tokenizer.inner, "encode_batch_fast", None)
+        # A byte-level BPE tokenizer encodes ~4x faster on tiktoken, with the same ids (checked
+        # when built); chat prompts (no added special tokens) take that path.
+        self._fast = FastBpeEncoder.build(tokenizer.inner, source)
 
     def _encode_now(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self._fast is not None and not add_special_tokens:
+            return self._fast.encode(text)
         assert self._encode_batch is not None
         return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     async def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """Token ids of ``text``; long texts are encoded on a thread, off the event loop."""
-        if self._encode_batch is None:
+        if self._encode_batch is None and (self._fast is None or add_special_tokens):
             return await self.tokenizer.encode_async(text, add_special_tokens=add_special_tokens)
         if len(text) <= ASYNC_ENCODE_THRESHOLD_CHARS:
             return self._encode_now(text, add_special_tokens)
         return await asyncio.to_thread(self._encode_now, text, add_special_tokens)
 
     @classmethod
-    def load(cls, card: ModelCard) -> ModelPreprocessor:
-        """Blocking: loads the tokenizer and template the card names (call in a thread)."""
-        if not card.tokenizer_source:
-            raise ConfigError(f"model card of {card.served_model_name!r} names no tokenizer source")
-        directory = tokenizer_dir(card.tokenizer_source)
+    def load(cls, card: ModelCard, directory: Path | None = None, source: str | None = None) -> ModelPreprocessor:
+        """Blocking: loads the tokenizer and template (call in a thread) from ``directory``, by
+        default the card's ``tokenizer_source`` (a card of an older worker: a path on this host)."""
+        if directory is None:
+            if not card.tokenizer_source:
+                raise ConfigError(f"model card of {card.served_model_name!r} names no tokenizer source")
+            directory = tokenizer_dir(card.tokenizer_source)
         tokenizer = Tokenizer.from_dir(directory)
         local: LocalModel | None = None
         try:
@@ -76,7 +92,14 @@ class ModelPreprocessor:
                 "eos_token": local.eos_token if local else None,
             }
             template = ChatTemplate(template_source, special_tokens=special)
-        return cls(tokenizer, template, str(directory))
+        return cls(tokenizer, template, source or str(directory))
+
+    @classmethod
+    def load_files(cls, card: ModelCard, files: ModelFiles) -> ModelPreprocessor:
+        """Blocking: loads from the tokenizer files the card carries (fetched from discovery and
+        verified), written to a private temporary directory for the loaders and removed after."""
+        with tempfile.TemporaryDirectory(prefix="dynamod-tokenizer-") as tmp:
+            return cls.load(card, files.write_to(tmp), source=f"model_files:{files.sha256[:16]}")
 
     async def chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
         if self.chat_template is None:
@@ -111,8 +134,14 @@ class ModelPreprocessor:
                 )
         return list(prompt)
 
-    def detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids=prompt_ids[-8:])
+    def detokenizer(self, prompt_ids: list[int], keep_markers: tuple[str, ...] = ()) -> IncrementalDetokenizer:
+        """``keep_markers``: texts an output parser reads; those that are special tokens here stay in the text."""
+        keep = frozenset()
+        if keep_markers:
+            special = self.tokenizer.special_token_ids
+            ids = (self.tokenizer.token_to_id(m) for m in keep_markers)
+            keep = frozenset(i for i in ids if i is not None and i in special)
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids=prompt_ids[-8:], keep_token_ids=keep)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -153,21 +182,32 @@ def _is_token(value: object) -> bool:
 
 
 class PreprocessorCache:
-    """One preprocessor per tokenizer source, loaded once on a thread, shared by models."""
+    """One preprocessor per tokenizer (the hash of the files a card carries, else the card's
+    tokenizer source), loaded once on a thread, shared by models. With ``files`` (a reader of
+    discovery) a card that carries its tokenizer files is loaded from them, never from a path."""
 
-    def __init__(self) -> None:
+    def __init__(self, files: ModelFilesReader | None = None) -> None:
+        self._files = files
         self._loading: dict[tuple[str, str | None], asyncio.Task[ModelPreprocessor]] = {}
 
     def get(self, card: ModelCard) -> asyncio.Task[ModelPreprocessor]:
-        key = (card.tokenizer_source, card.chat_template)
+        ref = card.model_files if self._files is not None else None
+        key = (f"sha256:{ref.sha256}" if ref is not None else card.tokenizer_source, card.chat_template)
         task = self._loading.get(key)
         if task is None or (task.done() and task.exception() is not None):
-            task = asyncio.get_running_loop().create_task(
-                asyncio.to_thread(ModelPreprocessor.load, card), name=f"load-tokenizer:{card.served_model_name}"
-            )
+            if ref is None:
+                load = asyncio.to_thread(ModelPreprocessor.load, card)
+            else:
+                load = self._load_files(card, ref)
+            task = asyncio.get_running_loop().create_task(load, name=f"load-tokenizer:{card.served_model_name}")
             task.add_done_callback(_log_load_failure)
             self._loading[key] = task
         return task
+
+    async def _load_files(self, card: ModelCard, ref: ModelFilesRef) -> ModelPreprocessor:
+        assert self._files is not None
+        files = await self._files.fetch(ref, model=card.served_model_name)
+        return await asyncio.to_thread(ModelPreprocessor.load_files, card, files)
 
 
 def _log_load_failure(task: asyncio.Task[ModelPreprocessor]) -> None:

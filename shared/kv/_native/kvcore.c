@@ -969,6 +969,20 @@ static PyObject *Index_holds(Index *ix, PyObject *args) {
     return PyBool_FromLong(map_get(&ix->holders[h].by_hash, ext, &v));
 }
 
+/* node_hash(holder, engine hash) -> the sequence hash of the block that name stands for, or None.
+ * A lower-tier store (shared/kv/index_tiers.py) may continue a chain whose parent the worker
+ * holds only on its device: this finds where that chain is in the tree. */
+static PyObject *Index_node_hash(Index *ix, PyObject *args) {
+    Py_ssize_t h;
+    PyObject *ext_obj;
+    if (!PyArg_ParseTuple(args, "nO", &h, &ext_obj)) return NULL;
+    if (check_holder(ix, h) < 0) return NULL;
+    uint64_t ext, v;
+    if (as_u64(ext_obj, &ext) < 0) return NULL;
+    if (!map_get(&ix->holders[h].by_hash, ext, &v)) Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(ix->nodes[(uint32_t)v].seq);
+}
+
 static PyObject *ext_or_none(Index *ix, uint32_t h, uint32_t node) {
     uint64_t ext = 0;
     if (node == ROOT) Py_RETURN_NONE;
@@ -1197,6 +1211,7 @@ static PyMethodDef Index_methods[] = {
     {"match_local", (PyCFunction)Index_match_local, METH_O, "match_local(local hashes) -> {key: depth}"},
     {"match_seq", (PyCFunction)Index_match_seq, METH_O, "match_seq(sequence hashes) -> {key: depth}"},
     {"holds", (PyCFunction)Index_holds, METH_VARARGS, "holds(holder, engine hash) -> bool"},
+    {"node_hash", (PyCFunction)Index_node_hash, METH_VARARGS, "node_hash(holder, engine hash) -> sequence hash | None"},
     {"dump", (PyCFunction)Index_dump, METH_VARARGS, "dump(holder) -> (chains, extras)"},
     {"check", (PyCFunction)Index_check, METH_NOARGS, "check(): raise AssertionError when inconsistent"},
     {"num_nodes", (PyCFunction)Index_num_nodes, METH_NOARGS, "distinct blocks in the tree"},

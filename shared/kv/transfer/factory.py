@@ -15,6 +15,8 @@ from dynamod.shared.kv.transfer.memory import KvBlockMemory
 from dynamod.shared.kv.transfer.nixl import NixlKvAgent, load_nixl_api
 from dynamod.shared.kv.transfer.tcp import TcpKvAgent
 from dynamod.shared.protocol.kv_transfer import BACKEND_NIXL, BACKEND_TCP, KvLayout
+from dynamod.shared.security.settings import RequestPlaneSecurity
+from dynamod.shared.transport.liveness import RequestPlaneMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +52,14 @@ def create_agent(
     host: str = "127.0.0.1",
     port: int = 0,
     layout: KvLayout | None = None,
+    advertise_host: str | None = None,
+    security: RequestPlaneSecurity | None = None,
+    metrics: RequestPlaneMetrics | None = None,
 ) -> KvTransferAgent:
     """An un-started agent over ``memory`` (call ``await agent.start()``). ``port`` is the TCP
-    block server's (every agent runs one; 0 = any free port)."""
+    block server's (every agent runs one; 0 = any free port); ``advertise_host`` what its metadata
+    names instead of ``host``; ``security`` the request plane's TLS and cluster token, which the
+    block server demands and the reader presents; ``metrics`` counts refused readers."""
     name = (backend or "").strip().lower()
     if name not in AGENT_BACKENDS:
         raise ConfigError(f"unknown KV transfer backend {backend!r}; valid: {', '.join(AGENT_BACKENDS)}")
@@ -70,5 +77,11 @@ def create_agent(
         if reason is not None:
             raise ConfigError(f"KV transfer backend 'nixl' is not usable here: {reason}; use 'tcp' or 'auto'")
     if name == BACKEND_NIXL:
-        return NixlKvAgent(memory, worker_id=worker_id, host=host, port=port, layout=layout)
-    return TcpKvAgent(memory, worker_id=worker_id, host=host, port=port, layout=layout)
+        return NixlKvAgent(
+            memory, worker_id=worker_id, host=host, port=port, layout=layout,
+            advertise_host=advertise_host, security=security, metrics=metrics,
+        )
+    return TcpKvAgent(
+        memory, worker_id=worker_id, host=host, port=port, layout=layout,
+        advertise_host=advertise_host, security=security, metrics=metrics,
+    )

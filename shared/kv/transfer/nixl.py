@@ -50,6 +50,8 @@ from dynamod.shared.kv.transfer.memory import KvBlockMemory
 from dynamod.shared.kv.transfer.tcp import TcpKvAgent, check_read_args, new_agent_name
 from dynamod.shared.kv.transfer.tcp_wire import MAX_NOTIFY_BYTES
 from dynamod.shared.protocol.kv_transfer import BACKEND_NIXL, KvLayout, KvTransferMetadata
+from dynamod.shared.security.settings import RequestPlaneSecurity
+from dynamod.shared.transport.liveness import RequestPlaneMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -131,12 +133,17 @@ class NixlKvAgent:
         host: str = "127.0.0.1",
         port: int = 0,
         layout: KvLayout | None = None,
+        advertise_host: str | None = None,
+        security: RequestPlaneSecurity | None = None,
+        metrics: RequestPlaneMetrics | None = None,
     ) -> None:
         self.memory = memory
         self.worker_id = worker_id
         self.agent_name = new_agent_name(worker_id)
+        # The TCP side is guarded like the request plane; NIXL/UCX itself has no such guard.
         self._tcp = TcpKvAgent(
-            memory, worker_id=worker_id, host=host, port=port, layout=layout, agent_name=self.agent_name
+            memory, worker_id=worker_id, host=host, port=port, layout=layout, agent_name=self.agent_name,
+            advertise_host=advertise_host, security=security, metrics=metrics,
         )
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"nixl-{self.agent_name}")
         self._api: ModuleType | None = None

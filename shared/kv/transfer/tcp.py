@@ -36,7 +36,10 @@ from dynamod.shared.kv.transfer.tcp_wire import (
     join_address,
 )
 from dynamod.shared.protocol.kv_transfer import BACKEND_TCP, KvLayout, KvTransferMetadata
+from dynamod.shared.security.settings import RequestPlaneSecurity
 from dynamod.shared.transport.address import advertised_host
+from dynamod.shared.transport.guard import ClientCredentials
+from dynamod.shared.transport.liveness import RequestPlaneMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +79,9 @@ def check_read_args(
 
 
 class TcpKvAgent:
-    """Serves reads of ``memory`` on (host, port) and reads remote blocks over pooled connections."""
+    """Serves reads of ``memory`` on (host, port) and reads remote blocks over pooled connections.
+    The metadata advertises ``advertise_host`` (default: ``host``, or this node's primary address
+    for a wildcard); ``security`` guards both halves (TLS, cluster token)."""
 
     backend = BACKEND_TCP
 
@@ -89,14 +94,20 @@ class TcpKvAgent:
         port: int = 0,
         layout: KvLayout | None = None,
         agent_name: str | None = None,
+        advertise_host: str | None = None,
+        security: RequestPlaneSecurity | None = None,
+        metrics: RequestPlaneMetrics | None = None,
     ) -> None:
         self.memory = memory
         self.worker_id = worker_id
         self.agent_name = agent_name or new_agent_name(worker_id)
         self._host = host
+        self._advertise_host = advertise_host
         self._layout = layout
-        self._server = KvBlockServer(memory, self.agent_name, host, port)
-        self._pool = KvConnectionPool()
+        # One set of credentials for both halves: what this agent demands of readers is what it
+        # presents to the agents it reads from (every worker of a cluster shares them).
+        self._server = KvBlockServer(memory, self.agent_name, host, port, security=security, metrics=metrics)
+        self._pool = KvConnectionPool(ClientCredentials(security))
         self._address: str | None = None
 
     @property
@@ -107,7 +118,7 @@ class TcpKvAgent:
 
     async def start(self) -> None:
         await self._server.start()
-        self._address = join_address(advertised_host(self._host), self._server.port)
+        self._address = join_address(advertised_host(self._host, self._advertise_host), self._server.port)
 
     def metadata(self) -> KvTransferMetadata:
         return KvTransferMetadata(

@@ -8,12 +8,18 @@ exactly (length first, then the body), so payload bytes never land in a scratch 
 
 Where the bytes go is fixed before the request is sent: the loop may ask for the next buffer before
 the coroutine that sent the request runs again.
+
+Credentials (``ClientCredentials``, the request plane's): with TLS configured every connection is
+dialled over TLS against the cluster CA; with a cluster token each new connection first sends a
+``hello`` with it and waits for ``ok``. A refusal is a ``KvTransferError`` that says so (not worth
+retrying on another connection: the same credentials would be refused again).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from typing import cast
 
 import msgspec
@@ -24,11 +30,15 @@ from dynamod.shared.kv.transfer.tcp_wire import (
     LENGTH_SIZE,
     MAX_FRAME_BYTES,
     DataReply,
+    ErrorReply,
+    HelloRequest,
     OkReply,
     Reply,
+    encode_frame,
     reply_decoder,
     split_address,
 )
+from dynamod.shared.transport.guard import DEFAULT_HANDSHAKE_TIMEOUT_S, ClientCredentials
 
 logger = logging.getLogger(__name__)
 
@@ -189,8 +199,9 @@ class KvConnectionPool:
     """Idle connections per remote address. A connection that failed or timed out is never put
     back (its stream position is unknown); the next read dials again."""
 
-    def __init__(self) -> None:
+    def __init__(self, credentials: ClientCredentials | None = None) -> None:
         self._idle: dict[str, list[KvReadConnection]] = {}
+        self._credentials = credentials or ClientCredentials(None)
 
     async def acquire(self, address: str) -> tuple[KvReadConnection, bool]:
         """An open connection to ``address`` and whether it was reused from the pool."""
@@ -207,11 +218,42 @@ class KvConnectionPool:
         except ValueError as exc:
             raise KvTransferError(str(exc)) from exc
         loop = asyncio.get_running_loop()
+        tls = self._credentials.ssl_context
         try:
-            _, conn = await loop.create_connection(lambda: KvReadConnection(address), host, port)
+            _, conn = await loop.create_connection(
+                lambda: KvReadConnection(address),
+                host,
+                port,
+                ssl=tls,
+                server_hostname=host if tls is not None else None,
+                ssl_handshake_timeout=DEFAULT_HANDSHAKE_TIMEOUT_S if tls is not None else None,
+            )
+        except ssl.SSLError as exc:
+            raise KvTransferError(
+                f"TLS with KV block server {address} failed: {exc.reason or exc} "
+                "(check --tls-ca-file and the server's certificate)"
+            ) from exc
         except OSError as exc:
             raise KvTransferError(f"cannot connect to KV block server {address}: {exc}") from exc
+        if self._credentials.token is not None:
+            await self._hello(conn)
         return conn
+
+    async def _hello(self, conn: KvReadConnection) -> None:
+        """Presents the cluster token; a refusal closes the connection and says why."""
+        try:
+            reply = await conn.request(encode_frame(HelloRequest(self._credentials.token)))
+        except BaseException:
+            conn.abort()
+            raise
+        if isinstance(reply, ErrorReply):
+            conn.abort()
+            raise KvTransferError(
+                f"KV block server {conn.address} refused this worker ({reply.code}): {reply.message}"
+            )
+        if not isinstance(reply, OkReply):
+            conn.abort()
+            raise KvTransferError(f"KV block server {conn.address} answered hello with {reply!r}")
 
     def release(self, conn: KvReadConnection) -> None:
         if conn.closed:

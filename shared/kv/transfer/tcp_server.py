@@ -5,6 +5,14 @@ refused request gets an ``error`` frame that the reader turns into a ``KvTransfe
 same message; the connection stays usable. Block rows go to the socket as views of the array (one
 write per run of consecutive ids, in bounded chunks), so the asyncio transport copies only what
 the kernel did not take at once, and ``drain`` keeps that bounded.
+
+Block bytes are prompt content, so the server admits readers the way the request plane does
+(``ServerGuard``, built from the same ``RequestPlaneSecurity``): with TLS configured it serves only
+TLS (mutual when client certificates are required), and with a cluster token the first frame of a
+connection must be a ``hello`` carrying it; anything else gets one ``unauthenticated`` error frame
+and the connection closes, before any block is read. Refusals are counted and logged like the
+request plane's (transport ``kv_transfer``). A failed TLS handshake is asyncio's to end and is not
+counted (the connection never reaches this code).
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import logging
 
 import msgspec
 
-from dynamod.shared.kv.transfer.base import NotifyCallback, deliver_notify
+from dynamod.shared.kv.transfer.base import KvTransferError, NotifyCallback, deliver_notify
 from dynamod.shared.kv.transfer.memory import KvBlockMemory
 from dynamod.shared.kv.transfer.tcp_wire import (
     LENGTH,
@@ -25,6 +33,7 @@ from dynamod.shared.kv.transfer.tcp_wire import (
     MAX_NOTIFY_BYTES,
     DataReply,
     ErrorReply,
+    HelloRequest,
     NotifyRequest,
     OkReply,
     ReadRequest,
@@ -32,6 +41,10 @@ from dynamod.shared.kv.transfer.tcp_wire import (
     encode_frame,
     request_decoder,
 )
+from dynamod.shared.security.settings import RequestPlaneSecurity
+from dynamod.shared.security.token import REASON_HANDSHAKE_TIMEOUT, REASON_MISSING_TOKEN
+from dynamod.shared.transport.guard import ServerGuard
+from dynamod.shared.transport.liveness import RequestPlaneMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +53,28 @@ _CHUNK_BYTES = 4 << 20
 buffers at most about two chunks per connection."""
 
 
-class KvBlockServer:
-    """asyncio TCP server of one agent's block memory. ``notify`` messages go to the callback."""
+GUARD_TRANSPORT = "kv_transfer"  # the transport label of refusals in the request plane's metric
 
-    def __init__(self, memory: KvBlockMemory, agent_name: str, host: str, port: int) -> None:
+
+class KvBlockServer:
+    """asyncio TCP server of one agent's block memory. ``notify`` messages go to the callback.
+    ``security``: who may read (see the module docstring); None or empty: everyone (loopback dev)."""
+
+    def __init__(
+        self,
+        memory: KvBlockMemory,
+        agent_name: str,
+        host: str,
+        port: int,
+        *,
+        security: RequestPlaneSecurity | None = None,
+        metrics: RequestPlaneMetrics | None = None,
+    ) -> None:
         self._memory = memory
         self._agent_name = agent_name
         self._host = host
         self._port = port
+        self.guard = ServerGuard(security, transport=GUARD_TRANSPORT, metrics=metrics)
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[None]] = set()
         self._callback: NotifyCallback | None = None
@@ -63,14 +90,29 @@ class KvBlockServer:
         self._callback = callback
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self._host, self._port, limit=MAX_FRAME_BYTES)
+        tls = self.guard.ssl_context
+        try:
+            self._server = await asyncio.start_server(
+                self._serve,
+                self._host,
+                self._port,
+                limit=MAX_FRAME_BYTES,
+                ssl=tls,
+                ssl_handshake_timeout=self.guard.handshake_timeout_s if tls is not None else None,
+            )
+        except OSError as exc:
+            raise KvTransferError(
+                f"KV block server of agent {self._agent_name} cannot listen on {self._host}:{self._port}: "
+                f"{exc.strerror or exc}; pick another --kv-transfer-port (0 = any free port)"
+            ) from None
         logger.info(
-            "kv_transfer.tcp.serving agent=%s host=%s port=%d blocks=%d block_bytes=%d",
+            "kv_transfer.tcp.serving agent=%s host=%s port=%d blocks=%d block_bytes=%d security=%s",
             self._agent_name,
             self._host,
             self.port,
             self._memory.num_blocks,
             self._memory.block_bytes,
+            self.guard.describe,
         )
 
     async def close(self) -> None:
@@ -92,6 +134,8 @@ class KvBlockServer:
         writer.transport.set_write_buffer_limits(high=_CHUNK_BYTES)
         peer = writer.get_extra_info("peername")
         try:
+            if self.guard.token is not None and not await self._admit(reader, writer, peer):
+                return
             while True:
                 try:
                     head = await reader.readexactly(LENGTH_SIZE)
@@ -118,6 +162,10 @@ class KvBlockServer:
                     return
                 if isinstance(request, ReadRequest):
                     await self._serve_read(request, writer)
+                elif isinstance(request, HelloRequest):
+                    # Open server, or a repeated hello on an admitted connection: nothing to check.
+                    writer.write(encode_frame(OkReply()))
+                    await writer.drain()
                 else:
                     self._deliver(request)
                     writer.write(encode_frame(OkReply()))
@@ -130,6 +178,34 @@ class KvBlockServer:
             writer.close()
             if task is not None:
                 self._handlers.discard(task)
+
+    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: object) -> bool:
+        """Reads the first frame within the handshake timeout: a ``hello`` with the cluster token
+        admits the connection (answered ``ok``); anything else is refused with one error frame."""
+        label = _peer_label(peer)
+        try:
+            async with asyncio.timeout(self.guard.handshake_timeout_s):
+                (length,) = LENGTH.unpack(await reader.readexactly(LENGTH_SIZE))
+                body = await reader.readexactly(length) if 0 < length <= MAX_FRAME_BYTES else b""
+        except TimeoutError:
+            self.guard.reject(label, REASON_HANDSHAKE_TIMEOUT, "no hello frame in time")
+            return False
+        try:
+            request = request_decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            request = None
+        if isinstance(request, HelloRequest):
+            reason = self.guard.check_token(request.auth)
+        else:
+            reason = REASON_MISSING_TOKEN
+        if reason is None:
+            writer.write(encode_frame(OkReply()))
+            await writer.drain()
+            return True
+        error = self.guard.reject(label, reason, "kv block server")
+        writer.write(encode_frame(ErrorReply("unauthenticated", error.message)))
+        await writer.drain()
+        return False
 
     def _refusal(self, request: ReadRequest) -> str | None:
         memory = self._memory
@@ -169,3 +245,9 @@ class KvBlockServer:
     def _deliver(self, request: NotifyRequest) -> None:
         message = request.message[:MAX_NOTIFY_BYTES]
         deliver_notify(self._callback, message, backend="tcp", agent_name=self._agent_name)
+
+
+def _peer_label(peer: object) -> str:
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"{peer[0]}:{peer[1]}"
+    return str(peer)

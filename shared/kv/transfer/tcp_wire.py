@@ -8,6 +8,11 @@ rows of its array as they are and the reader can receive them straight into its 
 Reader -> server: ``read {block_ids, block_bytes}`` (answered by ``data`` + bytes or ``error``),
 ``notify {message}`` (answered by ``ok`` or ``error``). One request at a time per connection; a
 reader that wants parallel reads opens more connections.
+
+``hello {auth}`` opens a connection to a server that requires the cluster token (the same token the
+request plane checks, ``shared/transport/guard.py``): answered by ``ok``, or by ``error``
+(``unauthenticated``) and a closed connection. A server without a token answers it ``ok`` too, so a
+reader may always send it. With TLS configured the whole connection runs inside TLS.
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ class NotifyRequest(msgspec.Struct, tag="notify", tag_field="op", gc=False):
     message: str
 
 
+class HelloRequest(msgspec.Struct, tag="hello", tag_field="op", gc=False):
+    """The reader's credentials, first on a connection: the cluster token (None: it has none)."""
+
+    auth: str | None = None
+
+
 class DataReply(msgspec.Struct, tag="data", tag_field="op", gc=False):
     """Announces ``num_blocks * block_bytes`` raw bytes right after this frame."""
 
@@ -55,7 +66,7 @@ class ErrorReply(msgspec.Struct, tag="error", tag_field="op", gc=False):
     message: str
 
 
-Request = ReadRequest | NotifyRequest
+Request = ReadRequest | NotifyRequest | HelloRequest
 Reply = DataReply | OkReply | ErrorReply
 
 _encoder = msgspec.msgpack.Encoder()
@@ -96,7 +107,4 @@ def split_address(address: str) -> tuple[str, int]:
 
 def join_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-
 

@@ -106,3 +106,20 @@ def test_short_token_list_keeps_only_hashable_blocks():
     payload = _vllm_payload([_stored([1, 2, 3], None, list(range(2 * BS + 3)))])
     (ev,) = NativeEventConverter(worker_id=1).convert(decode_native_batch(payload))
     assert [b.block_hash for b in ev.event.blocks] == [1, 2]
+
+
+def test_offload_media_map_onto_ours() -> None:
+    """vLLM's offloading connector announces its host copies with medium "CPU"; a disk backend
+    may name its tier otherwise: both land on our media, and the GPU stays the default."""
+    from dynamod.daemon.engines.common.native_events import convert_native_event, medium_of
+    from dynamod.shared.protocol.kv_events import BlockRemoved, BlockStored
+
+    assert [medium_of(m) for m in (None, "GPU", "cpu", "LOCAL_DISK", "nvme")] == ["GPU", "GPU", "CPU", "DISK", "DISK"]
+    stored = convert_native_event(
+        BlockStored(block_hashes=[7], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=4, medium="CPU"),
+        mediums=("GPU", "CPU", "DISK"),
+    )
+    assert stored is not None and stored.medium == "CPU"
+    removed = convert_native_event(BlockRemoved(block_hashes=[7], medium="GPU"), mediums=("GPU", "CPU"))
+    assert removed is not None and removed.medium == "GPU"
+    assert convert_native_event(BlockRemoved(block_hashes=[7], medium="CPU")) is None  # GPU-only by default

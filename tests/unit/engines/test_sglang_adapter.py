@@ -160,3 +160,28 @@ async def test_real_sglang_engine_end_to_end(tiny_model: Path) -> None:
         assert any(isinstance(e.event, KvStored) for e in events)
     finally:
         await engine.stop()
+
+
+def test_sampling_options_and_constraints_map_to_sglang_names() -> None:
+    from dynamod.shared.errors import InvalidRequestError
+    from dynamod.shared.protocol.llm import GuidedDecoding
+
+    req = PreprocessedRequest(request_id="r", model="m", token_ids=[1], sampling=SamplingOptions(
+        min_p=0.1, presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.2, logit_bias={7: -100.0},
+        guided_decoding=GuidedDecoding(choice=['a "b"', "c"]),
+    ))
+    sp = sampling_params(req, context_length=100)
+    assert (sp["min_p"], sp["presence_penalty"], sp["frequency_penalty"], sp["repetition_penalty"]) == (0.1, 0.5, 0.2, 1.2)
+    assert sp["logit_bias"] == {"7": -100.0} and sp["ebnf"] == 'root ::= "a \\"b\\"" | "c"'
+    schema = PreprocessedRequest(request_id="r", model="m", token_ids=[1],
+                                 sampling=SamplingOptions(guided_decoding=GuidedDecoding(json={"type": "object"})))
+    assert sampling_params(schema, context_length=100)["json_schema"] == '{"type": "object"}'
+    refused = PreprocessedRequest(request_id="r", model="m", token_ids=[1], sampling=SamplingOptions(allowed_token_ids=[1]))
+    with pytest.raises(InvalidRequestError) as err:
+        sampling_params(refused, context_length=100)
+    assert err.value.param == "allowed_token_ids"
+    tracker = SglangOutputTracker(1)
+    out = tracker.map({"output_ids": [5], "meta_info": {
+        "output_token_logprobs": [(-0.4, 5, None)], "output_top_logprobs": [[(-1.0, 6, None), (-0.4, 5, None)]],
+    }})
+    assert out.log_probs == [-0.4] and out.top_logprobs == [[(5, -0.4), (6, -1.0)]]

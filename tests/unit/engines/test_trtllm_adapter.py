@@ -137,3 +137,21 @@ async def test_real_trtllm_engine_end_to_end(tiny_model: Path) -> None:
         assert stored
     finally:
         await engine.stop()
+
+
+def test_sampling_options_and_constraints_map_to_trtllm_names() -> None:
+    from dynamod.shared.protocol.llm import GuidedDecoding, PreprocessedRequest, SamplingOptions
+
+    def req(**kw: object) -> PreprocessedRequest:
+        return PreprocessedRequest(request_id="r", model="m", token_ids=[1], sampling=SamplingOptions(**kw))
+
+    sp = sampling_params(req(min_p=0.1, presence_penalty=0.5, repetition_penalty=1.2,
+                             guided_decoding=GuidedDecoding(regex="a+")), context_length=100)
+    assert (sp["min_p"], sp["presence_penalty"], sp["repetition_penalty"]) == (0.1, 0.5, 1.2)
+    assert sp["guided_decoding"] == {"regex": "a+"}
+    assert sampling_params(req(guided_decoding=GuidedDecoding(choice=["x", "y"])), context_length=9)[
+        "guided_decoding"] == {"grammar": 'root ::= "x" | "y"'}
+    for name, value in (("logit_bias", {1: 1.0}), ("allowed_token_ids", [1])):
+        with pytest.raises(InvalidRequestError) as err:
+            sampling_params(req(**{name: value}), context_length=9)
+        assert err.value.param == name

@@ -140,6 +140,38 @@ def test_abort_and_logprobs() -> None:
     assert t.aborted().finish_reason == "abort"
 
 
+def test_every_sampling_option_and_constraint_maps_to_vllm_names() -> None:
+    from dynamod.shared.protocol.llm import GuidedDecoding
+
+    r = req(sampling=SamplingOptions(
+        min_p=0.1, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.3, logit_bias={4: -100.0},
+        allowed_token_ids=[4, 5], guided_decoding=GuidedDecoding(json={"type": "object"}, whitespace_pattern=" ?"),
+    ))
+    kw = sampling_kwargs(r, context_length=100, model_defaults={"repetition_penalty": 1.1, "min_p": 0.0})
+    assert (kw["min_p"], kw["presence_penalty"], kw["frequency_penalty"], kw["repetition_penalty"]) == (0.1, 0.5, 0.25, 1.3)
+    assert kw["logit_bias"] == {4: -100.0} and kw["allowed_token_ids"] == [4, 5]
+    assert kw["structured_outputs"] == {"json": {"type": "object"}, "whitespace_pattern": " ?"}
+    for guided, expected in (
+        (GuidedDecoding(regex="a+"), {"regex": "a+"}),
+        (GuidedDecoding(choice=["x"]), {"choice": ["x"]}),
+        (GuidedDecoding(grammar='root ::= "a"'), {"grammar": 'root ::= "a"'}),
+    ):
+        assert sampling_kwargs(req(sampling=SamplingOptions(guided_decoding=guided)), context_length=9)[
+            "structured_outputs"] == expected
+
+
+def test_top_logprobs_by_rank() -> None:
+    t = OutputTracker(prompt_tokens=3, num_top=2)
+    position = {
+        9: SimpleNamespace(logprob=-3.0, rank=5),  # the sampled token, outside the top two
+        5: SimpleNamespace(logprob=-0.5, rank=1),
+        6: SimpleNamespace(logprob=-1.0, rank=2),
+    }
+    out = t.map(ro([9], logprobs=[position]))
+    assert out.log_probs == [-3.0] and out.top_logprobs == [[(5, -0.5), (6, -1.0)]]
+    assert OutputTracker(prompt_tokens=3).map(ro([9], logprobs=[position])).top_logprobs is None
+
+
 # -- load -----------------------------------------------------------------------------------------
 
 

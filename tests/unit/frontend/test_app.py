@@ -203,7 +203,7 @@ async def test_errors_have_openai_shape_and_status(cluster: Cluster) -> None:
         await api.completions.create(model="tiny", prompt="word " * 600, max_tokens=4)
     assert str(CONTEXT) in str(info.value)
     with pytest.raises(openai.BadRequestError):
-        await api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2)
+        await api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=0)
 
     async with httpx.AsyncClient(base_url=cluster.url) as raw:
         bad_bodies = [b'{"model": "tiny", "messages": [', b"not json", b'{"model": 5}', b'{"model":"tiny","messages":"x"}',

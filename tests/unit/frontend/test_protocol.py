@@ -157,3 +157,135 @@ def test_unary_bodies_parse_with_openai_client_models() -> None:
     assert msgspec.json.decode(
         CompletionFormatter("y", 1, "tiny", include_usage=False, continuous_usage=False).chunk("a", None, None, None)[6:-2]
     )["object"] == "text_completion"
+
+
+# -- sampling options and structured outputs (daemon/frontend/sampling.py) ------------------------
+
+
+def _chat(**fields: object) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+
+
+def _options(body: bytes, logprobs: int | None = None):
+    from dynamod.daemon.frontend.sampling import sampling_options
+
+    return sampling_options(decode_chat_request(body), logprobs=logprobs, vocab_size=4096)
+
+
+def test_every_sampling_field_reaches_the_wire() -> None:
+    from dynamod.shared.protocol.llm import PreprocessedRequest
+
+    opts = _options(
+        _chat(temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=7, presence_penalty=0.5, frequency_penalty=-0.5,
+              repetition_penalty=1.1, logit_bias={"12": -100, "13": 2.5}, allowed_token_ids=[12, 13, 14]),
+        logprobs=3,
+    )
+    wire = msgspec.msgpack.decode(
+        msgspec.msgpack.encode(PreprocessedRequest(request_id="r", model="m", token_ids=[1], sampling=opts)),
+        type=PreprocessedRequest,
+    ).sampling
+    assert (wire.temperature, wire.top_p, wire.top_k, wire.min_p, wire.seed) == (0.5, 0.9, 40, 0.05, 7)
+    assert (wire.presence_penalty, wire.frequency_penalty, wire.repetition_penalty) == (0.5, -0.5, 1.1)
+    assert wire.logit_bias == {12: -100.0, 13: 2.5} and wire.allowed_token_ids == [12, 13, 14] and wire.logprobs == 3
+    # A request without any of them keeps the wire lean: nothing but what it set.
+    assert msgspec.msgpack.encode(_options(_chat())) == b"\x80"  # an empty map
+
+
+@pytest.mark.parametrize(
+    ("fields", "kind", "check"),
+    [
+        ({"response_format": {"type": "json_object"}}, "json", {"type": "object"}),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer"},
+                                                                      "strict": True}}}, "json", {"type": "integer"}),
+        ({"response_format": {"type": "text"}}, None, None),
+        ({"guided_json": '{"type": "string"}'}, "json", {"type": "string"}),
+        ({"guided_regex": "[ab]+"}, "regex", "[ab]+"),
+        ({"guided_choice": ["x", "y"]}, "choice", ["x", "y"]),
+        ({"guided_choice": []}, None, None),
+        ({"guided_grammar": 'root ::= "a"'}, "grammar", 'root ::= "a"'),
+        ({"nvext": {"guided_regex": "z+"}}, "regex", "z+"),
+        ({"structured_outputs": {"choice": ["p", "q"]}}, "choice", ["p", "q"]),
+        ({"structured_outputs": {"json_object": True}}, "json", {"type": "object"}),
+    ],
+)
+def test_output_constraints_in_every_spelling(fields: dict, kind: str | None, check: object) -> None:
+    guided = _options(_chat(**fields)).guided_decoding
+    if kind is None:
+        assert guided is None
+        return
+    assert guided is not None and guided.kind == kind
+    assert getattr(guided, kind) == check
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "strin"}}}},
+         "response_format", "Invalid type"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "p"}}}, "response_format.json_schema",
+         "needs json_schema.schema"),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "must be text"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format.type", "not supported"),
+        ({"guided_regex": "(unclosed"}, "guided_regex", "invalid regex"),
+        ({"guided_json": "{not json"}, "guided_json", "not JSON"),
+        ({"guided_json": 5}, "guided_json", "must be a JSON schema"),
+        ({"nvext": {"guided_grammar": "start: nowhere"}}, "nvext.guided_grammar", "invalid grammar"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "only one output constraint"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", "not supported"),
+        ({"use_beam_search": True}, "use_beam_search", "beam search"),
+        ({"length_penalty": 0.5}, "length_penalty", "beam search"),
+        ({"include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
+        ({"skip_special_tokens": False}, "skip_special_tokens", "not supported"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+        ({"bad_words": ["x"]}, "bad_words", "logit_bias"),
+        ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "picks"),
+        ({"logit_bias": {"5000": 1}}, "logit_bias", "out of the vocabulary"),
+        ({"allowed_token_ids": []}, "allowed_token_ids", "empty"),
+        ({"top_logprobs": 2}, "top_logprobs", "logprobs set to true"),
+    ],
+)
+def test_unhonourable_options_are_400s_naming_them(fields: dict, param: str, words: str) -> None:
+    with pytest.raises(InvalidRequestError, match=words) as err:
+        _options(_chat(**fields))
+    assert err.value.param == param
+    assert to_http_error(err.value).status == 400
+
+
+def test_default_valued_vllm_fields_are_accepted() -> None:
+    opts = _options(_chat(use_beam_search=False, length_penalty=1.0, skip_special_tokens=True, bad_words=[],
+                          include_stop_str_in_output=False, logits_processors=[]))
+    assert opts.guided_decoding is None
+
+
+def test_logit_bias_keys_and_values_are_validated_at_decode() -> None:
+    for bias, param in (({"a": 1}, "logit_bias"), ({"3": 101}, "logit_bias[...]")):
+        with pytest.raises(InvalidRequestError) as err:
+            decode_chat_request(_chat(logit_bias=bias))
+        assert err.value.param == param
+
+
+def test_top_logprobs_reach_chat_and_completion_bodies() -> None:
+    from dynamod.daemon.frontend.formatters import LogprobCollector
+
+    class Pre:
+        @staticmethod
+        def token_text(token_id: int) -> str:
+            return {1: "a", 2: "b", 3: "c"}[token_id]
+
+    collector = LogprobCollector(Pre())  # type: ignore[arg-type]
+    chat = collector.add_chat([1, 2], [-0.1, -0.7], [[[1, -0.1], [3, -2.0]], [[3, -0.5], [2, -0.7]]])
+    body = ChatFormatter("x", 1, "tiny", include_usage=False, continuous_usage=False).response(
+        "ab", "stop", collector.chat_total(), make_usage(1, 2, 0)
+    )
+    parsed = OpenAIChatCompletion.model_validate_json(body)
+    entries = parsed.choices[0].logprobs.content
+    assert [t.token for t in entries[1].top_logprobs] == ["c", "b"] and entries[1].top_logprobs[0].logprob == -0.5
+    assert chat is not None and len(chat.content) == 2
+    completion = LogprobCollector(Pre())  # type: ignore[arg-type]
+    piece = completion.add_completion([1], [-0.1], [[[1, -0.1], [3, -2.0]]])
+    assert piece is not None and piece.top_logprobs == [{"a": -0.1, "c": -2.0}]
+    body = CompletionFormatter("y", 1, "tiny", include_usage=False, continuous_usage=False).response(
+        "a", "stop", completion.completion_total(), make_usage(1, 1, 0)
+    )
+    assert OpenAICompletion.model_validate_json(body).choices[0].logprobs.top_logprobs == [{"a": -0.1, "c": -2.0}]

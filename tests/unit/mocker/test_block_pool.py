@@ -180,3 +180,56 @@ def test_pool_invariants_hold_under_any_operation_sequence(sequence):
         assert sum(1 for b in pool.blocks if b.block_hash is not None) == pool.num_cached_blocks
         # The events describe the cache exactly.
         assert router_view == set(pool.cached_block_hash_to_block)
+
+
+def test_batch_free_list_operations_match_one_at_a_time():
+    """``popleft_many``/``extend``/``extendleft`` (one splice each) leave the list as the single-block
+    operations do, in order and count."""
+    one = FreeBlockQueue([KVBlock(i) for i in range(8)])
+    many = FreeBlockQueue([KVBlock(i) for i in range(8)])
+    taken_one = [one.popleft() for _ in range(5)]
+    taken_many = many.popleft_many(5)
+    assert ids(taken_one) == ids(taken_many) == [0, 1, 2, 3, 4]
+    for block in (taken_one[1], taken_one[3]):
+        one.append(block)
+    for block in (taken_one[0], taken_one[4]):
+        one.appendleft(block)
+    many.extend([taken_many[1], taken_many[3]])
+    many.extendleft([taken_many[0], taken_many[4]])
+    assert ids(one.get_all_free_blocks()) == ids(many.get_all_free_blocks()) == [4, 0, 5, 6, 7, 1, 3]
+    assert one.num_free_blocks == many.num_free_blocks == 7
+    assert ids(many.popleft_many(7)) == [4, 0, 5, 6, 7, 1, 3] and many.num_free_blocks == 0
+    many.extendleft([taken_many[2]])  # into an empty list
+    assert ids(many.get_all_free_blocks()) == [2]
+
+
+def test_cache_full_blocks_is_cache_block_per_block_with_one_event_per_new_run():
+    """A run of a request's blocks where one hash is already held elsewhere: the blocks before and
+    after it are stored as two runs (each with its parent), the duplicate is not stored at all."""
+    one, many = BlockPool(8), BlockPool(8)
+    hashes, tokens = [11, 12, 13, 14, 15], [1, 2, 3, 4, 5]
+    for pool in (one, many):
+        (other,) = pool.get_new_blocks(1)
+        pool.cache_block(other, 13, 3, 12, None)  # another request holds block 3's hash
+        pool.take_events()
+    blocks_one, blocks_many = one.get_new_blocks(5), many.get_new_blocks(5)
+    one.cache_block(blocks_one[0], 11, 1, None, "lora")  # 11 was cached by an earlier step
+    many.cache_block(blocks_many[0], 11, 1, None, "lora")
+    runs: list[list[KVBlock]] = [[]]
+    for i in range(1, 5):
+        if one.cache_block(blocks_one[i], hashes[i], tokens[i], hashes[i - 1], "lora"):
+            runs[-1].append(blocks_one[i])
+        else:
+            runs.append([])
+    for run in runs:
+        if run:
+            one.emit_stored(run[0].parent_hash, run, "lora")
+    many.cache_full_blocks(blocks_many, hashes, tokens, 1, 5, "lora")
+    assert one.take_events() == many.take_events() == [
+        KvStored(parent_hash=11, blocks=[StoredBlock(12, 2)], lora_name="lora"),
+        KvStored(parent_hash=13, blocks=[StoredBlock(14, 4), StoredBlock(15, 5)], lora_name="lora"),
+    ]
+    for a, b in zip(blocks_one, blocks_many, strict=True):
+        assert (a.block_hash, a.tokens_hash, a.parent_hash, a.lora_name) == (b.block_hash, b.tokens_hash,
+                                                                              b.parent_hash, b.lora_name)
+    assert set(one.cached_block_hash_to_block) == set(many.cached_block_hash_to_block) == {11, 12, 13, 14, 15}

@@ -37,6 +37,16 @@ def mixed_trace(n: int = 60) -> list[TraceRequest]:
     return requests(*rows)
 
 
+def ragged_trace(n: int = 60) -> list[TraceRequest]:
+    """``mixed_trace`` with prompts that end inside a block (as real ones do): a prompt's first
+    decode steps then fill its last block before taking a new one."""
+    records = []
+    for i in range(n):
+        ids = [1000 + (i % 3) * 10 + k for k in range(4)] + [10_000 + i * 100 + k for k in range(2 + (i * 7) % 11)]
+        records.append(TraceRecord(i * 15.0, len(ids) * BLOCK - (i * 5) % BLOCK, 5 + (i * 13) % 30, ids))
+    return build_requests(records, trace_block_size=BLOCK, vocab_size=VOCAB)
+
+
 def write_trace(path: Path, rows: list[tuple[float, list[int], int]]) -> Path:
     """The same rows as a Mooncake JSONL file, for the CLI."""
     with path.open("w") as fh:

@@ -135,3 +135,13 @@ def test_cli_replay_with_planner_and_static_comparison(tmp_path: Path, capsys: p
     assert out["planner"]["policy"] == "load" and "attainment_pct" in out["sla"]
     assert [r["allocation"] for r in out["static"]["runs"]] == [{"agg": 1}, {"agg": 2}, {"agg": 3}]
     assert out["static"]["best"]["attainment_pct"] >= max(r["attainment_pct"] for r in out["static"]["runs"])
+
+
+def test_traffic_counts_arrivals_like_the_live_planner() -> None:
+    """The replayed frontend reports arrivals (finished + growth of in-flight), as the live scrape
+    does: a saturated fleet's demand is more than what it finishes."""
+    from dynamod.daemon.replay.planner_loop import traffic_sample
+
+    assert traffic_sample([], 10.0, arrivals=7).num_requests == 7
+    assert traffic_sample([], 10.0, arrivals=-3).num_requests == 0  # in-flight draining: none came
+    assert traffic_sample([], 10.0).num_requests == 0

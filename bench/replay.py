@@ -1,0 +1,119 @@
+"""Trace replay speed: how long ``dynamod replay`` takes on a Mooncake trace; prints one JSON document.
+
+    python bench/replay.py [--trace FILE.jsonl] [--tile N] [--workers 8] [--modes kv,round-robin]
+                           [--repeat 2] [--check]
+
+Each run loads the trace, builds the requests and replays them (as the ``dynamod replay`` command
+does, without starting a process), with Dynamo's default mocker and router settings. Per routing
+mode it reports every run's wall time and CPU time (this process's), the best of each, and the
+replay's figures (identical on every run: the replay is deterministic). ``--check`` also replays
+once step by step (``fast_forward=False``, every engine step its own event: the reference) and
+says whether the figures are the same to the last digit, with that run's times.
+
+The default trace is the Mooncake synthetic trace beside the repository (``shared/data``, 3,993
+requests); ``--trace`` takes another, such as Mooncake's 12,031-request conversation trace
+(``FAST25-release/traces/conversation_trace.jsonl``). ``--tile N`` replays N copies of the trace
+one after another (ids shifted so the copies share no prefix), to make a longer one from it.
+
+Wall time on a shared machine includes time other processes held the cores; the CPU times do not,
+and ``calibration_ns_per_dict_insert`` (a plain loop of dict inserts, before and after) tells how
+fast the machine ran Python meanwhile, to compare runs and machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from dynamod.daemon.engines.mocker.config import MockerConfig
+from dynamod.daemon.replay.main import REPLAY_VOCAB
+from dynamod.daemon.replay.simulator import MODES, replay
+from dynamod.daemon.replay.trace import TraceRecord, build_requests, load_trace
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+
+
+def calibrate(n: int = 1_000_000) -> float:
+    """Nanoseconds per dict insert in a plain loop: how fast this machine runs Python right now."""
+    d: dict[int, int] = {}
+    t0 = time.perf_counter()
+    for i in range(n):
+        d[i] = i
+    return round((time.perf_counter() - t0) / n * 1e9, 1)
+
+
+def tiled(records: list[TraceRecord], copies: int) -> list[TraceRecord]:
+    """``copies`` runs of the trace back to back; each copy's hash ids are shifted past the last."""
+    if copies <= 1:
+        return records
+    span = max(r.timestamp for r in records) + 1000.0
+    shift = max(h for r in records for h in r.hash_ids) + 1
+    out = []
+    for c in range(copies):
+        out += [TraceRecord(r.timestamp + c * span, r.input_length, r.output_length, [h + c * shift for h in r.hash_ids])
+                for r in records]
+    return out
+
+
+def one_run(path: Path, copies: int, workers: int, mode: str, seed: int, fast_forward: bool) -> tuple[dict, float, float]:
+    """(figures, wall seconds, CPU seconds) of loading, building and replaying the trace."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    records = tiled(load_trace(path), copies)
+    requests = build_requests(records, trace_block_size=512, vocab_size=REPLAY_VOCAB)
+    figures = replay(requests, workers=workers, mode=mode, mocker=MockerConfig(vocab_size=REPLAY_VOCAB), seed=seed,
+                     sla_targets=(500.0, 50.0), fast_forward=fast_forward)
+    return figures, round(time.perf_counter() - w0, 3), round(time.process_time() - c0, 3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help=f"Mooncake JSONL trace [default {DEFAULT_TRACE}]")
+    ap.add_argument("--tile", type=int, default=1, help="replay this many copies of the trace back to back [default 1]")
+    ap.add_argument("--workers", type=int, default=8, help="aggregated mocker workers [default 8]")
+    ap.add_argument("--modes", default="kv,round-robin", help=f"comma-separated, of {', '.join(MODES)} [default kv,round-robin]")
+    ap.add_argument("--repeat", type=int, default=2, help="runs per mode [default 2]")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--check", action="store_true", help="also replay step by step once per mode and compare")
+    args = ap.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad or args.repeat < 1 or args.workers < 1 or args.tile < 1:
+        print(f"bench/replay.py: error: bad --modes {bad}, --repeat, --workers or --tile", file=sys.stderr)
+        return 2
+    if not args.trace.is_file():
+        print(f"bench/replay.py: error: no trace at {args.trace}", file=sys.stderr)
+        return 2
+    before = calibrate()
+    records = tiled(load_trace(args.trace), args.tile)
+    doc: dict[str, object] = {
+        "trace": str(args.trace),
+        "tile": args.tile,
+        "requests": len(records),
+        "output_tokens": sum(r.output_length for r in records),
+        "workers": args.workers,
+        "runs": [],
+    }
+    for mode in modes:
+        walls, cpus, figures = [], [], None
+        for _ in range(args.repeat):
+            res, wall, cpu = one_run(args.trace, args.tile, args.workers, mode, args.seed, True)
+            assert figures is None or res == figures, "the replay is not deterministic"
+            figures = res
+            walls.append(wall)
+            cpus.append(cpu)
+        entry: dict[str, object] = {"mode": mode, "wall_s": walls, "cpu_s": cpus, "best_wall_s": min(walls),
+                                    "best_cpu_s": min(cpus), "figures": figures}
+        if args.check:
+            ref, wall, cpu = one_run(args.trace, args.tile, args.workers, mode, args.seed, False)
+            entry["step_by_step"] = {"identical": ref == figures, "wall_s": wall, "cpu_s": cpu}
+        doc["runs"].append(entry)  # type: ignore[union-attr]
+    doc["calibration_ns_per_dict_insert"] = {"before": before, "after": calibrate()}
+    print(json.dumps(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The OpenAI port's doors: every check a request passes before the frontend does work for it.
+
+In order, each refusal an OpenAI-shaped error with its status, before the body is read:
+
+1. API key (``auth``), when keys are configured: ``/live`` stays open for liveness probes;
+   ``/health`` answers an unauthenticated caller with its status only (no models, workers,
+   addresses or pids); every other route answers 401.
+2. Rate (``limits.RateLimiter``), when ``--rate-limit`` is set: per API key, else per client
+   address, on the API routes (probes and scrapes are not counted); 429 with ``Retry-After``.
+   Callers with a wrong key are counted by address, so guessing keys is rate-limited too.
+3. Body size: a declared ``Content-Length`` over ``--max-body-bytes`` is a 413 (and the connection
+   is closed rather than the rest of the body read); a chunked body is cut off as it passes it.
+4. Admission on the generation routes: while draining or at ``--max-inflight``, a 503 before the
+   body is read (the endpoints check again once they have it).
+
+With nothing configured (loopback default) this is a dictionary lookup, a scan of the headers for
+``Content-Length`` and two comparisons per request.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+
+from dynamod.daemon.frontend.asgi import Scope, send_error
+from dynamod.daemon.frontend.auth import ApiKeys, bearer_key
+from dynamod.daemon.frontend.errors import to_http_error
+from dynamod.daemon.frontend.limits import (
+    DEFAULT_MAX_BODY_BYTES,
+    RateLimiter,
+    capped_receive,
+    declared_length,
+    too_large,
+)
+from dynamod.daemon.frontend.state import REFUSED_DRAINING, REFUSED_OVERLOADED, FrontendState
+from dynamod.shared.errors import (
+    DynamoError,
+    InvalidApiKeyError,
+    RateLimitedError,
+)
+
+HEALTH_DETAILS = "dynamod.health_details"
+"""Scope key: False when ``/health`` must answer without instance details (unauthenticated)."""
+
+OPEN_PATHS = frozenset({"/live"})
+NOT_RATE_LIMITED = frozenset({"/live", "/health", "/metrics"})
+
+REASON_UNAUTHENTICATED = "unauthenticated"
+REASON_RATE_LIMITED = "rate_limited"
+REASON_BODY_TOO_LARGE = "body_too_large"
+REASON_OVERLOADED = REFUSED_OVERLOADED
+REASON_DRAINING = REFUSED_DRAINING
+
+_CLOSE = [(b"connection", b"close")]
+
+
+@dataclass(frozen=True, slots=True)
+class DoorSettings:
+    """What the doors check; the defaults are the loopback dev setup (no keys, no rate limit)."""
+
+    api_keys: ApiKeys | None = None
+    rate_limit: float = 0.0  # requests per second per client; 0: off
+    rate_limit_burst: float = 0.0  # 0: the rate (at least 1)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+class RefusalMetrics:
+    """``dynamo_frontend_refused_requests_total{reason}``: requests the doors turned away before
+    any work. One per registry (a test may build several apps on one registry)."""
+
+    _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def counter(cls, registry: CollectorRegistry) -> Counter:
+        counter = cls._by_registry.get(registry)
+        if counter is None:
+            counter = Counter(
+                "dynamo_frontend_refused_requests",
+                "HTTP requests refused before any work: reason is unauthenticated, rate_limited, body_too_large, "
+                "overloaded or draining",
+                ("reason",),
+                registry=registry,
+            )
+            cls._by_registry[registry] = counter
+        return counter
+
+
+def _authorization(scope: Scope) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == b"authorization":
+            return value  # type: ignore[no-any-return]
+    return None
+
+
+class FrontDoors:
+    """ASGI wrapper applying the checks of the module docstring in front of ``app``."""
+
+    def __init__(self, app: Any, state: FrontendState, settings: DoorSettings, admission_paths: frozenset[str]) -> None:
+        self.app = app
+        self.state = state
+        self.settings = settings
+        self.keys = settings.api_keys
+        self.limiter = RateLimiter(settings.rate_limit, settings.rate_limit_burst) if settings.rate_limit > 0 else None
+        self.max_body = settings.max_body_bytes
+        self.admission_paths = admission_paths
+        self._refused = RefusalMetrics.counter(state.metrics.registry)
+
+    async def _refuse(self, send: Any, reason: str, error: DynamoError, close: bool = False) -> None:
+        self._refused.labels(reason).inc()
+        await send_error(send, to_http_error(error), _CLOSE if close else None)
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        unauthenticated: InvalidApiKeyError | None = None
+        client: str | None = None
+        if self.keys is not None and path not in OPEN_PATHS:
+            presented = bearer_key(_authorization(scope))
+            client = self.keys.identify(presented)
+            if client is None:
+                if path == "/health":
+                    scope[HEALTH_DETAILS] = False
+                elif presented is None:
+                    unauthenticated = InvalidApiKeyError(
+                        "You didn't provide an API key. Send it in an Authorization header using Bearer auth "
+                        "(Authorization: Bearer YOUR_KEY)."
+                    )
+                else:
+                    unauthenticated = InvalidApiKeyError("Incorrect API key provided.")
+        limiter = self.limiter
+        if limiter is not None and path not in NOT_RATE_LIMITED:
+            if client is None:
+                peer = scope.get("client")
+                client = peer[0] if peer else "unknown"
+            wait = limiter.acquire(client)
+            if wait > 0.0:
+                error = RateLimitedError(
+                    f"Rate limit reached: {limiter.rate:g} requests/s with bursts of {limiter.burst:g}; "
+                    f"retry in {wait:.2f}s.",
+                    retry_after_s=wait,
+                )
+                await self._refuse(send, REASON_RATE_LIMITED, error)
+                return
+        if unauthenticated is not None:
+            await self._refuse(send, REASON_UNAUTHENTICATED, unauthenticated)
+            return
+        if scope["method"] == "POST":
+            length = declared_length(scope["headers"])
+            if length is None:
+                receive = capped_receive(receive, self.max_body)
+            elif length > self.max_body:
+                # Closing, not reading: the point is not to take in the 20 MB the client announced.
+                await self._refuse(send, REASON_BODY_TOO_LARGE, too_large(self.max_body), close=True)
+                return
+            if path in self.admission_paths:
+                refusal = self.state.admission_refusal()
+                if refusal is not None:
+                    await self._refuse(send, *refusal)
+                    return
+        await self.app(scope, receive, send)

@@ -1,0 +1,373 @@
+"""``n > 1`` and batched prompts: one HTTP request, several generations, one response.
+
+Each choice is a generation of its own (its own request id, so the engines and the router see
+independent requests; KV routing sends siblings of one prompt to the same worker, which is right:
+they share the prompt's blocks). Choice ``index`` is ``prompt_index * n + i``. With a ``seed``,
+sample ``i`` uses ``seed + i`` so the siblings differ yet stay reproducible.
+
+Like the single-choice path, everything up to every choice's first token can still fail with an
+HTTP status. After that, choices stream interleaved, each chunk naming its choice ``index``; a
+failing choice cancels its siblings and ends the stream with an error event (or the unary
+request with an error body): never a silently short answer. A client that hangs up cancels the
+request's task, and every sibling's engine request is closed on the way out.
+
+Usage counts each prompt once (the first choice of each prompt) and every choice's completion
+tokens, as OpenAI does.
+
+A plain ``n=1`` single-prompt request never comes here (``fans_out`` is the endpoint's only cost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from dynamod.daemon.frontend.asgi import DisconnectWatch, Scope, send_error, send_json
+from dynamod.daemon.frontend.errors import to_http_error
+from dynamod.daemon.frontend.formatters import SSE_DONE, LogprobCollector, make_usage
+from dynamod.daemon.frontend.generation import Delta, TextGeneration
+from dynamod.daemon.frontend.metrics import STATUS_ERROR, STATUS_SUCCESS
+from dynamod.daemon.frontend.models import ServedModel
+from dynamod.daemon.frontend.protocol import UsageInfo, encoder
+from dynamod.daemon.frontend.request import FrontendRequest
+from dynamod.daemon.frontend.sampling import sampling_options
+from dynamod.shared.errors import EngineError
+
+logger = logging.getLogger(__name__)
+
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+_U64 = 2**64
+_I64 = 2**63
+_QUEUE_PER_CHOICE = 8  # chunks a choice may be ahead of the socket before it waits
+
+
+def fans_out(req: Any) -> bool:
+    """True for a request with several choices: ``n > 1`` or a batch of completion prompts."""
+    if req.n != 1:
+        return True
+    prompt = getattr(req, "prompt", None)  # completions only
+    return type(prompt) is list and len(prompt) > 1 and type(prompt[0]) is not int
+
+
+def sibling_seed(seed: int | None, i: int) -> int | None:
+    """The seed of sample ``i`` of a prompt: ``seed + i``, kept in the signed 64-bit range."""
+    if seed is None or i == 0:
+        return seed
+    return (seed + i + _I64) % _U64 - _I64
+
+
+class _Choice:
+    """One generation of the fan-out and what formats it."""
+
+    __slots__ = ("index", "first_of_prompt", "gen", "fmt", "plan", "freq", "collector", "first")
+
+    def __init__(self, index: int, first_of_prompt: bool, gen: TextGeneration, fmt: Any, plan: Any,
+                 freq: FrontendRequest, collector: LogprobCollector | None) -> None:
+        self.index = index
+        self.first_of_prompt = first_of_prompt
+        self.gen = gen
+        self.fmt = fmt
+        self.plan = plan
+        self.freq = freq
+        self.collector = collector
+        self.first: Delta | None = None
+
+
+class _ResponseParts(msgspec.Struct):
+    """The parts of one formatted single-choice response that the merged response reuses; the
+    choice stays encoded (its struct type depends on the endpoint and options)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[msgspec.Raw]
+
+
+class _MergedResponse(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[msgspec.Raw]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+_parts_decoder = msgspec.json.Decoder(_ResponseParts)
+
+
+def total_usage(choices: list[_Choice]) -> UsageInfo:
+    """Each prompt once, every choice's completion tokens."""
+    prompt = cached = completion = 0
+    for c in choices:
+        gen = c.gen
+        completion += gen.completion_tokens
+        if c.first_of_prompt:
+            prompt += gen.prompt_tokens
+            cached += gen.cached_tokens
+    return make_usage(prompt, completion, cached)
+
+
+async def serve(
+    endpoint: Any,
+    scope: Scope,
+    send: Any,
+    req: Any,
+    model: ServedModel,
+    request_id: str,
+    start: float,
+    watch: DisconnectWatch,
+    route_headers: Callable[[FrontendRequest], list[tuple[bytes, bytes]]],
+) -> str:
+    """Serves an admitted fan-out request (``fans_out(req)``); returns its metrics status.
+    ``endpoint`` is the ``OpenAIEndpoint`` whose plan, open and format steps each choice reuses."""
+    choices: list[_Choice] = []
+    try:
+        try:
+            await _open_all(endpoint, scope, req, model, request_id, start, choices)
+            await _first_deltas(choices)
+        except Exception as exc:  # noqa: BLE001 - nothing sent yet: a proper HTTP error
+            watch.done()
+            await send_error(send, to_http_error(exc, request_id=request_id))
+            return STATUS_ERROR
+        mm = model.metrics
+        now = time.perf_counter()
+        mm.ttft.observe(now - start)
+        for c in choices:
+            if c.first_of_prompt:
+                mm.isl.observe(c.gen.prompt_tokens)
+        if req.stream:
+            status = await _stream(endpoint, send, req, choices, route_headers(choices[0].freq), watch)
+        else:
+            status = await _unary(endpoint, send, choices, route_headers(choices[0].freq), watch)
+        if status == STATUS_SUCCESS:
+            done_at = time.perf_counter()
+            for c in choices:
+                gen = c.gen
+                mm.osl.observe(gen.completion_tokens)
+                if c.first_of_prompt:
+                    mm.usage(gen.prompt_tokens, gen.cached_tokens)
+                worker_id = c.freq.worker_id
+                if worker_id is not None:
+                    endpoint.state.metrics.worker_latency(worker_id, now - start, done_at - now, gen.completion_tokens)
+        return status
+    finally:
+        # Every sibling's engine request ends here, whichever way out (end, error, hang-up).
+        await asyncio.gather(*(c.gen.aclose() for c in choices), return_exceptions=True)
+
+
+async def _open_all(
+    endpoint: Any, scope: Scope, req: Any, model: ServedModel, request_id: str, start: float, out: list[_Choice]
+) -> None:
+    """Plans every prompt and opens every choice's engine stream (appended to ``out`` as it goes,
+    so the caller closes what was opened even when a later one fails)."""
+    pre = await model.preprocessor()
+    plans = await endpoint.fanout_plans(req, model, pre)
+    base = sampling_options(req, logprobs=plans[0].logprobs, vocab_size=pre.vocab_size)  # one grammar compile
+    created = int(time.time())
+    n = req.n
+    for p, prompt_plan in enumerate(plans):
+        for i in range(n):
+            index = p * n + i
+            plan = prompt_plan if i == 0 else endpoint.sibling_plan(req, model, prompt_plan)
+            sampling = base if i == 0 else msgspec.structs.replace(base, seed=sibling_seed(req.seed, i))
+            gen, freq = endpoint.open_generation(scope, req, model, pre, plan, f"{request_id}-{index}", start, sampling)
+            fmt = endpoint.formatter(req, request_id, created, plan)
+            fmt.index = index
+            collector = LogprobCollector(pre) if plan.logprobs is not None else None
+            out.append(_Choice(index, i == 0, gen, fmt, plan, freq, collector))
+
+
+async def _next_delta(gen: TextGeneration) -> Delta:
+    try:
+        return await gen.__anext__()
+    except StopAsyncIteration:
+        raise EngineError("the engine stream ended without a finish reason") from None
+
+
+async def _first_deltas(choices: list[_Choice]) -> None:
+    """Every choice's first delta, awaited together; the first failure cancels the rest."""
+    tasks = [asyncio.create_task(_next_delta(c.gen)) for c in choices]
+    try:
+        await _all_or_first_error(tasks)
+    finally:
+        await _cancel(tasks)
+    for c, task in zip(choices, tasks, strict=True):
+        c.first = task.result()
+
+
+async def _all_or_first_error(tasks: list[asyncio.Task[Any]]) -> None:
+    done, _pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    for task in tasks:  # in choice order, so the error reported does not depend on timing
+        if task in done and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
+
+
+async def _cancel(tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancels and awaits the tasks still running; a sibling's failure after the first is read
+    here, so it is not reported again as never retrieved."""
+    for t in tasks:
+        if t.done() and not t.cancelled():
+            t.exception()
+    pending = [t for t in tasks if not t.done()]
+    for t in pending:
+        t.cancel()
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+# -- unary ----------------------------------------------------------------------------------------
+
+
+async def _drain(endpoint: Any, c: _Choice) -> bytes:
+    """Reads one choice to its end; returns its formatted single-choice response."""
+    delta = c.first
+    assert delta is not None
+    parts = [c.plan.echo_text, delta.text]
+    endpoint._logprobs(c.collector, delta)
+    while delta.finish_reason is None:
+        delta = await _next_delta(c.gen)
+        parts.append(delta.text)
+        endpoint._logprobs(c.collector, delta)
+    gen = c.gen
+    usage = make_usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+    return c.fmt.response(
+        "".join(parts), delta.finish_reason, endpoint._total_logprobs(c.collector), usage,
+        gen.engine.generated[: gen.completion_tokens],
+    )
+
+
+async def _unary(
+    endpoint: Any, send: Any, choices: list[_Choice], headers: list[tuple[bytes, bytes]], watch: DisconnectWatch
+) -> str:
+    tasks = [asyncio.create_task(_drain(endpoint, c)) for c in choices]
+    try:
+        await _all_or_first_error(tasks)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one failed choice fails the request
+        watch.done()
+        await send_error(send, to_http_error(exc, request_id=choices[0].fmt.id))
+        return STATUS_ERROR
+    finally:
+        await _cancel(tasks)
+    parts = [_parts_decoder.decode(t.result()) for t in tasks]
+    head = parts[0]
+    merged = _MergedResponse(
+        id=head.id, object=head.object, created=head.created, model=head.model,
+        choices=[p.choices[0] for p in parts], usage=total_usage(choices),
+    )
+    watch.done()
+    await send_json(send, 200, encoder.encode(merged), headers)
+    return STATUS_SUCCESS
+
+
+# -- streaming ------------------------------------------------------------------------------------
+
+
+async def _produce(endpoint: Any, req: Any, c: _Choice, queue: asyncio.Queue[tuple[_Choice, bytes | None]]) -> None:
+    """Formats one choice's deltas into SSE chunks for the shared queue; ``None`` marks its end.
+    An exception propagates (the consumer sees the task fail)."""
+    delta = c.first
+    assert delta is not None
+    text = c.plan.echo_text + delta.text
+    fmt = c.fmt
+    gen = c.gen
+    continuous = req.continuous_usage
+    return_tokens = req.return_token_ids
+    while True:
+        usage = make_usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens) if continuous else None
+        chunk = fmt.chunk(
+            text, delta.finish_reason, endpoint._logprobs(c.collector, delta), usage,
+            delta.token_ids if return_tokens else None,
+        )
+        if chunk:  # empty: an output parser holds the text back (it may be markup)
+            await queue.put((c, chunk))
+        if delta.finish_reason is not None:
+            await queue.put((c, None))
+            return
+        delta = await _next_delta(gen)
+        text = delta.text
+
+
+async def _stream(
+    endpoint: Any,
+    send: Any,
+    req: Any,
+    choices: list[_Choice],
+    headers: list[tuple[bytes, bytes]],
+    watch: DisconnectWatch,
+) -> str:
+    await send({"type": "http.response.start", "status": 200, "headers": [*_SSE_HEADERS, *headers]})
+    queue: asyncio.Queue[tuple[_Choice, bytes | None]] = asyncio.Queue(maxsize=_QUEUE_PER_CHOICE * len(choices))
+    tasks = [asyncio.create_task(_produce(endpoint, req, c, queue)) for c in choices]
+    failed = asyncio.Event()
+    for task in tasks:
+        task.add_done_callback(lambda t: failed.set() if not t.cancelled() and t.exception() is not None else None)
+    fmt = choices[0].fmt
+    running = len(choices)
+    body: list[bytes] = []
+    try:
+        while running:
+            item = await _next_item(queue, failed)
+            if item is None:  # a choice failed: its error, after what the others already sent
+                exc = next(t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception())
+                return await _stream_error(send, exc, fmt.id, watch)
+            body: list[bytes] = []
+            while item is not None:  # everything already waiting leaves in one write
+                _choice, chunk = item
+                if chunk is None:
+                    running -= 1
+                else:
+                    body.append(chunk)
+                item = queue.get_nowait() if not queue.empty() else None
+            if running and body:
+                await send({"type": "http.response.body", "body": b"".join(body), "more_body": True})
+        if req.include_usage:
+            body.append(fmt.usage_chunk(total_usage(choices)))
+        body.append(SSE_DONE)
+        watch.done()
+        await send({"type": "http.response.body", "body": b"".join(body), "more_body": False})
+        return STATUS_SUCCESS
+    finally:
+        await _cancel(tasks)
+
+
+async def _next_item(
+    queue: asyncio.Queue[tuple[_Choice, bytes | None]], failed: asyncio.Event
+) -> tuple[_Choice, bytes | None] | None:
+    """The next queued chunk, or None once a producer has failed (its siblings' chunks still
+    queued are dropped: the stream ends with the error either way)."""
+    if failed.is_set():
+        return None
+    if not queue.empty():
+        return queue.get_nowait()
+    getter = asyncio.ensure_future(queue.get())
+    waiter = asyncio.ensure_future(failed.wait())
+    try:
+        await asyncio.wait([getter, waiter], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not getter.done():
+            getter.cancel()
+    if getter.done() and not getter.cancelled():
+        return getter.result()
+    return None
+
+
+async def _stream_error(send: Any, exc: BaseException, response_id: str, watch: DisconnectWatch) -> str:
+    error = to_http_error(exc, request_id=response_id)
+    logger.warning("fan-out stream failed after start request_id=%s status=%d error=%s", response_id, error.status, exc)
+    watch.done()
+    await send({"type": "http.response.body", "body": b"data: " + error.body + b"\n\n" + SSE_DONE, "more_body": False})
+    return STATUS_ERROR
