@@ -191,6 +191,24 @@ def test_structured_output_and_top_logprobs_from_vllm(cluster: VllmCluster, api:
     assert picked.choices[0].text in ("red", "blue")
 
 
+def test_forced_tool_call_and_n_choices_from_vllm(cluster: VllmCluster, api: openai.OpenAI) -> None:
+    """A random-weight model never calls a tool by itself; ``tool_choice`` naming one makes vLLM's
+    structured outputs produce a valid call (issue 16), and ``n`` gives that many choices."""
+    # A short answer: random weights under a JSON grammar spend many tokens on whitespace.
+    params = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    resp = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=tools, max_tokens=64, n=2, seed=7,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    assert sorted(c.index for c in resp.choices) == [0, 1]
+    for choice in resp.choices:
+        calls = choice.message.tool_calls
+        assert choice.finish_reason == "stop" and calls is not None and len(calls) == 1, choice
+        assert calls[0].function.name == "get_weather"
+        assert isinstance(json.loads(calls[0].function.arguments)["ok"], bool)
+
+
 def test_repeated_long_prompt_reports_cached_tokens(cluster: VllmCluster, api: openai.OpenAI) -> None:
     prompt = "And God said, Let there be light: and there was light. " * 20
     first = api.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
