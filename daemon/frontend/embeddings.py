@@ -28,8 +28,9 @@ import msgspec
 import numpy as np
 
 from dynamod.daemon.frontend.asgi import DisconnectWatch, Scope, header, read_body, send_error, send_json
+from dynamod.daemon.frontend.endpoints import run_admitted
 from dynamod.daemon.frontend.errors import to_http_error
-from dynamod.daemon.frontend.metrics import STATUS_CANCELLED, STATUS_ERROR, STATUS_SUCCESS
+from dynamod.daemon.frontend.metrics import STATUS_ERROR, STATUS_SUCCESS
 from dynamod.daemon.frontend.models import EndpointPool, ServedModel
 from dynamod.daemon.frontend.preprocess.model_preprocessor import ModelPreprocessor
 from dynamod.daemon.frontend.protocol import (
@@ -175,37 +176,22 @@ class EmbeddingsEndpoint:
             state.metrics.count_request("unknown", ENDPOINT_EMBEDDINGS, False, STATUS_ERROR)
             await send_error(send, to_http_error(exc, request_id=request_id))
             return
-        state.admit()
-        mm = model.metrics
-        mm.inflight.inc()
-        status = STATUS_ERROR
-        watch = DisconnectWatch(receive)
-        try:
+        async def serve(watch: DisconnectWatch) -> str:
             try:
                 body, worker_id, tokens = await self._embed(scope, req, model, request_id)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - nothing sent yet: a proper HTTP error
                 watch.done()
                 await send_error(send, to_http_error(exc, request_id=request_id))
-            else:
-                watch.done()
-                await send_json(send, 200, body, [(WORKER_HEADER, f"{worker_id:x}".encode())])
-                status = STATUS_SUCCESS
-                mm.isl.observe(tokens)
-                mm.prompt_tokens.inc(tokens)
-        except asyncio.CancelledError:
-            if not watch.absorb_cancel():
-                raise
-            status = STATUS_CANCELLED
-            mm.disconnects.inc()
-            logger.info("client disconnected request_id=%s model=%s action=aborted", request_id, model.name)
-        finally:
+                return STATUS_ERROR
             watch.done()
-            mm.inflight.dec()
-            state.release()
-            mm.duration.observe(time.perf_counter() - start)
-            state.metrics.count_request(model.name, ENDPOINT_EMBEDDINGS, False, status)
+            await send_json(send, 200, body, [(WORKER_HEADER, f"{worker_id:x}".encode())])
+            model.metrics.isl.observe(tokens)
+            model.metrics.prompt_tokens.inc(tokens)
+            return STATUS_SUCCESS
+
+        await run_admitted(state, model, ENDPOINT_EMBEDDINGS, False, request_id, start, receive, serve)
 
     async def _embed(self, scope: Scope, req: EmbeddingRequest, model: ServedModel, request_id: str) -> tuple[bytes, int, int]:
         """(response body, worker id, tokens embedded)."""

@@ -22,6 +22,7 @@ import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from dynamod.daemon.frontend import fanout
@@ -131,6 +132,34 @@ class _Plan:
         self.parser = parser  # chat only: tool calls and reasoning in the output
 
 
+async def run_admitted(
+    state: FrontendState, model: ServedModel, endpoint: str, stream: bool, request_id: str, start: float,
+    receive: Any, serve: Callable[[DisconnectWatch], Awaitable[str]],
+) -> None:
+    """Runs one admitted request's ``serve(watch)`` (it returns the request's metrics status) with
+    the bookkeeping every endpoint shares: the admission count and in-flight gauge, a client that
+    hangs up (its cancel absorbed, counted and logged), the duration and the request counter."""
+    state.admit()
+    mm = model.metrics
+    mm.inflight.inc()
+    status = STATUS_ERROR
+    watch = DisconnectWatch(receive)
+    try:
+        status = await serve(watch)
+    except asyncio.CancelledError:
+        if not watch.absorb_cancel():
+            raise
+        status = STATUS_CANCELLED
+        mm.disconnects.inc()
+        logger.info("client disconnected request_id=%s model=%s action=aborted", request_id, model.name)
+    finally:
+        watch.done()
+        mm.inflight.dec()
+        state.release()
+        mm.duration.observe(time.perf_counter() - start)
+        state.metrics.count_request(model.name, endpoint, stream, status)
+
+
 class OpenAIEndpoint(ABC):
     """The shared pipeline; subclasses decode their request, build the prompt and pick a format."""
 
@@ -178,25 +207,10 @@ class OpenAIEndpoint(ABC):
             state.metrics.count_request("unknown", self.endpoint_name, False, STATUS_ERROR)
             await send_error(send, error)
             return
-        state.admit()
-        mm = model.metrics
-        mm.inflight.inc()
-        status = STATUS_ERROR
-        watch = DisconnectWatch(receive)
-        try:
-            status = await self._serve(scope, send, req, model, request_id, start, watch)
-        except asyncio.CancelledError:
-            if not watch.absorb_cancel():
-                raise
-            status = STATUS_CANCELLED
-            mm.disconnects.inc()
-            logger.info("client disconnected request_id=%s model=%s action=aborted", request_id, model.name)
-        finally:
-            watch.done()
-            mm.inflight.dec()
-            state.release()
-            mm.duration.observe(time.perf_counter() - start)
-            state.metrics.count_request(model.name, self.endpoint_name, req.stream, status)
+        await run_admitted(
+            state, model, self.endpoint_name, req.stream, request_id, start, receive,
+            lambda watch: self._serve(scope, send, req, model, request_id, start, watch),
+        )
 
     async def _serve(
         self, scope: Scope, send: Any, req: Any, model: ServedModel, request_id: str, start: float, watch: DisconnectWatch
