@@ -1,9 +1,13 @@
-"""Small helpers the cluster benchmarks share (serving, soak): ports, health reads, percentiles."""
+"""Small helpers the benchmarks share: ports, health reads, percentiles, and the yardsticks of an
+in-process run (how fast this machine runs Python right now, the process's RSS)."""
 
 from __future__ import annotations
 
 import json
+import os
+import random
 import socket
+import time
 import urllib.request
 from typing import Any
 
@@ -29,3 +33,23 @@ def percentile(values: list[float], q: float) -> float:
         return 0.0
     s = sorted(values)
     return s[min(len(s) - 1, int(q / 100.0 * len(s)))]
+
+
+def calibrate() -> float:
+    """ns per dict insert in a plain loop: a yardstick for how fast this machine runs Python
+    right now (every figure of a run scales with it; on a shared box it moves during a run)."""
+    keys = [random.getrandbits(64) for _ in range(200_000)]
+    best = float("inf")
+    for _ in range(3):
+        d: dict[int, int] = {}
+        t0 = time.thread_time()
+        for k in keys:
+            d[k] = k
+        best = min(best, time.thread_time() - t0)
+    return round(best / len(keys) * 1e9, 1)
+
+
+def rss_mb() -> float:
+    """This process's resident memory in MiB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20

@@ -57,6 +57,9 @@ from dynamod.shared.kv.hashing import compute_block_hashes, compute_sequence_has
 from dynamod.shared.kv.indexer import KvIndexer
 from dynamod.shared.protocol.kv_events import KvRemoved, KvStored, RouterEvent, StoredBlock
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import calibrate, rss_mb  # noqa: E402
+
 BLOCK_SIZE = 16
 SYSTEM_PROMPTS = 64
 SYSTEM_BLOCKS = 32
@@ -76,23 +79,6 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def calibrate() -> float:
-    """ns per dict insert in a plain loop: a yardstick for how fast this machine runs Python
-    right now (every figure below scales with it; on a shared box it moves during a run)."""
-    keys = [random.getrandbits(64) for _ in range(200_000)]
-    best = float("inf")
-    for _ in range(3):
-        d: dict[int, int] = {}
-        t0 = time.thread_time()
-        for k in keys:
-            d[k] = k
-        best = min(best, time.thread_time() - t0)
-    return round(best / len(keys) * 1e9, 1)
-
-
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def summary_us(values: list[float]) -> dict[str, float]:

@@ -36,6 +36,9 @@ from dynamod.shared.kv import indexer as kv_indexer
 from dynamod.shared.kv.hashing import compute_block_hashes, compute_sequence_hashes, hash_tokens
 from dynamod.shared.protocol.kv_events import KvStored, RouterEvent, StoredBlock
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import calibrate, rss_mb  # noqa: E402
+
 BLOCK_SIZE = 16
 SYSTEM_PROMPTS = 64
 SYSTEM_BLOCKS = 32
@@ -59,22 +62,6 @@ def summary_us(values: list[float]) -> dict[str, float]:
     }
 
 
-def calibrate() -> float:
-    """ns per dict insert in a plain loop: how fast this machine runs Python right now."""
-    keys = [random.getrandbits(64) for _ in range(200_000)]
-    best = float("inf")
-    for _ in range(3):
-        d: dict[int, int] = {}
-        t0 = time.thread_time()
-        for k in keys:
-            d[k] = k
-        best = min(best, time.thread_time() - t0)
-    return round(best / len(keys) * 1e9, 1)
-
-
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 class Corpus:

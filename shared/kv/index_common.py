@@ -58,6 +58,14 @@ class KvIndexerBase:
 
     implementation = "abstract"
     tiers: LowerTiers  # blocks below the device cache (set by each implementation's __init__)
+    _sizes: dict[WorkerKey, int]  # device blocks per worker key (kept by each implementation)
+
+    def tree_size(self, worker: WorkerKey) -> int:
+        """Blocks held by ``worker`` (0 when unknown)."""
+        return self._sizes.get(worker, 0)
+
+    def tree_sizes(self) -> dict[WorkerKey, int]:
+        return self._sizes.copy()
 
     def workers(self) -> list[WorkerKey]:
         raise NotImplementedError

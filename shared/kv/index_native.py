@@ -45,13 +45,6 @@ class NativeKvIndexer(KvIndexerBase):
         """Worker keys the index holds state for."""
         return list(self._holder)
 
-    def tree_size(self, worker: WorkerKey) -> int:
-        """Blocks held by ``worker`` (0 when unknown)."""
-        return self._sizes.get(worker, 0)
-
-    def tree_sizes(self) -> dict[WorkerKey, int]:
-        return self._sizes.copy()
-
     @property
     def total_blocks(self) -> int:
         """Blocks held, summed over worker keys (a block held by two workers counts twice)."""
