@@ -36,12 +36,23 @@ def get_text(url: str, timeout: float = 5.0) -> str:
 
 
 def pid_gone(pid: int) -> bool:
-    """True once ``pid`` has exited (a zombie waiting for its parent counts as gone)."""
+    """True once every thread of ``pid`` has exited (a zombie waiting for its parent counts as gone).
+
+    The main thread turns zombie as soon as it exits, while the process's other threads may still
+    be dying and holding its files (a listening socket still takes connections): only when no
+    thread is left running has the process let go of everything it had."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return True
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return False
+        except OSError:
+            continue  # that thread was reaped while we looked
+    return True
 
 
 class Proc:
