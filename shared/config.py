@@ -102,7 +102,9 @@ class RuntimeSettings:
 
     @property
     def request_plane_limits(self) -> ConnectionLimits:
-        return ConnectionLimits(self.request_plane_max_connections, self.request_plane_idle_timeout_s)
+        # A worker judges its clients' silence by its own heartbeat settings (off with them).
+        silent_s = self.request_plane_heartbeat_timeout_s if self.request_plane_heartbeat_interval_s > 0 else 0.0
+        return ConnectionLimits(self.request_plane_max_connections, self.request_plane_idle_timeout_s, silent_s)
 
 
 def _env(name: str) -> str | None:
@@ -167,7 +169,8 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         "--request-plane-heartbeat-timeout",
         type=float,
         help="seconds of silence (no data, no pong) after which a frozen or hung worker's connection is declared "
-        "dead and its streams migrate; at least twice the interval "
+        "dead and its streams migrate (and, on a worker, after which a client that stopped pinging mid-stream is "
+        "presumed frozen and its streams cancelled); at least twice the interval "
         f"[env DYN_REQUEST_PLANE_HEARTBEAT_TIMEOUT, default {DEFAULT_HEARTBEAT_TIMEOUT_S:g}]",
     )
     g.add_argument(

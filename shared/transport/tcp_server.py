@@ -23,6 +23,14 @@ and went quiet, or stalled in the middle of a frame); clients simply dial again 
 request. A connection with open streams is never closed as idle: its client pings it while it
 waits, and a slow handler is not the peer's fault.
 
+A frozen or hung client (SIGSTOP, a blocked event loop) is found the other way round: a client
+that runs the heartbeat pings every interval while it has streams open, so once a connection has
+pinged, open streams and nothing read (and no write drained) for ``silent_client_timeout_s``, or
+three of its observed ping intervals if longer, mean the client stopped. The connection is aborted
+and its streams cancelled, which frees the engine's slots and KV blocks they held; the client, if
+it ever thaws, sees its connection gone and dials again. A client without the heartbeat is never
+judged this way: its silence says nothing.
+
 A ping (``{stream_id: 0, ping: n}``) is answered with a pong from ``data_received`` itself: the
 answer proves that this process's event loop runs, which is all the client's heartbeat asks. A
 server that is frozen or whose loop is blocked answers nothing and its clients give up on it; a
@@ -68,7 +76,7 @@ from dynamod.shared.transport.framing import (
     ServerFrame,
 )
 from dynamod.shared.transport.guard import ServerGuard
-from dynamod.shared.transport.liveness import RequestPlaneMetrics
+from dynamod.shared.transport.liveness import DEFAULT_HEARTBEAT_TIMEOUT_S, RequestPlaneMetrics
 from dynamod.shared.transport.plane import (
     DEFAULT_MAX_FRAME_BYTES,
     Handler,
@@ -93,12 +101,18 @@ class ConnectionLimits:
 
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+    # How long a pinging client with open streams may be silent before it is presumed frozen; 0: never.
+    silent_client_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
 
     def validate(self) -> ConnectionLimits:
         if self.max_connections < 1:
             raise ConfigError(f"request-plane max connections must be at least 1, got {self.max_connections}")
         if self.idle_timeout_s < 0:
             raise ConfigError(f"request-plane idle timeout must be 0 (off) or more, got {self.idle_timeout_s}")
+        if self.silent_client_timeout_s < 0:
+            raise ConfigError(
+                f"request-plane silent-client timeout must be 0 (off) or more, got {self.silent_client_timeout_s}"
+            )
         return self
 
 
@@ -141,6 +155,14 @@ class _ServerConnection(FrameConnection):
         self._handshake_timer: asyncio.TimerHandle | None = None
         self._last_read = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
+        # The client's heartbeat, as seen from here (see the module docstring): when it last
+        # pinged (0: never), the interval between its last two pings, when the socket last took
+        # our bytes after a stall, and the timer that judges its silence.
+        self._last_ping = 0.0
+        self._ping_gap = 0.0
+        self._last_drain = 0.0
+        self._silence_timer: asyncio.TimerHandle | None = None
+        self._silence_due = 0.0
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -192,6 +214,49 @@ class _ServerConnection(FrameConnection):
             return
         logger.info("request_plane.tcp.idle_close peer=%s idle_s=%.0f", self.peer, quiet)
         self.close()
+
+    # -- a frozen client ----------------------------------------------------------------------
+
+    def _on_ping(self) -> None:
+        now = self._loop.time()
+        if self._last_ping and self.streams:
+            self._ping_gap = now - self._last_ping
+        self._last_ping = now
+        if self._silence_timer is None and self.streams and self._server.limits.silent_client_timeout_s > 0:
+            self._arm_silence(now)
+
+    def _silence_allowed_s(self) -> float:
+        return max(self._server.limits.silent_client_timeout_s, 3.0 * self._ping_gap)
+
+    def _arm_silence(self, now: float) -> None:
+        step = max(0.05, self._silence_allowed_s() / 4)
+        self._silence_due = now + step
+        self._silence_timer = self._loop.call_at(self._silence_due, self._silence_check, step)
+
+    def _silence_check(self, step: float) -> None:
+        self._silence_timer = None
+        if self.closed or not self.streams:
+            return  # idle: the next ping re-arms
+        now = self._loop.time()
+        if now - self._silence_due > step:
+            # Our own loop was stalled: the client's pings may be sitting unread in the socket.
+            self._arm_silence(now)
+            return
+        allowed = self._silence_allowed_s()
+        quiet = now - max(self._last_read, self._last_drain)
+        if quiet < allowed:
+            self._arm_silence(now)
+            return
+        logger.warning(
+            "request_plane.tcp.client_silent peer=%s silent_s=%.1f allowed_s=%.1f open_streams=%d action=abort",
+            self.peer, quiet, allowed, len(self.streams),
+        )
+        metrics = self._server.metrics
+        if metrics is not None:
+            metrics.peer_dead("tcp")
+        transport = self._transport
+        if transport is not None:
+            transport.abort()  # a frozen peer would never take the bytes a graceful close waits to send
 
     # -- security handshake (TLS, then the hello) ------------------------------------------------
 
@@ -275,8 +340,7 @@ class _ServerConnection(FrameConnection):
         return bytes(hello[end:])
 
     def data_received(self, data: bytes) -> None:
-        if self._idle_timer is not None:
-            self._last_read = self._loop.time()
+        self._last_read = self._loop.time()
         if self.tls is not None:
             plain = self._decrypt(data)
             if not plain:
@@ -304,6 +368,9 @@ class _ServerConnection(FrameConnection):
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
+        if self._silence_timer is not None:
+            self._silence_timer.cancel()
+            self._silence_timer = None
         self._server._connections.discard(self)
         if self.streams:
             logger.info(
@@ -325,6 +392,7 @@ class _ServerConnection(FrameConnection):
 
     def resume_writing(self) -> None:
         self.paused = False
+        self._last_drain = self._loop.time()
         if self._transport is not None and not self._transport.is_closing():
             self._transport.resume_reading()
         for stream in list(self.streams.values()):
@@ -352,6 +420,7 @@ class _ServerConnection(FrameConnection):
         elif frame.ping is not UNSET:
             # Written even while paused: a pong is a few bytes, and a client whose reader is slow
             # must not also conclude that we are dead.
+            self._on_ping()
             try:
                 self.write_frame(ServerFrame(CONNECTION_STREAM_ID, pong=frame.ping))
             except DynamoError as exc:
@@ -459,6 +528,7 @@ class TcpRequestServer:
         limits: ConnectionLimits | None = None,
     ) -> None:
         self.guard = ServerGuard(security, transport="tcp", metrics=metrics)
+        self.metrics = metrics
         self.limits = (limits or ConnectionLimits()).validate()
         self.refused_over_limit = 0
         self._over_limit_logged_at = -1e9

@@ -369,6 +369,126 @@ async def test_old_client_that_never_pings_gets_no_pong() -> None:
         await server.stop(0)
 
 
+# -- frozen clients ------------------------------------------------------------------------------
+
+CLIENT_CHILD = r"""
+import asyncio, sys
+from dynamod.shared.transport.liveness import HeartbeatConfig
+from dynamod.shared.transport.plane import ServerAddress
+from dynamod.shared.transport.tcp_client import TcpRequestClient
+
+async def main():
+    client = TcpRequestClient(heartbeat=HeartbeatConfig(float(sys.argv[2]), float(sys.argv[3])))
+    async for item in client.stream(ServerAddress("tcp", sys.argv[1]), "t/paced", None, request_id="from-child"):
+        if item == 5:
+            print("reading", flush=True)
+
+asyncio.run(main())
+"""
+
+
+async def _paced_server(silent_s: float) -> tuple[TcpRequestServer, ServerAddress, dict[str, float], CollectorRegistry]:
+    """A server whose ``t/paced`` streams a number every 10 ms for ever and records when each
+    request's handler ended (``ended[request_id]``)."""
+    ended: dict[str, float] = {}
+
+    async def paced(body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
+        try:
+            i = 0
+            while True:
+                yield i
+                i += 1
+                await asyncio.sleep(0.01)
+        finally:
+            ended[ctx.request_id] = time.monotonic()
+
+    registry = CollectorRegistry()
+    server = TcpRequestServer(
+        limits=tcp_server.ConnectionLimits(silent_client_timeout_s=silent_s), metrics=RequestPlaneMetrics(registry)
+    )
+    server.register("t/paced", paced)
+    return server, await server.start(), ended, registry
+
+
+async def test_sigstopped_client_has_its_streams_cancelled_by_the_server() -> None:
+    """A frontend frozen mid-stream must not hold the worker's slot for ever: the worker sees its
+    pings stop and aborts the connection, which ends the handler (the engine frees the request)."""
+    server, address, ended, registry = await _paced_server(HB.timeout_s)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLIENT_CHILD, address.address, str(HB.interval_s), str(HB.timeout_s)],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 20)
+        assert line.strip() == "reading"
+        await asyncio.sleep(3 * HB.interval_s)  # a few pings reach the server first
+        assert "from-child" not in ended
+        os.kill(proc.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+
+        async def cancelled() -> bool:
+            return "from-child" in ended
+
+        await _wait_for(cancelled, 10, "the server to give up on the frozen client")
+        took = ended["from-child"] - stopped
+        assert took <= DETECT_MAX_S + HB.timeout_s / 4, took
+        assert _dead_count(registry) == 1
+        assert server.stats()["connections"] == 0
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+        await server.stop(0)
+
+
+async def test_silent_client_without_heartbeat_keeps_its_stream() -> None:
+    """A client that never pinged runs no heartbeat: its silence proves nothing, so its stream
+    lives on (a paused reader: the server waits for credit)."""
+    server, address, ended, registry = await _paced_server(HB.timeout_s)
+    try:
+        host, port = address.address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(encode_frame(ClientFrame(1, endpoint="t/paced", body=None, credit=4), 1 << 20))
+        await writer.drain()
+        await asyncio.sleep(3 * HB.timeout_s)  # the window runs out; nothing more from the client
+        assert ended == {} and _dead_count(registry) == 0
+        assert server.stats()["connections"] == 1
+        writer.close()
+        await writer.wait_closed()
+    finally:
+        await server.stop(0)
+
+
+async def test_client_that_stops_pinging_is_cut_but_a_pinging_one_is_not() -> None:
+    """Two raw clients with an exhausted window: the one that keeps pinging keeps its stream, the
+    one that pinged and then fell silent loses it within the timeout."""
+    server, address, ended, registry = await _paced_server(HB.timeout_s)
+    host, port = address.address.rsplit(":", 1)
+    try:
+        conns = []
+        for sid in (1, 2):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(encode_frame(ClientFrame(sid, endpoint="t/paced", body=None, credit=4), 1 << 20))
+            conns.append((reader, writer))
+        start = time.monotonic()
+        n = 0
+        while time.monotonic() - start < 3 * HB.timeout_s:
+            n += 1
+            for index, (_, writer) in enumerate(conns):
+                if index == 0 or n <= 3:  # the second stops after three pings
+                    writer.write(encode_frame(ClientFrame(0, ping=n), 1 << 20))
+            await asyncio.sleep(HB.interval_s)
+        assert len(ended) == 1 and _dead_count(registry) == 1
+        assert server.stats()["connections"] == 1
+        for _, writer in conns:
+            writer.close()
+    finally:
+        await server.stop(0)
+
+
 # -- settings ------------------------------------------------------------------------------------
 
 
