@@ -152,6 +152,31 @@ class ReasoningParser(ABC):
         """The end of the output: returns whatever was held back."""
 
 
+class BetweenCalls:
+    """Content around tool calls in families that mark each call: whitespace after a call is held
+    back (a newline between two calls is not an answer), and released with the text it precedes
+    when real content follows."""
+
+    __slots__ = ("after_call", "held")
+
+    def __init__(self) -> None:
+        self.after_call = False
+        self.held = ""
+
+    def call_ended(self) -> None:
+        self.after_call = True
+        self.held = ""
+
+    def content(self, text: str) -> str:
+        if not self.after_call or not text:
+            return text
+        if text.isspace():
+            self.held += text
+            return ""
+        text, self.held = self.held + text, ""
+        return text
+
+
 def held_marker_len(text: str, markers: Sequence[str]) -> int:
     """Length of the longest end of ``text`` that is a proper beginning of one of ``markers``:
     that many characters must wait for the next piece before they can be called plain text."""

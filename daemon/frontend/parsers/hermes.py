@@ -11,7 +11,12 @@ call (bad JSON, a name the client did not offer) is given back as content, tags 
 
 from __future__ import annotations
 
-from dynamod.daemon.frontend.parsers.base import ToolCallParser, ToolCallTracker, held_marker_len
+from dynamod.daemon.frontend.parsers.base import (
+    BetweenCalls,
+    ToolCallParser,
+    ToolCallTracker,
+    held_marker_len,
+)
 from dynamod.daemon.frontend.parsers.json_calls import JsonCallStreamer
 
 START = "<tool_call>"
@@ -26,8 +31,8 @@ class HermesToolParser(ToolCallParser):
         self._buf = ""
         self._call: JsonCallStreamer | None = None
         self._call_ended = False  # the object closed; text up to the end tag is dropped
-        self._after_call = False
-        self._held_ws = ""
+        self._between = BetweenCalls()
+        self._content = self._between.content
 
     def feed(self, text: str) -> str:
         buf = self._buf + text
@@ -72,17 +77,7 @@ class HermesToolParser(ToolCallParser):
         assert call is not None
         self._call = None
         if call.close():
-            self._after_call = True
-            self._held_ws = ""
+            self._between.call_ended()
             return ""
         return self._content(START + call.raw + (END if closed else ""))
 
-    def _content(self, text: str) -> str:
-        """After a call, whitespace between calls is not content; other text is, with it."""
-        if not self._after_call or not text:
-            return text
-        if text.isspace():
-            self._held_ws += text
-            return ""
-        text, self._held_ws = self._held_ws + text, ""
-        return text

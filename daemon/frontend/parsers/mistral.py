@@ -11,7 +11,12 @@ something that is not a call gives its text back as content.
 
 from __future__ import annotations
 
-from dynamod.daemon.frontend.parsers.base import ToolCallParser, ToolCallTracker, held_marker_len
+from dynamod.daemon.frontend.parsers.base import (
+    BetweenCalls,
+    ToolCallParser,
+    ToolCallTracker,
+    held_marker_len,
+)
 from dynamod.daemon.frontend.parsers.json_calls import ArgumentsStreamer, JsonCallStreamer
 
 TOOL_CALLS = "[TOOL_CALLS]"
@@ -30,8 +35,8 @@ class MistralToolParser(ToolCallParser):
         self._buf = ""
         self._raw = ""  # text of the call being read, from its marker on: given back on failure
         self._call: JsonCallStreamer | ArgumentsStreamer | None = None
-        self._after_call = False
-        self._held_ws = ""
+        self._between = BetweenCalls()
+        self._content = self._between.content
 
     def feed(self, text: str) -> str:
         buf = self._buf + text
@@ -130,7 +135,7 @@ class MistralToolParser(ToolCallParser):
     def _end_call_run(self) -> None:
         self._raw = ""
         self._call = None
-        self._after_call = True
+        self._between.call_ended()
         self._state = _CONTENT
 
     def _fail(self, rest: str) -> str:
@@ -142,11 +147,3 @@ class MistralToolParser(ToolCallParser):
         self._state = _CONTENT
         return self._content(text)
 
-    def _content(self, text: str) -> str:
-        if not self._after_call or not text:
-            return text
-        if text.isspace():
-            self._held_ws += text
-            return ""
-        text, self._held_ws = self._held_ws + text, ""
-        return text
