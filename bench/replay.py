@@ -16,7 +16,7 @@ requests); ``--trace`` takes another, such as Mooncake's 12,031-request conversa
 one after another (ids shifted so the copies share no prefix), to make a longer one from it.
 
 Wall time on a shared machine includes time other processes held the cores; the CPU times do not,
-and ``calibration_ns_per_dict_insert`` (a plain loop of dict inserts, before and after) tells how
+and ``calibration_ns_per_dict_insert`` (``bench_util.calibrate``, before and after) tells how
 fast the machine ran Python meanwhile, to compare runs and machines.
 """
 
@@ -33,16 +33,10 @@ from dynamod.daemon.replay.main import REPLAY_VOCAB
 from dynamod.daemon.replay.simulator import MODES, replay
 from dynamod.daemon.replay.trace import TraceRecord, build_requests, load_trace
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_util import calibrate  # noqa: E402
+
 DEFAULT_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
-
-
-def calibrate(n: int = 1_000_000) -> float:
-    """Nanoseconds per dict insert in a plain loop: how fast this machine runs Python right now."""
-    d: dict[int, int] = {}
-    t0 = time.perf_counter()
-    for i in range(n):
-        d[i] = i
-    return round((time.perf_counter() - t0) / n * 1e9, 1)
 
 
 def tiled(records: list[TraceRecord], copies: int) -> list[TraceRecord]:
