@@ -75,7 +75,22 @@ def system_host(role: RoleSpec, host: HostSpec | None) -> str:
 
 
 def role_env(cluster: ClusterSpec, role: RoleSpec) -> dict[str, str]:
-    return {"PYTHONUNBUFFERED": "1", **cluster.env, **role.env}
+    """The role's environment: paths of the uploaded secret files (never a secret itself: these
+    variables end up on the host's command lines), then the inventory's env, the role's last."""
+    return {"PYTHONUNBUFFERED": "1", **secret_file_env(cluster), **cluster.env, **role.env}
+
+
+def secret_file_env(cluster: ClusterSpec) -> dict[str, str]:
+    """``DYN_*_FILE`` -> where ``upload_secret_command`` puts that file on the hosts."""
+    return {var: f"{cluster.workdir}/secrets/{var}" for var in cluster.secret_files}
+
+
+def upload_secret_command(cluster: ClusterSpec, var: str) -> str:
+    """Writes stdin to the secret file of ``var`` (mode 0600 from the first byte: umask 077, then
+    an atomic rename, so a role never reads half a certificate)."""
+    path = secret_file_env(cluster)[var]
+    tmp = f"{path}.tmp"
+    return f"umask 077 && mkdir -p {q(cluster.workdir)}/secrets && cat > {q(tmp)} && mv -f {q(tmp)} {q(path)}"
 
 
 def _paths(cluster: ClusterSpec, role: RoleSpec) -> dict[str, str]:

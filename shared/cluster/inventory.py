@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamod.shared.errors import ConfigError
+from dynamod.shared.security.settings import SECRET_FILE_VARS, SECRET_VALUE_VARS
 
 ROLES = ("agg", "decode", "prefill", "frontend", "router", "planner", "global-router", "up")
 SUPERVISORS = ("auto", "systemd", "process")
@@ -93,6 +94,9 @@ class ClusterSpec:
     workdir: str = "/tmp/dynamod-cluster"
     supervisor: str = "auto"
     env: dict[str, str] = field(default_factory=dict)
+    # DYN_*_FILE variable -> a file on this machine: copied over SSH (stdin, never argv) to
+    # <workdir>/secrets/ on every host, mode 0600, and the variable set to that path for every role.
+    secret_files: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -155,6 +159,31 @@ def _ssh(raw: dict[str, Any], base: SshSettings, where: str) -> SshSettings:
     return s
 
 
+def _no_secret_values(env: dict[str, str], where: str) -> dict[str, str]:
+    """Refuses a secret's value in ``env``: roles start as ``env K=V dynamod ...`` (or with systemd's
+    ``--setenv``), which every user of the host can read in ``ps`` or ``systemctl show``."""
+    found = sorted(set(env) & SECRET_VALUE_VARS)
+    if found:
+        raise ConfigError(
+            f"{where}: {', '.join(found)} would put a secret on the hosts' command lines (visible in ps); "
+            f"name a file instead: cluster.secret_files = {{ {found[0]}_FILE = \"path/on/this/machine\" }}"
+        )
+    return env
+
+
+def _secret_files(raw: Any, where: str) -> dict[str, str]:
+    files = _str_map(raw, where)
+    out: dict[str, str] = {}
+    for var, local in files.items():
+        if var not in SECRET_FILE_VARS:
+            raise ConfigError(f"{where}: {var} is not one of {', '.join(sorted(SECRET_FILE_VARS))}")
+        path = os.path.expanduser(local)
+        if not os.path.isfile(path):
+            raise ConfigError(f"{where}.{var}: {local!r} is not a file on this machine")
+        out[var] = path
+    return out
+
+
 def parse_inventory(data: dict[str, Any], path: str = "<inventory>") -> Inventory:
     top_known = {"cluster", "ssh", "hosts"}
     extra = set(data) - top_known
@@ -162,7 +191,7 @@ def parse_inventory(data: dict[str, Any], path: str = "<inventory>") -> Inventor
         raise ConfigError(f"{path}: unknown table(s) {', '.join(sorted(extra))}; expected cluster, ssh, hosts")
     c_raw = _expect(data.get("cluster", {}), dict, f"{path}: [cluster]")
     c = ClusterSpec()
-    c_known = {"namespace", "discovery", "etcd_endpoints", "nats_server", "file_kv", "event_plane", "dynamod", "python", "workdir", "supervisor", "env"}
+    c_known = {"namespace", "discovery", "etcd_endpoints", "nats_server", "file_kv", "event_plane", "dynamod", "python", "workdir", "supervisor", "env", "secret_files"}
     extra = set(c_raw) - c_known
     if extra:
         raise ConfigError(f"{path}: [cluster] unknown field(s) {', '.join(sorted(extra))}")
@@ -172,7 +201,9 @@ def parse_inventory(data: dict[str, Any], path: str = "<inventory>") -> Inventor
     if "etcd_endpoints" in c_raw:
         c.etcd_endpoints = _str_list(c_raw["etcd_endpoints"], f"{path}: cluster.etcd_endpoints")
     if "env" in c_raw:
-        c.env = _str_map(c_raw["env"], f"{path}: cluster.env")
+        c.env = _no_secret_values(_str_map(c_raw["env"], f"{path}: cluster.env"), f"{path}: cluster.env")
+    if "secret_files" in c_raw:
+        c.secret_files = _secret_files(c_raw["secret_files"], f"{path}: cluster.secret_files")
     if c.discovery not in ("etcd", "file"):
         raise ConfigError(f"{path}: cluster.discovery must be etcd or file, got {c.discovery!r}")
     if c.supervisor not in SUPERVISORS:
@@ -229,7 +260,7 @@ def parse_inventory(data: dict[str, Any], path: str = "<inventory>") -> Inventor
                     name=rname,
                     args=_str_list(r.get("args", []), f"{rwhere}.args"),
                     system_port=port,
-                    env=_str_map(r.get("env", {}), f"{rwhere}.env"),
+                    env=_no_secret_values(_str_map(r.get("env", {}), f"{rwhere}.env"), f"{rwhere}.env"),
                 )
             )
         hosts.append(HostSpec(name, address, ssh, roles, cluster_address))

@@ -8,7 +8,9 @@ host the first time and remembered there (``commands.mode_command``).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
+from pathlib import Path
 
 from dynamod.shared.cluster import commands as cmds
 from dynamod.shared.cluster.inventory import ClusterSpec, RoleSpec
@@ -56,9 +58,23 @@ async def role_health(session: HostSession, cluster: ClusterSpec, role: RoleSpec
     return ("ok" if res.rc == 0 else "fail"), res.stdout.strip()[:200]
 
 
+async def upload_secret_files(session: HostSession, cluster: ClusterSpec) -> None:
+    """Copies ``cluster.secret_files`` to the host (over the SSH channel's stdin, so no secret is
+    ever on a command line); the roles find them through ``commands.secret_file_env``."""
+    for var, local in cluster.secret_files.items():
+        content = await asyncio.to_thread(Path(local).read_text, encoding="utf-8")
+        res = await session.run(cmds.upload_secret_command(cluster, var), stdin=content)
+        if res.rc != 0:
+            raise SshError(f"cannot write {var} on {session.host.name}: {(res.stderr or res.stdout).strip()[:200]}")
+
+
 async def start_role(session: HostSession, cluster: ClusterSpec, role: RoleSpec, mode: str | None = None) -> RoleState:
     """Starts ``role`` unless it already runs (``started`` / ``already running`` / ``error``)."""
     mode = mode or await role_mode(session, cluster, role)
+    try:
+        await upload_secret_files(session, cluster)
+    except (OSError, UnicodeDecodeError, SshError) as exc:
+        return RoleState(mode, "error", detail=f"secret files: {exc}"[:300])
     res = await session.run(cmds.start_command(cluster, role, mode, session.host))
     if res.rc != 0:
         return RoleState(mode, "error", detail=(res.stderr or res.stdout).strip()[:300])

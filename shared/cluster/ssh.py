@@ -70,10 +70,11 @@ class HostSession:
             await self._conn.wait_closed()
             self._conn = None
 
-    async def run(self, command: str, *, timeout_s: float = 60.0) -> CommandResult:
+    async def run(self, command: str, *, timeout_s: float = 60.0, stdin: str | None = None) -> CommandResult:
+        """Runs ``command``; ``stdin`` is how a secret reaches the host (never in ``command``)."""
         assert self._conn is not None, "use HostSession as an async context manager"
         try:
-            res = await asyncio.wait_for(self._conn.run(command, check=False), timeout=timeout_s)
+            res = await asyncio.wait_for(self._conn.run(command, check=False, input=stdin), timeout=timeout_s)
         except TimeoutError:
             raise SshError(f"ssh {self.label}: command timed out after {timeout_s:g}s") from None
         except (OSError, asyncssh.Error) as exc:

@@ -50,6 +50,7 @@ from dynamod.shared.events.nats_subjects import scope_subject
 from dynamod.shared.events.plane import ConnectionListener, EventMessage
 from dynamod.shared.security import nats as nats_security
 from dynamod.shared.security.settings import NatsSecurity
+from dynamod.shared.transport.nats_connect import connect_within
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class NatsEventPlane:
     ) -> None:
         self.url = url
         self._security = security
-        self._connect_options = nats_security.connect_options(security)  # ConfigError now, not at start
+        self._connect_options = nats_security.connect_options(security, url)  # ConfigError now, not at start
         self.client_name = name
         self.connect_timeout_s = connect_timeout_s
         self.publish_buffer = publish_buffer
@@ -132,7 +133,7 @@ class NatsEventPlane:
             **self._connect_options,
         )
         try:
-            await asyncio.wait_for(connect, self.connect_timeout_s)
+            await connect_within(connect, self.connect_timeout_s, nc.close, what="event plane nats")
         except (TimeoutError, *_TRANSIENT) as exc:
             self._closing = True
             try:

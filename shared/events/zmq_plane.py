@@ -16,6 +16,11 @@ No durability: ``durable=True`` is refused. A consumer that must not drift (the 
 sees a publisher. That also covers ZMQ's *slow joiner*: a SUB socket that just connected misses what
 was published before the TCP connection and subscription handshake completed (a few ms), and
 nothing resends it.
+
+With the cluster token configured (``curve``), every PUB socket is a CURVE server and the context
+runs a ZAP handler admitting only member clients; subscribers dial as CURVE clients of the member
+server key. Without the token (loopback ``dynamod up``) the sockets are plain, as the request plane
+is open then. See ``shared/security/curve.py`` for what that protects.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from dynamod.shared.errors import ConfigError, DiscoveryError, EventPlaneError, 
 from dynamod.shared.events.plane import ConnectionListener
 from dynamod.shared.events.zmq_subscriber import ZmqEventSubscriber
 from dynamod.shared.protocol.keys import event_channel_key
+from dynamod.shared.security.curve import CurveKeys
+from dynamod.shared.security.zmq_gate import CurveGate
 from dynamod.shared.transport.address import advertised_host, join_host_port
 
 logger = logging.getLogger(__name__)
@@ -50,7 +57,7 @@ class ZmqEventPlane:
     ``host`` is where PUB sockets bind (the runtime's ``--host``); discovery gets the address
     subscribers should dial: ``advertise_host`` (``--advertise-host``) when given, else ``host``
     itself, or this node's primary address when ``host`` is a wildcard (0.0.0.0 is not an address
-    another machine can use).
+    another machine can use). ``curve``: the member keys (from the cluster token); None: plain.
     """
 
     name = "zmq"
@@ -65,6 +72,7 @@ class ZmqEventPlane:
         sndhwm: int = DEFAULT_HWM,
         rcvhwm: int = DEFAULT_HWM,
         subscriber_queue: int = DEFAULT_SUBSCRIBER_QUEUE,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.store = store
         self.lease = lease
@@ -73,6 +81,8 @@ class ZmqEventPlane:
         self.sndhwm = sndhwm
         self.rcvhwm = rcvhwm
         self.subscriber_queue = subscriber_queue
+        self.curve = curve
+        self._gate: CurveGate | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._channels: dict[_Scope, _ZmqChannel] = {}
         self._subscribers: set[ZmqEventSubscriber] = set()
@@ -82,6 +92,11 @@ class ZmqEventPlane:
     async def start(self) -> None:
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context(io_threads=1)
+            if self.curve is not None:
+                # Before any PUB socket binds: a CURVE server with no ZAP handler in its context
+                # admits any client that knows its public key.
+                self._gate = CurveGate(self._ctx, self.curve)
+                self._gate.start()
 
     def add_connection_listener(self, listener: ConnectionListener) -> None:
         """No broker to lose: a publisher that goes away is a gap in its own sequence numbers."""
@@ -95,6 +110,9 @@ class ZmqEventPlane:
         for channel in list(self._channels.values()):
             await channel.shutdown()
         self._channels.clear()
+        if self._gate is not None:
+            await self._gate.close()
+            self._gate = None
         if self._ctx is not None:
             # term() waits for lingering sockets; do that off the event loop.
             await asyncio.to_thread(self._ctx.term)
@@ -108,6 +126,8 @@ class ZmqEventPlane:
             "gaps": sum(s.gaps for s in subs),
             "missed": sum(s.missed for s in subs),
             "publishers": len(self._channels),
+            "handshake_failures": sum(s.handshake_failures for s in subs),
+            "rejected_subscribers": self._gate.rejected if self._gate is not None else 0,
         }
 
     async def publisher(
@@ -150,6 +170,7 @@ class ZmqEventPlane:
             rcvhwm=self.rcvhwm,
             queue_size=self.subscriber_queue,
             on_close=self._subscribers.discard,
+            curve=self.curve,
         )
         await sub.start()
         self._subscribers.add(sub)
@@ -170,6 +191,8 @@ class ZmqEventPlane:
         # HWM must be set before bind/connect: ZMQ applies it to a pipe when the pipe is created.
         sock.setsockopt(zmq.SNDHWM, self.sndhwm)
         sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
+        if self.curve is not None:
+            self.curve.make_server(sock)
         bind_host = self.host or "*"
         if ":" in bind_host:
             sock.setsockopt(zmq.IPV6, 1)
@@ -187,7 +210,10 @@ class ZmqEventPlane:
         except DiscoveryError:
             sock.close(linger=0)
             raise
-        logger.info("event publisher registered backend=zmq key=%s address=%s", key, address)
+        logger.info(
+            "event publisher registered backend=zmq key=%s address=%s auth=%s",
+            key, address, "curve" if self.curve is not None else "none",
+        )
         return _ZmqChannel(self, scope, key, address, sock)
 
     def _release(self, channel: _ZmqChannel) -> None:

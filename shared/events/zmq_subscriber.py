@@ -4,6 +4,10 @@ One SUB socket per publisher rather than one socket connected to all of them: ZM
 which peer a message came from, and the consumer needs ``publisher_id`` (parsed from the discovery
 key) to attribute ``seq`` and detect loss per publisher. Each socket has a small receive task that
 moves frames into one bounded drop-oldest queue, which the iterator reads.
+
+With CURVE on, each socket also has a monitor: a publisher that fails the handshake (not a member:
+another cluster's token, or a forged channel record) delivers nothing by construction, and the
+monitor makes that visible as ``handshake_failures`` and one warning per publisher.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from dynamod.shared.discovery.store import DiscoveryStore, WatchEvent, WatchEventKind
 from dynamod.shared.errors import DiscoveryError
@@ -23,12 +28,19 @@ from dynamod.shared.events.dropqueue import DropOldestQueue, QueueClosed
 from dynamod.shared.events.plane import EventMessage
 from dynamod.shared.events.seq import Arrival, EventSequences
 from dynamod.shared.protocol.keys import EVENT_CHANNELS_ROOT, event_channels_prefix, parse_key
+from dynamod.shared.security.curve import CurveKeys
 
 logger = logging.getLogger(__name__)
 
 _RETRY_MIN_S = 0.2
 _RETRY_MAX_S = 5.0
 _RECV_BATCH = 256
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 @dataclass(slots=True)
@@ -38,6 +50,9 @@ class _Connection:
     address: str
     socket: zmq.asyncio.Socket
     task: asyncio.Task[None] | None = None
+    monitor: zmq.asyncio.Socket | None = None
+    monitor_task: asyncio.Task[None] | None = None
+    handshake_failures: int = 0
 
 
 class ZmqEventSubscriber:
@@ -54,6 +69,7 @@ class ZmqEventSubscriber:
         rcvhwm: int,
         queue_size: int,
         on_close: Callable[[ZmqEventSubscriber], None] | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.namespace = namespace
         self.component = component
@@ -63,6 +79,7 @@ class ZmqEventSubscriber:
         self._store = store
         self._rcvhwm = rcvhwm
         self._on_close = on_close
+        self._curve = curve
         # Narrowest prefix discovery can filter on; "*" watches the whole namespace and filters here.
         self._prefix = (
             event_channels_prefix(namespace)
@@ -77,6 +94,7 @@ class ZmqEventSubscriber:
         self._watcher: asyncio.Task[None] | None = None
         self._closed = False
         self.malformed = 0
+        self._past_handshake_failures = 0  # of publishers already disconnected
 
     # -- counters ----------------------------------------------------------------------------
 
@@ -98,6 +116,11 @@ class ZmqEventSubscriber:
     @property
     def received(self) -> int:
         return self._queue.put_count
+
+    @property
+    def handshake_failures(self) -> int:
+        """CURVE handshakes that failed (publishers that are not members); 0 with CURVE off."""
+        return self._past_handshake_failures + sum(c.handshake_failures for c in self._conns.values())
 
     @property
     def publishers(self) -> dict[str, str]:
@@ -217,13 +240,18 @@ class ZmqEventSubscriber:
         sock.setsockopt(zmq.RCVHWM, self._rcvhwm)  # before connect, like SNDHWM before bind
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, self._topic_bytes)
+        conn = _Connection(key, parsed.instance_id, address, sock)
+        if self._curve is not None:
+            self._curve.make_client(sock)
+            conn.monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
         try:
             sock.connect(address)
         except zmq.ZMQError as exc:
-            sock.close(linger=0)
+            self._close_sockets(conn)
             logger.warning("event channel ignored key=%s address=%s error=%s", key, address, exc)
             return
-        conn = _Connection(key, parsed.instance_id, address, sock)
+        if conn.monitor is not None:
+            conn.monitor_task = asyncio.create_task(self._monitor_loop(conn), name=f"zmq-sub-monitor-{key}")
         conn.task = asyncio.create_task(self._recv_loop(conn), name=f"zmq-sub-{key}")
         self._conns[key] = conn
         logger.info("event subscriber connected backend=zmq key=%s address=%s", key, address)
@@ -232,11 +260,46 @@ class ZmqEventSubscriber:
         conn = self._conns.pop(key, None)
         if conn is None:
             return
-        if conn.task is not None:
-            conn.task.cancel()
-        conn.socket.close(linger=0)
+        for task in (conn.task, conn.monitor_task):
+            if task is not None:
+                task.cancel()
+        self._past_handshake_failures += conn.handshake_failures
+        self._close_sockets(conn)
         self._seqs.forget(key)
         logger.info("event subscriber disconnected backend=zmq key=%s", key)
+
+    @staticmethod
+    def _close_sockets(conn: _Connection) -> None:
+        if conn.monitor is not None:
+            # The monitor's inproc address is named after the socket's fd: stop it before the fd
+            # can be reused by the next socket.
+            conn.socket.disable_monitor()
+            conn.monitor.close(linger=0)
+        conn.socket.close(linger=0)
+
+    async def _monitor_loop(self, conn: _Connection) -> None:
+        """Counts failed CURVE handshakes; warns on the first one of each publisher (ZMQ retries
+        the connection every ~100 ms, and every retry fails the same way)."""
+        assert conn.monitor is not None
+        try:
+            while True:
+                event = parse_monitor_message(await conn.monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    continue
+                if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                    return
+                conn.handshake_failures += 1
+                if conn.handshake_failures == 1:
+                    logger.warning(
+                        "event subscriber refused publisher key=%s address=%s reason=curve_handshake_failed "
+                        "hint=the publisher is not a member (another cluster token, or a forged channel record)",
+                        conn.key,
+                        conn.address,
+                    )
+        except asyncio.CancelledError:
+            raise
+        except zmq.ZMQError:
+            return  # the monitor socket was closed under us: the connection is going away
 
     async def _recv_loop(self, conn: _Connection) -> None:
         try:

@@ -4,6 +4,14 @@ A deliberately tiny HTTP/1.1 responder on asyncio streams: ``shared/`` stays fre
 and every process (workers, routers, planner) gets the same three routes with no extra dependency.
 ``/health`` is 200 only when the process says it is ready (its endpoints are served and it is not
 shutting down); ``/live`` is 200 while the event loop runs; ``/metrics`` is Prometheus text.
+
+With the cluster token on, ``/health`` follows the frontend's rule: a caller who does not present
+the token (``Authorization: Bearer <token>``) gets the status and the in-flight count only, not the
+served endpoints, instance ids or role extras (router workers, global-router pools), which map the
+cluster for anyone who can reach the port. The status code is the same either way, so readiness
+probes need no secret; ``inflight`` stays public because it is a load figure, not an identity, and
+``dynamod up``'s scaler picks the worker to remove by it. ``/metrics`` stays open for Prometheus and
+the console's scraper: keep the status port on the cluster network (``--system-host``, NetworkPolicy).
 """
 
 from __future__ import annotations
@@ -16,12 +24,25 @@ from collections.abc import Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from dynamod.shared.errors import ConfigError
+from dynamod.shared.security.token import ClusterToken
 from dynamod.shared.transport.address import advertised_host, join_host_port
 
 logger = logging.getLogger(__name__)
 
 HealthProbe = Callable[[], tuple[bool, dict]]
 _MAX_REQUEST_BYTES = 16 * 1024
+PUBLIC_HEALTH_FIELDS = ("inflight",)
+"""What ``/health`` shows beside ``status`` to a caller without the token (see the module docstring)."""
+
+
+def bearer_token(head: bytes) -> bytes | None:
+    """The credential of an ``Authorization: Bearer ...`` header in a request head, if any."""
+    for line in head.split(b"\r\n")[1:]:
+        name, sep, value = line.partition(b":")
+        if sep and name.strip().lower() == b"authorization":
+            scheme, _, credential = value.strip().partition(b" ")
+            return credential.strip() if scheme.lower() == b"bearer" and credential.strip() else None
+    return None
 
 
 class StatusServer:
@@ -33,8 +54,10 @@ class StatusServer:
         host: str = "127.0.0.1",
         port: int = 0,
         advertise_host: str | None = None,
+        token: ClusterToken | None = None,
     ) -> None:
         self._registry = registry
+        self._token = token
         self._health = health
         self._host = host
         # ``url`` goes into discovery (instances' system_url) for scrapers on other hosts: never a wildcard.
@@ -85,7 +108,7 @@ class StatusServer:
                     await self._write(writer, 400, "text/plain", b"bad request\n", False)
                     return
                 method, path = parts[0], parts[1].split("?", 1)[0]
-                status, ctype, body = self._route(method, path)
+                status, ctype, body = self._route(method, path, self._may_see_details(head))
                 await self._write(writer, status, ctype, body if method != "HEAD" else b"", keep_alive)
                 if not keep_alive:
                     return
@@ -93,13 +116,18 @@ class StatusServer:
             self._writers.discard(writer)
             writer.close()
 
-    def _route(self, method: str, path: str) -> tuple[int, str, bytes]:
+    def _may_see_details(self, head: bytes) -> bool:
+        return self._token is None or self._token.matches(bearer_token(head))
+
+    def _route(self, method: str, path: str, details: bool = True) -> tuple[int, str, bytes]:
         if method not in ("GET", "HEAD"):
             return 405, "text/plain", b"method not allowed\n"
         if path == "/live":
             return 200, "application/json", b'{"status":"live"}\n'
         if path == "/health":
             ready, detail = self._health()
+            if not details:
+                detail = {k: v for k, v in detail.items() if k in PUBLIC_HEALTH_FIELDS}
             body = json.dumps({"status": "ready" if ready else "notready", **detail}).encode() + b"\n"
             return (200 if ready else 503), "application/json", body
         if path == "/metrics":

@@ -111,6 +111,7 @@ class DistributedRuntime:
                     host=settings.host,  # ZMQ publishers bind here and advertise an address peers can dial
                     advertise_host=settings.advertised(settings.host),
                     nats_security=settings.security.nats,
+                    membership=settings.security.request_plane,  # the token turns on ZMQ CURVE
                 )
                 await rt.events.start()
             if settings.system_port is not None:
@@ -120,6 +121,7 @@ class DistributedRuntime:
                     host=settings.system_host,
                     port=settings.system_port,
                     advertise_host=settings.advertised(settings.system_host),
+                    token=settings.security.request_plane.token,  # /health details for members only
                 )
                 await rt._status.start()
         except BaseException:

@@ -2,17 +2,27 @@
 for the event plane and the NATS request plane.
 
 nats-py upgrades to TLS only when the server's INFO says ``tls_required``; a process configured
-for TLS must not quietly carry on in plaintext with a server that does not, so ``check_tls``
-refuses such a connection right after it is made.
+for TLS must not quietly carry on in plaintext with a server that does not, so ``tls_missing``
+refuses such a connection right after it is made. That check comes too late for a man in the
+middle, though: the server's INFO arrives in plaintext, and one that drops ``tls_required`` makes
+nats-py send CONNECT (user, password or token) in the clear before ``tls_missing`` runs, on every
+reconnect too. ``--nats-tls-handshake-first`` closes that: the client starts TLS before reading
+anything (nats-py ``tls_handshake_first``), and a server that answers with a plaintext INFO fails
+the handshake. The server must be configured for it (``handshake_first`` in its tls block; a
+duration there, as in ``deploy/config/nats-server.conf``, still serves INFO-first clients).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.security.settings import NatsSecurity
-from dynamod.shared.security.tls import client_context
+from dynamod.shared.security.tls import TlsFiles, client_context
+
+logger = logging.getLogger(__name__)
+_warned_strippable = False
 
 
 def wants_tls(url: str, security: NatsSecurity | None) -> bool:
@@ -21,13 +31,27 @@ def wants_tls(url: str, security: NatsSecurity | None) -> bool:
     )
 
 
-def connect_options(security: NatsSecurity | None) -> dict[str, Any]:
-    """Keyword arguments for ``nats.connect``: the TLS context and one kind of credentials."""
+def connect_options(security: NatsSecurity | None, url: str = "") -> dict[str, Any]:
+    """Keyword arguments for ``nats.connect``: the TLS context (handshake first when asked) and one
+    kind of credentials. ``url``: the servers, to know whether a ``tls://`` URL asks for TLS."""
+    global _warned_strippable
     if security is None:
         return {}
     opts: dict[str, Any] = {}
     if security.tls_enabled:
         opts["tls"] = client_context(security.tls, what="NATS")
+    if security.tls_handshake_first:
+        if "tls" not in opts:
+            # A tls:// URL without --nats-ca-file: verify against the system's roots.
+            opts["tls"] = client_context(TlsFiles(), what="NATS")
+        opts["tls_handshake_first"] = True
+    elif wants_tls(url, security) and not _warned_strippable:
+        _warned_strippable = True
+        logger.warning(
+            "nats.tls_strippable reason=server INFO is read in plaintext, a man in the middle can drop "
+            "tls_required and read the login and the traffic hint=set --nats-tls-handshake-first (DYN_NATS_TLS_HANDSHAKE_FIRST=1) "
+            "and handshake_first in the server's tls block"
+        )
     if security.user:
         opts["user"] = security.user
         opts["password"] = security.password

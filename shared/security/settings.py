@@ -75,6 +75,9 @@ class NatsSecurity:
     token: str | None = None
     nkey_seed_file: str | None = None
     creds_file: str | None = None
+    # TLS before the server's first word (nats-server 2.10+ ``handshake_first``): nothing, not even
+    # the INFO that says whether TLS is required, crosses in plaintext, so it cannot be stripped.
+    tls_handshake_first: bool = False
 
     @property
     def tls_enabled(self) -> bool:
@@ -84,7 +87,7 @@ class NatsSecurity:
         return (
             f"NatsSecurity(tls={self.tls!r}, user={self.user!r}, password={'***' if self.password else None}, "
             f"token={'***' if self.token else None}, nkey_seed_file={self.nkey_seed_file!r}, "
-            f"creds_file={self.creds_file!r})"
+            f"creds_file={self.creds_file!r}, tls_handshake_first={self.tls_handshake_first!r})"
         )
 
 
@@ -137,6 +140,11 @@ _FLAGS: dict[str, tuple[str, str, str]] = {
     "nats_nkey_seed_file": ("--nats-nkey-seed-file", "DYN_NATS_NKEY_SEED_FILE", "NKey seed file for NATS"),
     "nats_creds_file": ("--nats-creds-file", "DYN_NATS_CREDS_FILE", "NATS credentials file (JWT + NKey seed)"),
 }
+SECRET_FILE_VARS = frozenset(env for flag, env, _ in _FLAGS.values() if flag.endswith("-file"))
+"""The ``DYN_*_FILE`` variables naming files a process reads its TLS material and secrets from."""
+SECRET_VALUE_VARS = frozenset({"DYN_CLUSTER_TOKEN", "DYN_ETCD_PASSWORD", "DYN_NATS_PASSWORD", "DYN_NATS_TOKEN"})
+"""Variables holding a secret itself: fine in a process's environment, never on a command line."""
+
 _SWITCHES: dict[str, tuple[str, str, str]] = {
     "tls_require_client_cert": (
         "--tls-require-client-cert",
@@ -148,6 +156,12 @@ _SWITCHES: dict[str, tuple[str, str, str]] = {
         "DYN_TLS_SKIP_HOSTNAME_CHECK",
         "request plane: verify a server's certificate chain but not that it names the dialled address "
         "(addresses not in the certificates, e.g. pod IPs)",
+    ),
+    "nats_tls_handshake_first": (
+        "--nats-tls-handshake-first",
+        "DYN_NATS_TLS_HANDSHAKE_FIRST",
+        "NATS: start TLS before the server's INFO, so a man in the middle cannot strip TLS and read the "
+        "login; the server needs 'handshake_first' in its tls block (nats-server 2.10+)",
     ),
 }
 
@@ -229,6 +243,7 @@ def security_from_args(ns: argparse.Namespace | None = None) -> SecuritySettings
         ),
         nkey_seed_file=pick("nats_nkey_seed_file"),
         creds_file=pick("nats_creds_file"),
+        tls_handshake_first=_switch(ns, "nats_tls_handshake_first"),
     )
     _check_nats(nats)
     return SecuritySettings(request_plane, etcd, nats)

@@ -21,7 +21,6 @@ Who may publish at all is NATS's own auth (``connect`` logs in with ``NatsSecuri
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from collections.abc import Callable
@@ -105,10 +104,13 @@ async def connect(
     """A NATS connection that reconnects forever once established (the request plane outlives
     NATS restarts; nats-py replays subscriptions after each reconnect). The first connection must
     succeed within ``connect_timeout_s``: with unlimited reconnects nats-py would otherwise retry
-    an unreachable server forever. ``security``: TLS and credentials (see ``shared.security.nats``)."""
-    import nats
+    an unreachable server forever (``nats_connect``). ``security``: TLS and credentials (see
+    ``shared.security.nats``)."""
+    from nats.aio.client import Client as NatsClient
 
-    options = nats_security.connect_options(security)
+    from dynamod.shared.transport.nats_connect import connect_within
+
+    options = nats_security.connect_options(security, url)
 
     errors: list[Exception] = []
 
@@ -126,9 +128,10 @@ async def connect(
     async def _reconnected_cb() -> None:
         logger.info("request_plane.nats.reconnected name=%s url=%s", name, url)
 
+    nc = NatsClient()
     try:
-        async with asyncio.timeout(connect_timeout_s):
-            nc = await nats.connect(
+        await connect_within(
+            nc.connect(
                 url,
                 name=name,
                 allow_reconnect=True,
@@ -139,7 +142,11 @@ async def connect(
                 disconnected_cb=_disconnected_cb,
                 reconnected_cb=_reconnected_cb,
                 **options,
-            )
+            ),
+            connect_timeout_s,
+            nc.close,
+            what=f"request plane nats ({name})",
+        )
     except Exception as exc:  # noqa: BLE001 - nats-py raises several unrelated types here
         hint = nats_security.refusal_hint(errors[0] if errors else exc)
         raise TransportError(

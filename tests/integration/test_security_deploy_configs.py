@@ -4,6 +4,7 @@ test's, then a member gets in and a stranger does not."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -136,6 +137,10 @@ async def test_nats_starts_with_the_shipped_config(cluster_certs: ClusterCerts, 
         member = NatsEventPlane(url, security=cluster_certs.nats())
         await member.start()
         await member.close()
+        # handshake_first in the shipped tls block: a TLS-first member connects too (common.env sets it).
+        first = NatsEventPlane(url, security=dataclasses.replace(cluster_certs.nats(), tls_handshake_first=True))
+        await first.start()
+        await first.close()
         stranger = NatsEventPlane(url, connect_timeout_s=1.5, security=cluster_certs.nats(user=False))
         with pytest.raises(EventPlaneError, match="refused the credentials"):
             await stranger.start()

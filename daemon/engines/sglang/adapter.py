@@ -10,6 +10,7 @@ from dynamod.daemon.engines.common.flags import engine_tokens
 from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER
 from dynamod.daemon.engines.sglang.engine import SglangEngine
 from dynamod.daemon.models.local import LocalModel
+from dynamod.shared.config import settings_from_args
 
 
 def add_args(group: argparse._ActionsContainer) -> None:
@@ -24,8 +25,17 @@ def add_args(group: argparse._ActionsContainer) -> None:
     )
 
 
+def advertised_host(args: argparse.Namespace) -> str:
+    """Where decode workers on other hosts reach this engine's bootstrap server: exactly what the
+    runtime advertises for ``--host`` (``--advertise-host`` / ``DYN_ADVERTISE_HOST`` when given, the
+    node's primary address for a wildcard, ``DYN_HOST`` when the flag is absent), so SGLang's
+    bootstrap address agrees with the request plane's and the KV transfer's."""
+    settings = settings_from_args(args)
+    return settings.advertised(settings.host)
+
+
 def create(args: argparse.Namespace, model: LocalModel, *, worker_id: int, worker_index: int = 0) -> SglangEngine:
     tokens = engine_tokens(getattr(args, "sglang_args", ""), getattr(args, "engine_args", None))
     return SglangEngine(tokens, model, worker_id, context_length=getattr(args, "context_length", None),
                         kv_event_buffer=getattr(args, "vllm_kv_event_buffer", DEFAULT_EVENT_BUFFER),
-                        role=worker_role(args), advertise_host=getattr(args, "host", None) or "127.0.0.1")
+                        role=worker_role(args), advertise_host=advertised_host(args))
