@@ -6,6 +6,10 @@ keeps this table, fed from the same converted events it publishes. It applies th
 router index's own rules (shared/kv/indexer.py): a stored chain whose parent is unknown is dropped,
 removing a block drops its descendants, ``cleared`` empties the rank. The dump therefore equals
 what a router that saw every event would hold.
+
+Blocks below the device (an offloading engine's host memory or disk, ``KvStored.medium``) are kept
+in the router's own lower-tier structure (shared/kv/index_tiers.py), whose rules differ (a tier is
+not prefix-closed; its parent may be a device block), so dumps carry every tier with its medium.
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from dynamod.shared.kv.hashing import chain_hash
+from dynamod.shared.kv.index_tiers import LOWER_MEDIA, LowerTiers
 from dynamod.shared.protocol.kv_events import (
+    MEDIUM_GPU,
     KvCleared,
     KvEvent,
     KvRemoved,
@@ -28,6 +35,7 @@ class _Entry:
     parent: int | None
     tokens_hash: int
     lora_name: str | None
+    node: int  # the router's prefix node (chained token hash), which lower-tier blocks hang from
     children: set[int] = field(default_factory=set)
 
 
@@ -48,9 +56,13 @@ class _RankTable:
                     parent = block.block_hash
                     continue
                 self._drop(block.block_hash)  # the hash now names another block
-            self.blocks[block.block_hash] = _Entry(parent, block.tokens_hash, ev.lora_name)
-            if parent is not None:
-                self.blocks[parent].children.add(block.block_hash)
+            if parent is None:
+                node = block.tokens_hash
+            else:
+                parent_entry = self.blocks[parent]
+                parent_entry.children.add(block.block_hash)
+                node = chain_hash(parent_entry.node, block.tokens_hash)
+            self.blocks[block.block_hash] = _Entry(parent, block.tokens_hash, ev.lora_name, node)
             parent = block.block_hash
 
     def remove(self, hashes: Iterable[int]) -> None:
@@ -89,36 +101,62 @@ class _RankTable:
 
 
 class KvBlockTable:
-    """Per data-parallel rank: engine block hash -> (parent, router token hash, LoRA)."""
+    """Per data-parallel rank: engine block hash -> (parent, router token hash, LoRA) on the
+    device, plus the rank's lower-tier blocks."""
 
     def __init__(self) -> None:
         self._ranks: dict[int, _RankTable] = {}
+        # Keyed (0, dp_rank): the structure is the router's, which keys by (worker, rank).
+        self._lower = LowerTiers(self._device_node)
 
-    def apply(self, dp_rank: int, event: KvEvent) -> None:
+    def _device_node(self, key: tuple[int, int], block_hash: int) -> int | None:
+        table = self._ranks.get(key[1])
+        entry = table.blocks.get(block_hash) if table is not None else None
+        return entry.node if entry is not None else None
+
+    def _rank(self, dp_rank: int) -> _RankTable:
         table = self._ranks.get(dp_rank)
         if table is None:
             table = self._ranks[dp_rank] = _RankTable()
+        return table
+
+    def apply(self, dp_rank: int, event: KvEvent) -> None:
+        key = (0, dp_rank)
         if isinstance(event, KvStored):
-            table.store(event)
+            if event.medium == MEDIUM_GPU:
+                self._rank(dp_rank).store(event)
+            elif event.medium in LOWER_MEDIA:
+                self._lower.store(key, event.medium, event.parent_hash, event.blocks)
         elif isinstance(event, KvRemoved):
-            table.remove(event.block_hashes)
+            if event.medium == MEDIUM_GPU:
+                self._rank(dp_rank).remove(event.block_hashes)
+            elif event.medium in LOWER_MEDIA:
+                self._lower.remove(key, event.medium, event.block_hashes)
         elif isinstance(event, KvCleared):
-            table.blocks.clear()
+            if event.medium in (None, MEDIUM_GPU):
+                self._rank(dp_rank).blocks.clear()
+            if event.medium is None or event.medium in LOWER_MEDIA:
+                self._lower.clear(key, event.medium)
 
     def apply_all(self, events: Iterable[RouterEvent]) -> None:
         for ev in events:
             self.apply(ev.dp_rank, ev.event)
 
-    def num_blocks(self, dp_rank: int | None = None) -> int:
-        if dp_rank is not None:
-            table = self._ranks.get(dp_rank)
-            return len(table.blocks) if table else 0
-        return sum(len(t.blocks) for t in self._ranks.values())
+    def num_blocks(self, dp_rank: int | None = None, medium: str = MEDIUM_GPU) -> int:
+        """Blocks held in one tier (the device by default), on one rank or all of them."""
+        ranks = list(self._ranks) if dp_rank is None else [dp_rank]
+        if medium == MEDIUM_GPU:
+            return sum(len(self._ranks[r].blocks) for r in ranks if r in self._ranks)
+        if dp_rank is None:
+            ranks = [k[1] for k in self._lower.workers()]
+        return sum(self._lower.sizes((0, r)).get(medium, 0) for r in ranks)
 
     def dump(self, worker_id: int, event_id: int) -> list[RouterEvent]:
-        """Every held block as router events stamped with ``event_id`` (the last id published)."""
+        """Every held block as router events stamped with ``event_id`` (the last id published):
+        per rank the device's chains, parents first, then the lower tiers' blocks."""
+        ranks = sorted(set(self._ranks) | {k[1] for k in self._lower.workers()})
         return [
             RouterEvent(worker_id=worker_id, dp_rank=rank, event_id=event_id, event=stored)
-            for rank in sorted(self._ranks)
-            for stored in self._ranks[rank].dump()
+            for rank in ranks
+            for stored in [*(self._ranks[rank].dump() if rank in self._ranks else ()), *self._lower.dump((0, rank))]
         ]

@@ -8,8 +8,12 @@ process, SGLang's are ints. The router cannot compute them, so a stored block is
 LoRA name salting the seed); the engine hash is kept, as a stable u64, only to match later
 removals and parent references.
 
-Only one cache tier is indexed (``GPU`` by default): with CPU offloading vLLM reports the same
-block hash on several media, and a CPU-tier removal must not erase the GPU copy from the index.
+Every cache tier is indexed as its own medium (``KvStored.medium``/``KvRemoved.medium``): with
+offloading, vLLM reports the same block hash on the device and in host memory, and the router keeps
+each tier apart (shared/kv/index_tiers.py), so a host-tier removal never erases the device copy. A
+converter may still be narrowed to some tiers (``mediums``); events for others are dropped. vLLM's
+``AllBlocksCleared`` comes from its device block pool only (the offloading manager resets silently),
+so an engine with lower tiers converts it to a device-only clear (``cleared_medium``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import xxhash
 
 from dynamod.shared.kv.hashing import compute_block_hashes
 from dynamod.shared.protocol.kv_events import (
+    MEDIA,
     MEDIUM_CPU,
     MEDIUM_DISK,
     MEDIUM_GPU,
@@ -57,14 +62,15 @@ def engine_hash_to_int(block_hash: int | bytes) -> int:
 
 def medium_of(native_medium: str | None) -> str:
     """An engine's storage medium name as ours (``kv_events.MEDIA``): vLLM says "GPU"/"CPU" (its
-    offloading connector's host tier); a disk-backed tier may say "DISK", "NVME", "SSD" or
-    "LOCAL_DISK"; no medium means the device cache."""
+    offloading connector's host tier) and "STORAGE" (its file-system tier, the simple offloader's
+    disk backend); other disk-backed tiers may say "DISK", "NVME", "SSD" or "LOCAL_DISK"; no medium
+    means the device cache."""
     name = (native_medium or MEDIUM_GPU).upper()
     if name in (MEDIUM_GPU, "CUDA", "DEVICE", "HBM"):
         return MEDIUM_GPU
     if name in (MEDIUM_CPU, "HOST", "CPU_PINNED", "HOST_PINNED"):
         return MEDIUM_CPU
-    if "DISK" in name or name in ("NVME", "SSD", "FILE", "LOCAL_FILE"):
+    if "DISK" in name or name in ("STORAGE", "NVME", "SSD", "FILE", "LOCAL_FILE"):
         return MEDIUM_DISK
     return name
 
@@ -73,14 +79,21 @@ def _medium_ok(medium: str | None, mediums: frozenset[str]) -> bool:
     return medium_of(medium) in mediums
 
 
-def convert_native_event(event: NativeKvEvent, *, mediums: Iterable[str] = ("GPU",)) -> KvEvent | None:
-    """One native event as an internal one; None when it is for another cache tier or unusable."""
+def convert_native_event(
+    event: NativeKvEvent, *, mediums: Iterable[str] = MEDIA, cleared_medium: str | None = None
+) -> KvEvent | None:
+    """One native event as an internal one; None when it is for a tier not in ``mediums`` or
+    unusable. ``AllBlocksCleared`` becomes ``KvCleared(medium=cleared_medium)`` (None: every tier)."""
     accepted = frozenset(medium_of(m) for m in mediums)
     if isinstance(event, BlockStored):
         if not _medium_ok(event.medium, accepted):
             return None
         if event.block_size <= 0:
-            logger.warning("kv native stored event with bad block_size=%d dropped", event.block_size)
+            # vLLM's offloading connector announces host copies this way (no tokens, no block
+            # size) unless its self-describing events are on; the adapter turns them on.
+            logger.warning(
+                "kv native stored event with bad block_size=%d medium=%s dropped", event.block_size, event.medium
+            )
             return None
         local = compute_block_hashes(event.token_ids, event.block_size, event.lora_name)
         n = len(event.block_hashes)
@@ -101,7 +114,7 @@ def convert_native_event(event: NativeKvEvent, *, mediums: Iterable[str] = ("GPU
             return None
         return KvRemoved(block_hashes=[engine_hash_to_int(h) for h in event.block_hashes], medium=medium_of(event.medium))
     if isinstance(event, AllBlocksCleared):
-        return KvCleared()
+        return KvCleared(medium=cleared_medium)
     raise TypeError(f"not a native KV event: {type(event).__name__}")
 
 
@@ -113,16 +126,24 @@ class NativeEventConverter:
     left unused on purpose (``skip``), to make a router notice events the worker lost.
     """
 
-    def __init__(self, worker_id: int, *, first_event_id: int = 0, mediums: Iterable[str] = ("GPU",)) -> None:
+    def __init__(
+        self,
+        worker_id: int,
+        *,
+        first_event_id: int = 0,
+        mediums: Iterable[str] = MEDIA,
+        cleared_medium: str | None = None,
+    ) -> None:
         self.worker_id = worker_id
         self.next_event_id = first_event_id
         self._mediums = tuple(mediums)
+        self._cleared_medium = cleared_medium
 
     def convert(self, batch: KvEventBatch) -> list[RouterEvent]:
         dp_rank = batch.data_parallel_rank or 0
         out: list[RouterEvent] = []
         for native in batch.events:
-            event = convert_native_event(native, mediums=self._mediums)
+            event = convert_native_event(native, mediums=self._mediums, cleared_medium=self._cleared_medium)
             if event is None or (isinstance(event, KvStored) and not event.blocks):
                 continue
             out.append(self.stamp(dp_rank, event))

@@ -3,7 +3,7 @@
 The glue between ``NativeKvSubscriber`` (ordered native batches, gaps reported) and the worker
 daemon (which publishes ``kv_events()`` and answers ``kv_dump``). Batches are converted by
 ``native_events`` (token ids rehashed with the router's hash, engine hashes kept to match
-removals), recorded in a ``KvBlockTable`` and queued.
+removals), recorded in a ``KvBlockTable`` (every cache tier, each with its medium) and queued.
 
 ``event_id`` is the worker's, consecutive over all ranks. Whenever events are known to be lost (a
 native gap the replay could not fill, or a full queue) one id is left unused, so the router sees
@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Iterable
 
 from dynamod.daemon.engines.common.kv_table import KvBlockTable
 from dynamod.daemon.engines.common.native_events import NativeEventConverter
-from dynamod.shared.protocol.kv_events import KvEvent, KvEventBatch, RouterEvent
+from dynamod.shared.protocol.kv_events import MEDIA, MEDIUM_GPU, KvEvent, KvEventBatch, KvStored, RouterEvent
 
 logger = logging.getLogger(__name__)
 
@@ -33,16 +33,21 @@ class NativeKvEventQueue:
         worker_id: int,
         *,
         buffer: int = DEFAULT_EVENT_BUFFER,
-        mediums: Iterable[str] = ("GPU",),
+        mediums: Iterable[str] = MEDIA,
+        cleared_medium: str | None = None,
     ) -> None:
+        """``mediums``: the cache tiers passed on; ``cleared_medium``: what the engine's own
+        ``AllBlocksCleared`` empties (None: every tier; an offloading vLLM: only the device)."""
         self.worker_id = worker_id
-        self._converter = NativeEventConverter(worker_id, mediums=mediums)
+        self._converter = NativeEventConverter(worker_id, mediums=mediums, cleared_medium=cleared_medium)
         self.table = KvBlockTable()
         self._queue: asyncio.Queue[RouterEvent | None] = asyncio.Queue(maxsize=buffer)
         self._closed = False
         self._dropping = False
         self.dropped = 0
         self.gaps = 0
+        # Blocks stored per (dp rank, lower tier) since start: an offloading engine's offloads.
+        self.lower_stored: dict[tuple[int, str], int] = {}
 
     @property
     def last_event_id(self) -> int:
@@ -56,6 +61,10 @@ class NativeKvEventQueue:
         events = self._converter.convert(batch)
         self.table.apply_all(events)
         for ev in events:
+            stored = ev.event
+            if isinstance(stored, KvStored) and stored.medium != MEDIUM_GPU:
+                key = (ev.dp_rank, stored.medium)
+                self.lower_stored[key] = self.lower_stored.get(key, 0) + len(stored.blocks)
             self._enqueue(ev)
 
     def on_gap(self, rank: int, missing: int) -> None:

@@ -13,7 +13,11 @@ settings and come back as token-id deltas; cancelling (closing the stream) abort
 Disaggregation (``--role prefill|decode``): vLLM's own KV connector moves the blocks; the adapter
 configures it and carries its ``kv_transfer_params`` between the legs (disagg.py).
 
-Mapped controls: ``clear_kv_blocks`` -> ``reset_prefix_cache``; ``sleep``/``wake_up`` -> vLLM's
+Host KV tier (``--num-host-blocks``): vLLM's offloading connector (offload.py); its host copies
+arrive as ``CPU`` events and reach the router as their own tier.
+
+Mapped controls: ``clear_kv_blocks`` -> ``reset_prefix_cache`` (with the host tier,
+``reset_connector`` empties it too; vLLM cannot empty it alone); ``sleep``/``wake_up`` -> vLLM's
 sleep mode (needs ``--enable-sleep-mode``, CUDA/ROCm/XPU only; elsewhere a clear error instead of
 vLLM's silent no-op); LoRA load/unload/list -> ``add_lora``/``remove_lora`` (needs
 ``--enable-lora``).
@@ -32,6 +36,7 @@ from typing import Any
 
 from dynamod.daemon.engines.common.disagg import (
     ROLE_AGG,
+    ROLE_DECODE,
     STAGE_DECODE,
     STAGE_PREFILL,
     prefill_request,
@@ -42,7 +47,7 @@ from dynamod.daemon.engines.common.kv_endpoints import plan_kv_events
 from dynamod.daemon.engines.common.kv_subscriber import NativeKvSubscriber
 from dynamod.daemon.engines.common.lora import local_adapter_dir
 from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER, NativeKvEventQueue
-from dynamod.daemon.engines.vllm import disagg, flags
+from dynamod.daemon.engines.vllm import disagg, flags, offload
 from dynamod.daemon.engines.vllm.outputs import OutputTracker, sampling_kwargs
 from dynamod.daemon.engines.vllm.stats import LoadTracker, make_stat_logger_factory
 from dynamod.daemon.models.local import LocalModel
@@ -55,9 +60,16 @@ from dynamod.shared.errors import (
     NotFoundError,
     UnavailableError,
 )
-from dynamod.shared.protocol.kv_events import MEDIUM_GPU, KvCleared, RouterEvent, decode_native_batch
+from dynamod.shared.protocol.kv_events import (
+    MEDIA,
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    KvCleared,
+    RouterEvent,
+    decode_native_batch,
+)
 from dynamod.shared.protocol.llm import FINISH_ABORT, FINISH_ERROR, EngineOutput, PreprocessedRequest
-from dynamod.shared.protocol.load import LoadMetrics
+from dynamod.shared.protocol.load import KvTierLoad, LoadMetrics
 from dynamod.shared.protocol.model_card import RuntimeConfig
 
 logger = logging.getLogger(__name__)
@@ -120,13 +132,17 @@ class VllmEngine:
         kv_event_buffer: int = DEFAULT_EVENT_BUFFER,
         role: str = ROLE_AGG,
         advertise_host: str = "127.0.0.1",
+        host_tier_bytes: int | None = None,
     ) -> None:
+        """``host_tier_bytes``: vLLM's host KV tier (``cpu_bytes_to_use``, offload.py); None: off."""
         self.worker_id = worker_id
         self.model = model
         self.role = role
         self._advertise_host = advertise_host
-        self._tokens = list(tokens)
-        self._kv_transfer = disagg.kv_transfer_config(role, self._tokens)
+        self._host_tier_bytes = host_tier_bytes
+        self._host_tier_capacity = 0  # blocks, known once the engine's block size is (_adopt_config)
+        self._tokens = list(tokens) if host_tier_bytes is None else offload.without_offloading_flags(tokens)
+        self._kv_transfer = offload.kv_transfer_config(role, self._tokens, host_tier_bytes)
         self._context_override = context_length
         est = flags.estimates(self._tokens)
         self._dp = est.data_parallel_size
@@ -142,7 +158,11 @@ class VllmEngine:
             vocab_size=model.vocab_size,
             eos_token_ids=list(model.eos_token_ids),
         )
-        self._feed = NativeKvEventQueue(worker_id, buffer=kv_event_buffer)
+        # With a host tier, vLLM's own AllBlocksCleared (from its device block pool) empties the
+        # device only; the host copies stay until vLLM announces their removal.
+        self._feed = NativeKvEventQueue(
+            worker_id, buffer=kv_event_buffer, cleared_medium=MEDIUM_GPU if self.host_tier else None
+        )
         self._load = LoadTracker(self._dp)
         self._subscriber: NativeKvSubscriber | None = None
         self._llm: Any = None
@@ -166,6 +186,11 @@ class VllmEngine:
     @property
     def status(self) -> EngineState:
         return self._status
+
+    @property
+    def host_tier(self) -> bool:
+        """Whether vLLM keeps a host (CPU) KV tier behind its device cache."""
+        return self._host_tier_bytes is not None
 
     @property
     def kv_feed(self) -> NativeKvEventQueue:
@@ -198,6 +223,8 @@ class VllmEngine:
         os.environ.setdefault("VLLM_RPC_BASE_PATH", self._private_dir)
         if flags.prefix_caching_disabled(self._tokens):
             logger.warning("vllm prefix caching is off worker_id=%x effect=no_kv_events_kv_routing_blind", self.worker_id)
+        if self.host_tier:
+            await asyncio.to_thread(offload.check_platform)
         try:
             plan = plan_kv_events(
                 user_kv_events_config(self._tokens),
@@ -242,9 +269,10 @@ class VllmEngine:
         rc = self._info.runtime_config
         logger.info(
             "vllm engine started worker_id=%x block_size=%d total_kv_blocks=%d context_length=%d max_num_seqs=%d "
-            "dp=%d lora=%s sleep_mode=%s start_s=%.1f",
+            "dp=%d lora=%s sleep_mode=%s host_tier_bytes=%s start_s=%.1f",
             self.worker_id, self._info.kv_block_size, rc.total_kv_blocks, self._info.context_length,
-            rc.max_num_seqs, rc.data_parallel_size, self._lora_enabled(), self._sleep_enabled(), self.start_seconds,
+            rc.max_num_seqs, rc.data_parallel_size, self._lora_enabled(), self._sleep_enabled(),
+            self._host_tier_bytes or 0, self.start_seconds,
         )
 
     def _adopt_config(self) -> None:
@@ -269,6 +297,10 @@ class VllmEngine:
             data_parallel_size=dp,
         )
         self._load.total_blocks_per_rank = total // dp
+        if self._host_tier_bytes is not None:
+            self._host_tier_capacity = offload.host_tier_blocks(
+                self._host_tier_bytes, block_size, self.model.kv_geometry, self._tokens
+            )
         try:
             self._model_defaults = dict(self._llm.model_config.get_diff_sampling_param())
         except Exception:  # a model without generation_config.json is fine
@@ -468,25 +500,64 @@ class VllmEngine:
         return self._feed.dump()
 
     async def clear_kv_blocks(self, medium: str | None = None) -> int:
-        """``reset_prefix_cache``. vLLM publishes its cleared event only with its next step, so the
-        adapter emits it at once; the late native one is harmless (nothing stored in between).
-        This adapter runs no offloading tier, so only the device cache (or every tier) is asked."""
-        if medium not in (None, MEDIUM_GPU):
-            raise InvalidRequestError(f"this vLLM worker keeps no {medium} KV tier; clear the device cache (GPU)")
+        """``reset_prefix_cache``: the device cache (``GPU``), or every tier (None), which with a host
+        tier also resets vLLM's offloading connector (``reset_connector``). vLLM has no call that
+        empties the host tier alone, so ``CPU`` by itself is refused. vLLM publishes the device's
+        cleared event only with its next step and none for the host tier, so the adapter emits them
+        at once (a late native one is harmless: nothing was stored in between)."""
+        if medium is not None and medium not in MEDIA:
+            raise InvalidRequestError(f"unknown KV tier {medium!r}; expected one of {', '.join(MEDIA)}", param="tier")
+        if medium not in (None, MEDIUM_GPU, MEDIUM_CPU) or (medium == MEDIUM_CPU and not self.host_tier):
+            raise InvalidRequestError(f"this vLLM worker keeps no {medium} KV tier; clear the device cache (GPU)", param="tier")
+        if medium == MEDIUM_CPU:
+            raise InvalidRequestError(
+                "vLLM empties its host (CPU) KV tier only together with its device cache; clear every tier instead",
+                param="tier",
+            )
         llm = self._check_started()
+        with_host = self.host_tier and medium is None
         before = self._feed.table.num_blocks()
-        if not await llm.reset_prefix_cache():
+        if with_host:
+            before += self._feed.table.num_blocks(medium=MEDIUM_CPU)
+        if not await llm.reset_prefix_cache(reset_connector=with_host):
+            if with_host:
+                # vLLM resets the connector even when the device reset is refused: say so.
+                for rank in range(self._dp):
+                    self._feed.emit(rank, KvCleared(medium=MEDIUM_CPU))
             raise UnavailableError(
                 f"vLLM resets its prefix cache only when no request holds KV blocks "
                 f"({len(self._active)} in flight on worker {self.worker_id:x}); drain the worker or retry when idle"
             )
+        cleared = MEDIUM_GPU if self.host_tier and medium == MEDIUM_GPU else None
         for rank in range(self._dp):
-            self._feed.emit(rank, KvCleared())
-        logger.info("vllm prefix cache reset worker_id=%x blocks=%d", self.worker_id, before)
+            self._feed.emit(rank, KvCleared(medium=cleared))
+        logger.info(
+            "vllm prefix cache reset worker_id=%x medium=%s blocks=%d", self.worker_id, medium or "all", before
+        )
         return before
 
     def load_metrics(self) -> list[LoadMetrics]:
-        return self._load.snapshot(self.worker_id, idle=not self._active, status=self._status, ts=time.time())
+        metrics = self._load.snapshot(self.worker_id, idle=not self._active, status=self._status, ts=time.time())
+        if self.host_tier:
+            for m in metrics:
+                m.kv_tiers = {MEDIUM_CPU: self._host_tier_load(m.dp_rank)}
+        return metrics
+
+    def _host_tier_load(self, rank: int) -> KvTierLoad:
+        """The host tier of one rank: blocks as its events tell, loads as vLLM's connector stats
+        count them (on a decode worker those also count NIXL's remote reads, so none are claimed)."""
+        blocks = self._feed.table.num_blocks(rank, medium=MEDIUM_CPU)
+        capacity = self._host_tier_capacity
+        hits = 0 if self.role == ROLE_DECODE else self._load.connector_hits(rank)
+        block_size = self._info.kv_block_size
+        return KvTierLoad(
+            blocks=blocks,
+            total_blocks=capacity,
+            usage=min(blocks / capacity, 1.0) if capacity else 0.0,
+            hit_tokens=hits,
+            onboarded_blocks=hits // block_size if block_size else 0,
+            offloaded_blocks=self._feed.lower_stored.get((rank, MEDIUM_CPU), 0),
+        )
 
     # ---- sleep / wake --------------------------------------------------------------------------
 

@@ -5,6 +5,10 @@ prefix cache queries and hits) to the stat loggers it was given. ``LoadTracker``
 per data-parallel rank and the running prefix-hit totals; ``make_stat_logger_factory`` builds the
 ``StatLoggerBase`` subclass vLLM calls (defined on demand, since it subclasses a vLLM class).
 
+With a KV connector, ``connector_prefix_cache_stats`` counts the prompt tokens the connector loaded
+instead of the engine computing them: with the host tier (offload.py), the tokens onboarded from host
+memory, kept per rank as ``connector_hits``.
+
 An idle engine sends no more stats, so the last ones can say "1 running" after that request has
 ended or been aborted; the adapter knows better (no request in flight) and the tracker is told so.
 """
@@ -26,6 +30,7 @@ class RankLoad:
     kv_usage: float = 0.0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    connector_hits: int = 0  # prompt tokens a KV connector loaded (the host tier's onboarded tokens)
     steps: int = 0
 
 
@@ -52,7 +57,15 @@ class LoadTracker:
                     load.prefix_queries = load.prefix_hits = 0
                 load.prefix_queries += int(getattr(prefix, "queries", 0) or 0)
                 load.prefix_hits += int(getattr(prefix, "hits", 0) or 0)
+            connector = getattr(scheduler_stats, "connector_prefix_cache_stats", None)
+            if connector is not None:
+                load.connector_hits += int(getattr(connector, "hits", 0) or 0)
             load.steps += 1
+
+    def connector_hits(self, rank: int) -> int:
+        with self._lock:
+            load = self._ranks.get(rank)
+            return load.connector_hits if load is not None else 0
 
     def snapshot(self, worker_id: int, *, idle: bool, status: str, ts: float) -> list[LoadMetrics]:
         total = self.total_blocks_per_rank

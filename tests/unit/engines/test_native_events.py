@@ -77,21 +77,26 @@ def test_vllm_batch_is_rehashed_with_the_router_hashes():
     assert index.find_matches(local).scores == {(0xABC, 1): 2}
 
 
-def test_lora_name_salts_the_hash_and_other_tiers_are_ignored():
+def test_lora_name_salts_the_hash_and_lower_tiers_keep_their_medium():
     tokens = list(range(BS))
     payload = _vllm_payload(
         [
             _stored([1], None, tokens, lora_name="sql-adapter"),
             _stored([2], None, tokens, medium="CPU"),
             {"type": "BlockRemoved", "block_hashes": [1], "medium": "CPU"},
+            _stored([3], None, tokens, medium="REMOTE_POOL"),  # a tier we do not know: dropped
         ]
     )
     events = NativeEventConverter(worker_id=1).convert(decode_native_batch(payload))
-    assert len(events) == 1
-    (stored,) = [e.event for e in events]
+    stored, host, host_removed = (e.event for e in events)
     assert stored.blocks[0].tokens_hash == compute_block_hashes(tokens, BS, "sql-adapter")[0]
     assert stored.blocks[0].tokens_hash != compute_block_hashes(tokens, BS)[0]
-    assert stored.lora_name == "sql-adapter"
+    assert stored.lora_name == "sql-adapter" and stored.medium == "GPU"
+    assert isinstance(host, KvStored) and host.medium == "CPU"
+    assert host.blocks[0].tokens_hash == compute_block_hashes(tokens, BS)[0]
+    assert isinstance(host_removed, KvRemoved) and host_removed.medium == "CPU"
+    gpu_only = NativeEventConverter(worker_id=1, mediums=("GPU",)).convert(decode_native_batch(payload))
+    assert [e.event.medium for e in gpu_only] == ["GPU"]
 
 
 def test_bytes_hash_conversion_is_stable_and_uses_every_byte():
@@ -114,7 +119,9 @@ def test_offload_media_map_onto_ours() -> None:
     from dynamod.daemon.engines.common.native_events import convert_native_event, medium_of
     from dynamod.shared.protocol.kv_events import BlockRemoved, BlockStored
 
-    assert [medium_of(m) for m in (None, "GPU", "cpu", "LOCAL_DISK", "nvme")] == ["GPU", "GPU", "CPU", "DISK", "DISK"]
+    assert [medium_of(m) for m in (None, "GPU", "cpu", "LOCAL_DISK", "nvme", "STORAGE")] == [
+        "GPU", "GPU", "CPU", "DISK", "DISK", "DISK"
+    ]
     stored = convert_native_event(
         BlockStored(block_hashes=[7], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=4, medium="CPU"),
         mediums=("GPU", "CPU", "DISK"),
@@ -122,4 +129,4 @@ def test_offload_media_map_onto_ours() -> None:
     assert stored is not None and stored.medium == "CPU"
     removed = convert_native_event(BlockRemoved(block_hashes=[7], medium="GPU"), mediums=("GPU", "CPU"))
     assert removed is not None and removed.medium == "GPU"
-    assert convert_native_event(BlockRemoved(block_hashes=[7], medium="CPU")) is None  # GPU-only by default
+    assert convert_native_event(BlockRemoved(block_hashes=[7], medium="CPU"), mediums=("GPU",)) is None
