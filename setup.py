@@ -44,8 +44,8 @@ class OptionalBuildExt(build_ext):
 
 kvcore = Extension(
     "dynamod.shared.kv._kvcore",
-    sources=["shared/kv/_native/kvcore.c"],
-    depends=["shared/kv/_native/xxhash.h"],
+    sources=["shared/kv/_native/kvcore.c", "shared/kv/_native/schedcore.c"],
+    depends=["shared/kv/_native/xxhash.h", "shared/kv/_native/u64map.h"],
     include_dirs=["shared/kv/_native"],
     extra_compile_args=["-O2"],
     optional=True,

@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry
 
 from dynamod.daemon.router import KvRouter, KvRouterConfig
 from dynamod.shared.kv import indexer as kv_indexer
+from dynamod.shared.kv import native
 from dynamod.shared.kv.hashing import compute_block_hashes, compute_sequence_hashes, hash_tokens
 from dynamod.shared.protocol.kv_events import KvStored, RouterEvent, StoredBlock
 
@@ -194,6 +195,7 @@ def main() -> None:
     result: dict = {
         "python": platform.python_version(),
         "kv_index": getattr(kv_indexer, "kv_index_implementation", lambda: "python")(),
+        "scheduler_core": "native" if getattr(native.core, "score_candidates", None) else "python",
         "calibration_ns_per_dict_insert": calibrate(),
         "load_average_1m": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),

@@ -5,6 +5,14 @@ and *active prefill tokens* (prompt tokens routed but not yet prefilled, the pre
 Requests sharing a prefix share its blocks on the engine, so blocks are reference-counted by their
 chained sequence hash and counted once. A request's trailing partial block is its own.
 
+The scheduler reads two things per decision, both kept ready here rather than rebuilt: each
+worker's load terms ``(active blocks, active prefill tokens)`` (``load_terms``, updated on every
+add / prefill done / free) and, for the prompt at hand, the blocks it shares with the active
+requests of the few workers whose requests start like it (``shared_prefixes``). Each worker's
+active blocks live in the compiled core's flat ``ActiveBlocks`` when it is built
+(shared/kv/_native/schedcore.c), else in its Python twin ``CountedBlocks``; ``DYN_KV_INDEX_IMPL=python``
+or ``core=None`` picks the latter. Both count, release and search alike.
+
 Lifecycle, driven by the frontend: ``add`` when routed, ``mark_prefill_done`` at the first token
 (its prompt stops counting as prefill load), ``free`` at the end, on error or cancel. A request
 never freed (a lost frontend task) is forgotten after ``ttl_s`` so its load does not stick forever.
@@ -16,46 +24,109 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
+from types import ModuleType
 
+from dynamod.shared.kv import native
 from dynamod.shared.kv.indexer import WorkerKey
 
 logger = logging.getLogger(__name__)
 
 
-class WorkerLoad:
-    """What the router believes one worker key is doing."""
+class CountedBlocks:
+    """One worker's active blocks: sequence hash -> active requests using it; ``len()`` is the
+    number of distinct blocks. The pure-Python twin of the compiled ``ActiveBlocks``
+    (shared/kv/_native/schedcore.c), same methods and results."""
 
-    __slots__ = ("block_refs", "partial_blocks", "prefill_tokens", "requests")
+    __slots__ = ("_refs",)
 
     def __init__(self) -> None:
-        # sequence hash -> active requests using the block (a Counter: its update() counts a
-        # 512-block prompt in C, on the routing path)
-        self.block_refs: Counter[int] = Counter()
-        self.partial_blocks = 0
-        self.prefill_tokens = 0
-        self.requests = 0
+        self._refs: Counter[int] = Counter()  # update() counts a 512-block prompt in C
 
-    @property
-    def active_blocks(self) -> int:
-        return len(self.block_refs) + self.partial_blocks
+    def __len__(self) -> int:
+        return len(self._refs)
 
-    def shared_prefix(self, seq_hashes: Sequence[int]) -> int:
-        """How many leading blocks of a prompt are already active here.
+    def __contains__(self, seq_hash: object) -> bool:
+        return seq_hash in self._refs
+
+    def count(self, seq_hash: int) -> int:
+        return self._refs.get(seq_hash, 0)
+
+    def add(self, seq_hashes: Sequence[int]) -> None:
+        """One more active request uses each of these blocks."""
+        self._refs.update(seq_hashes)
+
+    def release(self, seq_hashes: Sequence[int]) -> None:
+        """One active request fewer uses each of these blocks; blocks nobody uses are dropped
+        (a block not active is skipped)."""
+        refs = self._refs
+        drop = dict.__delitem__  # not Counter's own __delitem__, a Python-level wrapper
+        for h in seq_hashes:
+            n = refs.get(h)
+            if n is None:
+                continue
+            if n > 1:
+                refs[h] = n - 1
+            else:
+                drop(refs, h)
+
+    def shared_prefix(self, seq_hashes: Sequence[int], hint: int = 0) -> int:
+        """How many leading blocks of a prompt are active here.
 
         The active set is a union of whole prompt chains, so it is prefix-closed along any
-        prompt: a binary search finds the boundary in O(log n) lookups.
+        prompt: a binary search finds the boundary in O(log n) lookups. ``hint`` is a guess
+        (another worker's answer: many workers' requests end at the same place, a shared system
+        prompt say); a right guess is confirmed in two lookups, and the answer never depends on it.
         """
-        refs = self.block_refs
-        if not refs or not seq_hashes or seq_hashes[0] not in refs:
+        refs = self._refs
+        n = len(seq_hashes)
+        lo, hi = 0, n  # the answer lies in [lo, hi]
+        if not n or not refs:
             return 0
-        lo, hi = 1, len(seq_hashes)  # seq_hashes[:lo] is active; find the largest such lo
-        while lo < hi:
+        if 1 <= hint <= n:
+            if seq_hashes[hint - 1] in refs:
+                lo = hint
+                if hint < n:
+                    if seq_hashes[hint] in refs:
+                        lo = hint + 1
+                    else:
+                        return hint
+            else:
+                hi = hint - 1
+        elif seq_hashes[0] not in refs:
+            return 0
+        else:
+            lo = 1
+        while lo < hi:  # seq_hashes[:lo] is active; find the largest such lo
             mid = (lo + hi + 1) // 2
             if seq_hashes[mid - 1] in refs:
                 lo = mid
             else:
                 hi = mid - 1
         return lo
+
+
+ActiveBlockSet = Callable[[], "CountedBlocks"]
+"""Makes an empty per-worker active-block set: ``CountedBlocks`` or the compiled ``ActiveBlocks``."""
+
+
+class WorkerLoad:
+    """What the router believes one worker key is doing."""
+
+    __slots__ = ("blocks", "partial_blocks", "prefill_tokens", "requests")
+
+    def __init__(self, blocks: CountedBlocks) -> None:
+        self.blocks = blocks  # active blocks, reference-counted by the requests using them
+        self.partial_blocks = 0
+        self.prefill_tokens = 0
+        self.requests = 0
+
+    @property
+    def active_blocks(self) -> int:
+        return len(self.blocks) + self.partial_blocks
+
+    def shared_prefix(self, seq_hashes: Sequence[int], hint: int = 0) -> int:
+        """How many leading blocks of a prompt are already active here."""
+        return self.blocks.shared_prefix(seq_hashes, hint)
 
 
 _NO_WORKERS: Counter[WorkerKey] = Counter()
@@ -78,14 +149,27 @@ class _Sequence:
 class ActiveSequences:
     """Active requests by id (any hashable: replicas key remote requests by (router, id))."""
 
-    def __init__(self, block_size: int, *, ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        ttl_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+        core: ModuleType | None = native.core,
+    ) -> None:
+        """``core``: the compiled KV core, whose ``ActiveBlocks`` holds each worker's active
+        blocks (default: the one in use, see shared/kv/native.py); None keeps them in Python."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.ttl_s = ttl_s
         self._clock = clock
+        self._new_blocks: ActiveBlockSet = getattr(core, "ActiveBlocks", CountedBlocks)
         self._seqs: OrderedDict[Hashable, _Sequence] = OrderedDict()  # in add order = age order
         self._loads: dict[WorkerKey, WorkerLoad] = {}
+        # worker -> (active blocks, active prefill tokens), for workers with active requests:
+        # what the scheduler reads for every candidate, kept current instead of derived per decision.
+        self._terms: dict[WorkerKey, tuple[int, int]] = {}
         # First block -> active requests starting with it, per worker: the few workers a prompt
         # can share active blocks with, found without probing every worker's blocks (at a
         # thousand workers that probe was a third of a routing decision).
@@ -115,6 +199,26 @@ class ActiveSequences:
     def active_prefill_tokens(self, worker: WorkerKey) -> int:
         load = self._loads.get(worker)
         return load.prefill_tokens if load is not None else 0
+
+    def load_terms(self) -> dict[WorkerKey, tuple[int, int]]:
+        """``{worker: (active blocks, active prefill tokens)}`` for workers with active requests
+        (live, read-only by contract): the scheduler's per-candidate input."""
+        return self._terms
+
+    def shared_prefixes(self, seq_hashes: Sequence[int]) -> dict[WorkerKey, int]:
+        """For each worker whose active blocks include the prompt's first block, how many of the
+        prompt's leading blocks are active there (workers not listed share none)."""
+        if not seq_hashes:
+            return {}
+        sharing = self._by_first.get(seq_hashes[0])
+        if not sharing:
+            return {}
+        loads = self._loads
+        out: dict[WorkerKey, int] = {}
+        guess = 0  # the previous worker's answer: requests often end where others' do
+        for w in sharing:
+            guess = out[w] = loads[w].blocks.shared_prefix(seq_hashes, guess)
+        return out
 
     def workers_sharing_first_block(self, first_block: int) -> Counter[WorkerKey]:
         """Workers with an active request whose first block is ``first_block`` (live, read-only):
@@ -146,8 +250,8 @@ class ActiveSequences:
         seq = _Sequence(worker, seq_hashes, partial, max(prefill_tokens, 0), now)
         load = self._loads.get(worker)
         if load is None:
-            load = self._loads[worker] = WorkerLoad()
-        load.block_refs.update(seq_hashes)
+            load = self._loads[worker] = WorkerLoad(self._new_blocks())
+        load.blocks.add(seq_hashes)
         if seq_hashes:
             sharing = self._by_first.get(seq_hashes[0])
             if sharing is None:
@@ -156,6 +260,7 @@ class ActiveSequences:
         load.partial_blocks += partial
         load.prefill_tokens += seq.prefill_tokens
         load.requests += 1
+        self._terms[worker] = (len(load.blocks) + load.partial_blocks, load.prefill_tokens)
         self._seqs[request_id] = seq
 
     def mark_prefill_done(self, request_id: Hashable) -> bool:
@@ -166,6 +271,7 @@ class ActiveSequences:
         seq.prefill_done = True
         load = self._loads[seq.worker]
         load.prefill_tokens -= seq.prefill_tokens
+        self._terms[seq.worker] = (len(load.blocks) + load.partial_blocks, load.prefill_tokens)
         return True
 
     def free(self, request_id: Hashable) -> bool:
@@ -201,6 +307,7 @@ class ActiveSequences:
             self.free(rid)
         for key in [k for k in self._loads if k[0] == worker_id]:
             del self._loads[key]
+            self._terms.pop(key, None)
         return gone
 
     def _release(self, seq: _Sequence) -> None:
@@ -217,16 +324,13 @@ class ActiveSequences:
         load = self._loads.get(seq.worker)
         if load is None:
             return
-        refs = load.block_refs
-        for h in seq.seq_hashes:
-            n = refs[h] - 1
-            if n:
-                refs[h] = n
-            else:
-                del refs[h]
+        load.blocks.release(seq.seq_hashes)
         load.partial_blocks -= seq.partial
         if not seq.prefill_done:
             load.prefill_tokens -= seq.prefill_tokens
         load.requests -= 1
         if load.requests == 0:
             del self._loads[seq.worker]
+            del self._terms[seq.worker]
+        else:
+            self._terms[seq.worker] = (len(load.blocks) + load.partial_blocks, load.prefill_tokens)

@@ -29,6 +29,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from types import ModuleType
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -40,6 +41,7 @@ from dynamod.daemon.router.scheduler import KvScheduler
 from dynamod.daemon.router.wait_queue import WaitQueue
 from dynamod.shared.errors import InvalidRequestError, NoInstancesError, OverloadedError
 from dynamod.shared.events.seq import Arrival, EventSequences
+from dynamod.shared.kv import native
 from dynamod.shared.kv.approx import ApproxKvIndexer
 from dynamod.shared.kv.hashing import compute_block_hashes, compute_sequence_hashes
 from dynamod.shared.kv.indexer import APPLIED, KvIndexer, OverlapScores, WorkerKey
@@ -77,7 +79,11 @@ class KvRouter:
         registry: CollectorRegistry | None = None,
         metrics: RouterMetrics | None = None,
         on_resync: Callable[[int], None] | None = None,
+        core: ModuleType | None = native.core,
     ) -> None:
+        """``core``: the compiled KV core for the scheduler's per-candidate loop and the active
+        blocks (default: the one in use, shared/kv/native.py); None runs both in Python, with
+        the same decisions. The index implementation is chosen by ``KvIndexer`` alone."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.config = config.validate()
@@ -98,14 +104,14 @@ class KvRouter:
         # While the event plane is down, KV events are lost: routed requests are remembered here,
         # as in approximate mode, on top of the index as it stood (``enter_events_outage``).
         self._outage: ApproxKvIndexer | None = None
-        self.active = ActiveSequences(block_size, ttl_s=config.router_active_sequence_ttl_secs, clock=clock)
+        self.active = ActiveSequences(block_size, ttl_s=config.router_active_sequence_ttl_secs, clock=clock, core=core)
         self.busy = BusyPolicy(
             decode_blocks_threshold=config.active_decode_blocks_threshold,
             prefill_tokens_threshold=config.active_prefill_tokens_threshold,
             metrics_max_age_s=config.router_load_max_age_secs,
             clock=clock,
         )
-        self.scheduler = KvScheduler(block_size, self._rng)
+        self.scheduler = KvScheduler(block_size, self._rng, core=core)
         self.queue = WaitQueue(config.router_queue_size, config.router_queue_timeout_secs)
         self.metrics = metrics if metrics is not None else router_metrics(registry)
         self._event_counters: dict[tuple[str, str], Counter] = {}

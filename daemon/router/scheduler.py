@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 from functools import lru_cache
+from types import ModuleType
 
 from dynamod.daemon.router.active_sequences import ActiveSequences
+from dynamod.shared.kv import native
 from dynamod.shared.kv.indexer import OverlapScores, WorkerKey
 from dynamod.shared.protocol.routing import (
     REASON_LOWEST_COST,
@@ -71,11 +73,26 @@ class Selection:
 
 
 class KvScheduler:
-    def __init__(self, block_size: int, rng: random.Random) -> None:
+    """Scores candidates and picks one. The per-candidate loop and the lowest-key search run in
+    the compiled KV core when it is built (shared/kv/_native/schedcore.c), else in Python
+    (``_score_python``, the reference); both give the same scores, keys and choices."""
+
+    def __init__(self, block_size: int, rng: random.Random, *, core: ModuleType | None = native.core) -> None:
+        """``core``: the compiled KV core (default: the one in use, see shared/kv/native.py); None
+        forces the Python loops, e.g. to compare the two."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.rng = rng
+        self._score_core: Callable[..., tuple[list[CandidateScore], list[int]] | None] | None = getattr(
+            core, "score_candidates", None
+        )
+        self._lowest_core: Callable[[list[int]], tuple[int, int, int] | None] | None = getattr(core, "lowest_keys", None)
+
+    @property
+    def implementation(self) -> str:
+        """``native`` or ``python``: where the per-candidate loop runs."""
+        return "native" if self._score_core is not None else "python"
 
     def score(
         self,
@@ -91,37 +108,54 @@ class KvScheduler:
     ) -> tuple[list[CandidateScore], list[int]]:
         """Each candidate's cost terms, plus the exact integer cost keys used for comparison.
 
-        One pass per candidate, kept lean because fleets have a thousand of them: only the few
-        workers with an active request starting like this prompt can share active blocks with
-        it, so they are looked up once (``workers_sharing_first_block``) instead of probing
-        every worker's active blocks."""
+        Keys are ``cost * b * block_size * scale``, where ``a/b`` is the overlap weight and
+        ``scale`` the common denominator of the tier weights (1 when no worker holds prompt blocks
+        below its device): the same factor for every candidate, so comparisons and ties are
+        those of the costs. Only the few workers with an active request starting like this
+        prompt can share active blocks with it, so only they are searched (``shared_prefixes``)."""
         bs = self.block_size
         a, b = weight_ratio(overlap_weight)
         lower = overlaps.lower
+        scale = 1
+        host_units = disk_units = 0
         if lower:
-            # Tier credit in exact integers too: every key is scaled by the weights' common
-            # denominator, the same for all candidates, so comparisons and ties are unchanged.
             hn, hd = weight_ratio(host_weight)
             dn, dd = weight_ratio(disk_weight)
             scale = math.lcm(hd, dd)
             host_units = hn * (scale // hd) * bs  # credited prefill tokens x scale, per host block
             disk_units = dn * (scale // dd) * bs
-            return self._score_tiered(
-                candidates, overlaps, active, isl, seq_hashes, a, b, scale, host_units, disk_units
+        terms = active.load_terms()
+        shared = active.shared_prefixes(seq_hashes)
+        if self._score_core is not None:
+            out = self._score_core(
+                candidates, overlaps.scores, overlaps.tree_sizes, lower, terms, shared, CandidateScore,
+                isl, bs, a, b * bs * scale, scale, host_units, disk_units,
             )
+            if out is not None:  # None: a value beyond exact int64 / double arithmetic
+                return out
+        if lower:
+            return self._score_tiered(candidates, overlaps, terms, shared, isl, a, b, scale, host_units, disk_units)
+        return self._score_python(candidates, overlaps, terms, shared, isl, a, b)
+
+    def _score_python(
+        self,
+        candidates: Sequence[WorkerKey],
+        overlaps: OverlapScores,
+        terms: dict[WorkerKey, tuple[int, int]],
+        shared: dict[WorkerKey, int],
+        isl: int,
+        a: int,
+        b: int,
+    ) -> tuple[list[CandidateScore], list[int]]:
+        """The reference loop when no worker holds prompt blocks below its device. Keys are
+        ``cost * b * block_size``."""
+        bs = self.block_size
         decode_scale = b * bs
         request_blocks = -(-isl // bs)
         overlap_of = overlaps.scores.get
         tree_size_of = overlaps.tree_sizes.get
-        loads = active.loads()
-        load_of = loads.get
-        shared_of: dict[WorkerKey, int] = {}
-        if seq_hashes:
-            for worker in active.workers_sharing_first_block(seq_hashes[0]):
-                load = load_of(worker)
-                if load is not None:
-                    shared_of[worker] = load.shared_prefix(seq_hashes)
-        shared_get = shared_of.get
+        load_of = terms.get
+        shared_get = shared.get
         scores: list[CandidateScore] = []
         keys: list[int] = []
         add_key = keys.append
@@ -137,11 +171,10 @@ class KvScheduler:
                 prefill_tokens = uncached
                 decode_blocks = request_blocks - overlap
             else:
-                prefill_tokens = load.prefill_tokens + uncached
-                shared = shared_get(worker, 0)
-                decode_blocks = (
-                    len(load.block_refs) + load.partial_blocks + request_blocks - (shared if shared > overlap else overlap)
-                )
+                active_blocks, load_prefill = load
+                prefill_tokens = load_prefill + uncached
+                reused = shared_get(worker, 0)
+                decode_blocks = active_blocks + request_blocks - (reused if reused > overlap else overlap)
             key = a * prefill_tokens + decode_scale * decode_blocks
             add_key(key)
             add_score(
@@ -162,46 +195,38 @@ class KvScheduler:
         self,
         candidates: Sequence[WorkerKey],
         overlaps: OverlapScores,
-        active: ActiveSequences,
+        terms: dict[WorkerKey, tuple[int, int]],
+        shared: dict[WorkerKey, int],
         isl: int,
-        seq_hashes: Sequence[int],
         a: int,
         b: int,
         scale: int,
         host_units: int,
         disk_units: int,
     ) -> tuple[list[CandidateScore], list[int]]:
-        """``score`` when some worker holds prompt blocks below its device (kept apart so the
-        common case stays lean). Keys are ``cost * b * block_size * scale``."""
+        """``_score_python`` when some worker holds prompt blocks below its device (kept apart so
+        the common case stays lean). Keys are ``cost * b * block_size * scale``."""
         bs = self.block_size
         decode_scale = b * bs * scale
         request_blocks = -(-isl // bs)
         overlap_of = overlaps.scores.get
         lower_of = overlaps.lower.get
         tree_size_of = overlaps.tree_sizes.get
-        loads = active.loads()
-        shared_of: dict[WorkerKey, int] = {}
-        if seq_hashes:
-            for worker in active.workers_sharing_first_block(seq_hashes[0]):
-                load = loads.get(worker)
-                if load is not None:
-                    shared_of[worker] = load.shared_prefix(seq_hashes)
         scores: list[CandidateScore] = []
         keys: list[int] = []
         for worker in candidates:
             overlap = overlap_of(worker, 0)
             uncached = max(isl - overlap * bs, 0)
             host, disk = lower_of(worker, (0, 0))[:2]
-            load = loads.get(worker)
+            load = terms.get(worker)
             if load is None:
                 prefill_tokens = uncached
                 decode_blocks = request_blocks - overlap
             else:
-                prefill_tokens = load.prefill_tokens + uncached
-                shared = shared_of.get(worker, 0)
-                decode_blocks = (
-                    len(load.block_refs) + load.partial_blocks + request_blocks - (shared if shared > overlap else overlap)
-                )
+                active_blocks, load_prefill = load
+                prefill_tokens = load_prefill + uncached
+                reused = shared.get(worker, 0)
+                decode_blocks = active_blocks + request_blocks - (reused if reused > overlap else overlap)
             credited = host * host_units + disk * disk_units  # tokens x scale
             prefill_scaled = prefill_tokens * scale - credited
             key = a * prefill_scaled + decode_scale * decode_blocks
@@ -232,13 +257,20 @@ class KvScheduler:
             return Selection(0, scores, REASON_ONLY_CANDIDATE, f"only candidate, cost {scores[0].cost:.3f}")
         if temperature > 0:
             return self._sample(scores, keys, temperature)
-        # min/count/index run in C: no sort, which at a thousand candidates cost a tenth of a
-        # decision. Ties and the runner-up are taken in candidate order, as a stable sort would.
-        best = min(keys)
-        if keys.count(best) == 1:
+        # No sort, which at a thousand candidates cost a tenth of a decision: one pass in the
+        # compiled core, else min/count/index (each in C too). Ties and the runner-up are taken
+        # in candidate order, as a stable sort would.
+        lowest = self._lowest_core(keys) if self._lowest_core is not None and type(keys) is list else None
+        if lowest is not None:
+            i, ties, second = lowest
+            best = keys[i]
+        else:
+            best = min(keys)
+            ties = keys.count(best)
             i = keys.index(best)
-            others = keys[:i] + keys[i + 1 :]
-            second = keys.index(min(others))
+            if ties == 1:
+                second = keys.index(min(keys[:i] + keys[i + 1 :]))
+        if ties == 1:
             return Selection(
                 i,
                 scores,

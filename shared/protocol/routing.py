@@ -30,9 +30,11 @@ HEADER_MAX_CANDIDATES = 8  # keeps the header well under common 8 KiB header lim
 _json = msgspec.json.Encoder()
 
 
-class CandidateScore(msgspec.Struct):
+class CandidateScore(msgspec.Struct, gc=False):
     """One candidate's terms in ``cost = overlap_weight * prefill_blocks + decode_blocks``.
-    Positional construction (the scheduler builds one per candidate per request)."""
+    Positional construction (the scheduler builds one per candidate per request). ``gc=False``:
+    only scalar fields, so never part of a cycle; a thousand per decision would otherwise each
+    count towards the next garbage-collector pass."""
 
     worker_id: int
     dp_rank: int

@@ -24,7 +24,7 @@ from dynamod.shared.protocol.kv_events import (
     RouterEvent,
     StoredBlock,
 )
-from tests.unit.router.kv_impls import IMPLS, make_index
+from tests.unit.router.kv_impls import IMPLS, NATIVE_CORE, make_index
 
 BS = 4
 W1, W2 = (1, 0), (2, 0)
@@ -137,7 +137,9 @@ def test_dump_rebuilds_every_tier(impl: str) -> None:
         offload(src, w, blocks[cut + 2 :], blocks[cut + 1].block_hash, MEDIUM_CPU, MEDIUM_DISK)
     events = src.dump_events()
     assert {e.event.medium for e in events} == {MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK}
-    for other in IMPLS:  # the other implementation rebuilds the same picture
+    for other in IMPLS:  # the other implementation rebuilds the same picture (when it was built)
+        if other.values[0] == "native" and NATIVE_CORE is None:
+            continue
         dst = make_index(other.values[0])
         assert dst.apply_events(events) == 0
         for w, salt in ((W1, 1), (W2, 2)):
