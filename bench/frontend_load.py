@@ -16,6 +16,10 @@ per request: with Nagle's algorithm on, the SSE chunks of a fresh connection wou
 peer's delayed-ACK time (~40 ms on Linux). After the load a few lone streams (``nagle_probe``)
 measure ITL where each token is its own write; ``nagle_suspected`` is set when their median gap
 reaches 30 ms.
+
+On a shared machine the frontend's CPU per request moves with how fast the cores run Python at
+the moment (other processes, cache pressure): ``calibration_ns_per_dict_insert``
+(``bench_util.calibrate``, before and after the runs) says how fast that was, to compare runs.
 """
 
 from __future__ import annotations
@@ -31,9 +35,13 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import msgspec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_util import calibrate  # noqa: E402
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 NAGLE_SUSPECT_MS = 30.0
@@ -323,6 +331,7 @@ async def run_load(args: argparse.Namespace, fresh: bool, prompts: list[str]) ->
 
 
 async def main_async(args: argparse.Namespace) -> dict:
+    calibration_before = calibrate()
     prompts = make_prompts(args.requests + args.warmup, args.prompt_tokens, args.seed, args.shared_prefixes)
     if args.warmup:
         saved = args.requests
@@ -345,6 +354,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     report["nagle_suspected"] = probe["itl_ms"]["p50"] >= NAGLE_SUSPECT_MS or any(
         r["itl_ms"]["p50"] >= NAGLE_SUSPECT_MS for r in runs
     )
+    report["calibration_ns_per_dict_insert"] = {"before": calibration_before, "after": calibrate()}
     return report
 
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from dynamod.daemon.frontend.dispatch import EngineStream
-from dynamod.daemon.frontend.preprocess import IncrementalDetokenizer, StopStringMatcher
+from dynamod.daemon.frontend.preprocess import Detokenizer, StopStringMatcher
 from dynamod.shared.errors import EngineError
 from dynamod.shared.protocol.llm import FINISH_ERROR, FINISH_STOP
 
@@ -47,7 +47,7 @@ class TextGeneration:
     def __init__(
         self,
         engine: EngineStream,
-        detokenizer: IncrementalDetokenizer,
+        detokenizer: Detokenizer,
         stops: list[str],
         *,
         want_logprobs: bool,

@@ -4,9 +4,19 @@ Requests go text -> chat template -> token ids; responses go token ids -> text d
 strings. The HTTP layer calls these per request.
 """
 
+from .byte_level import ByteLevelDetokenizer, ByteLevelTable
 from .chat_template import ChatTemplate, normalize_messages
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import Detokenizer, IncrementalDetokenizer
 from .stop import StopStringMatcher
 from .tokenizer import Tokenizer
 
-__all__ = ["ChatTemplate", "IncrementalDetokenizer", "StopStringMatcher", "Tokenizer", "normalize_messages"]
+__all__ = [
+    "ByteLevelDetokenizer",
+    "ByteLevelTable",
+    "ChatTemplate",
+    "Detokenizer",
+    "IncrementalDetokenizer",
+    "StopStringMatcher",
+    "Tokenizer",
+    "normalize_messages",
+]

@@ -15,6 +15,7 @@ Special tokens are dropped on input when they are to be skipped, so they never w
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from .tokenizer import Tokenizer
 
@@ -25,6 +26,20 @@ MAX_HELD_TOKENS = 6
 # Already-emitted tokens kept as decoding context (for the first generated tokens: the prompt's
 # last tokens; vLLM uses the same 5).
 CONTEXT_TOKENS = 5
+
+
+class Detokenizer(Protocol):
+    """What the generation layer needs from a detokenizer: this module's general one, or
+    ``byte_level.ByteLevelDetokenizer`` (a table lookup per token) for byte-level tokenizers."""
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def add_token(self, token_id: int) -> str: ...
+
+    def add_tokens(self, token_ids: Iterable[int]) -> str: ...
+
+    def flush(self) -> str: ...
 
 
 class IncrementalDetokenizer:

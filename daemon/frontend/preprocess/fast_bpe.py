@@ -8,7 +8,8 @@ ranks follow the token ids, and added tokens that are matched literally. ``FastB
 accepts a tokenizer only when its ``tokenizer.json`` says exactly that, and then checks itself
 against ``tokenizers`` on sample texts; anything else (SentencePiece models, byte fallback, a
 normalizer, stripped added tokens, tiktoken not installed) returns None and the caller keeps the
-``tokenizers`` path. Decoding is not affected: it stays with ``tokenizers``.
+``tokenizers`` path. Decoding has its own table-driven path for the same tokenizers
+(``byte_level.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import json
 import logging
 from typing import Any
+
+from .byte_level import gpt2_byte_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -33,19 +36,6 @@ _SELF_CHECK_TEXTS = (
     "MixedCASE CamelCase snake_case kebab-case SHOUTING 'QUOTED' \"double\" `back`",
     "",
 )
-
-
-def _byte_decoder() -> dict[str, int]:
-    """The inverse of GPT-2's bytes-to-unicode table that byte-level vocabularies are written in."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
 def _split_pattern(pre_tokenizer: dict[str, Any] | None) -> str | None:
@@ -89,7 +79,7 @@ def _mergeable_ranks(model: dict[str, Any]) -> dict[bytes, int] | None:
         return None
     vocab: dict[str, int] = model.get("vocab") or {}
     merges = model.get("merges") or []
-    decoder = _byte_decoder()
+    decoder = gpt2_byte_decoder()
     ranks: dict[bytes, int] = {}
     try:
         for token, token_id in vocab.items():

@@ -18,7 +18,14 @@ import logging
 import tempfile
 from pathlib import Path
 
-from dynamod.daemon.frontend.preprocess import ChatTemplate, IncrementalDetokenizer, Tokenizer
+from dynamod.daemon.frontend.preprocess import (
+    ByteLevelDetokenizer,
+    ByteLevelTable,
+    ChatTemplate,
+    Detokenizer,
+    IncrementalDetokenizer,
+    Tokenizer,
+)
 from dynamod.daemon.frontend.preprocess.fast_bpe import FastBpeEncoder
 from dynamod.daemon.frontend.preprocess.tokenizer import ASYNC_ENCODE_THRESHOLD_CHARS
 from dynamod.daemon.frontend.protocol import ChatCompletionRequest, CompletionRequest
@@ -54,6 +61,8 @@ class ModelPreprocessor:
         # A byte-level BPE tokenizer encodes ~4x faster on tiktoken, with the same ids (checked
         # when built); chat prompts (no added special tokens) take that path.
         self._fast = FastBpeEncoder.build(tokenizer.inner, source)
+        # The same tokenizers decode by table lookup (a tenth of the CPU of decoding windows).
+        self._byte_table = ByteLevelTable.build(tokenizer.inner)
 
     def _encode_now(self, text: str, add_special_tokens: bool) -> list[int]:
         if self._fast is not None and not add_special_tokens:
@@ -134,13 +143,16 @@ class ModelPreprocessor:
                 )
         return list(prompt)
 
-    def detokenizer(self, prompt_ids: list[int], keep_markers: tuple[str, ...] = ()) -> IncrementalDetokenizer:
+    def detokenizer(self, prompt_ids: list[int], keep_markers: tuple[str, ...] = ()) -> Detokenizer:
         """``keep_markers``: texts an output parser reads; those that are special tokens here stay in the text."""
-        keep = frozenset()
+        keep: frozenset[int] = frozenset()
         if keep_markers:
             special = self.tokenizer.special_token_ids
             ids = (self.tokenizer.token_to_id(m) for m in keep_markers)
             keep = frozenset(i for i in ids if i is not None and i in special)
+        if self._byte_table is not None:
+            special_ids = self.tokenizer.special_token_ids
+            return ByteLevelDetokenizer(self._byte_table, special_ids, keep_token_ids=keep)
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids=prompt_ids[-8:], keep_token_ids=keep)
 
     def token_text(self, token_id: int) -> str:
