@@ -17,6 +17,7 @@ from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.pools import PoolSummary
 from dynamod.console.state.records import STATUS_GONE, Worker, fmt_id
 from dynamod.console.state.scaling import GlobalRouterPools, PoolScaling, describe_decision
+from dynamod.console.state.tiers import TierFigures
 from dynamod.console.state.transfers import TransferFigures
 from dynamod.shared.protocol.planner import PlannerDecision
 
@@ -37,6 +38,42 @@ def fmt_age(seconds: float | None) -> str:
 
 def fmt_pct(fraction: float | None) -> str:
     return "-" if fraction is None else f"{fraction * 100:.0f}%"
+
+
+# One letter per lower KV tier (vLLM's medium names), in the order blocks move down: host, disk.
+TIER_LETTERS = {"CPU": "H", "DISK": "D"}
+TIER_COLUMN = "TIER%"
+
+
+def fmt_tiers(figures: dict[str, TierFigures]) -> str:
+    """A worker's lower KV tiers' occupancy in a few characters (``H40 D12``: host 40% full, disk
+    12%), only the tiers it has; "-" for a worker without any. The device's own usage is the KV
+    column beside it."""
+    if not figures:
+        return "-"
+    order = sorted(figures, key=lambda m: (list(TIER_LETTERS).index(m) if m in TIER_LETTERS else len(TIER_LETTERS), m))
+    parts = []
+    for medium in order:
+        usage = figures[medium].usage
+        parts.append(f"{TIER_LETTERS.get(medium, medium[:1])}{'-' if usage is None else f'{usage * 100:.0f}'}")
+    return " ".join(parts)
+
+
+def tier_records(figures: dict[str, TierFigures]) -> dict[str, dict[str, Any]] | None:
+    """A worker's lower KV tiers for JSON, by medium (None for a worker without any)."""
+    if not figures:
+        return None
+    return {
+        medium: {
+            "usage": round(f.usage, 4) if f.usage is not None else None,
+            "blocks": f.blocks,
+            "total_blocks": f.total_blocks,
+            "hit_tokens": f.hit_tokens,
+            "onboard_blocks_per_s": round(f.onboard_per_s, 2) if f.onboard_per_s is not None else None,
+            "offload_blocks_per_s": round(f.offload_per_s, 2) if f.offload_per_s is not None else None,
+        }
+        for medium, f in figures.items()
+    }
 
 
 def fmt_ms(seconds: float | None) -> str:
@@ -116,7 +153,9 @@ def transfer_record(fig: TransferFigures | None) -> dict[str, Any] | None:
     }
 
 
-def worker_record(w: Worker, now: float, transfer: TransferFigures | None = None) -> dict[str, Any]:
+def worker_record(
+    w: Worker, now: float, transfer: TransferFigures | None = None, tiers: dict[str, TierFigures] | None = None
+) -> dict[str, Any]:
     """Everything ``dynamoctl status --json`` prints for one instance (stable keys)."""
     st = w.stats
     return {
@@ -145,13 +184,14 @@ def worker_record(w: Worker, now: float, transfer: TransferFigures | None = None
         if st.loads or st.ttft_s is not None or st.routed
         else None,
         "kv_transfer": transfer_record(transfer),
+        "kv_tiers": tier_records(tiers or {}),
     }
 
 
 def status_records(state: ClusterState, *, include_gone: bool = False) -> list[dict[str, Any]]:
     now = state.clock()
     return [
-        worker_record(w, now, state.transfers.figures(w.instance_id))
+        worker_record(w, now, state.transfers.figures(w.instance_id), state.tiers.figures(w.instance_id))
         for w in state.worker_list(workers_only=False, include_gone=include_gone)
     ]
 
@@ -208,30 +248,39 @@ def pool_records(state: ClusterState) -> list[dict[str, Any]]:
 STATUS_COLUMNS = ("ID", "COMPONENT", "ROLE", "STATUS", "MODEL", "LORAS", "NODE", "PID", "RUN", "WAIT", "KV", "HIT", "AGE")
 
 
-def status_table_rows(state: ClusterState, *, include_gone: bool = False) -> list[tuple[str, ...]]:
+def status_table(state: ClusterState, *, include_gone: bool = False) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """``dynamoctl status``'s columns and rows. A ``TIER%`` column follows KV when some worker
+    has host or disk KV tiers; a cluster without them keeps the plain table."""
     now = state.clock()
+    workers = state.worker_list(workers_only=False, include_gone=include_gone)
+    tiers = {w.instance_id: state.tiers.figures(w.instance_id) for w in workers}
+    with_tiers = any(tiers.values())
+    columns = STATUS_COLUMNS
+    if with_tiers:
+        at = columns.index("KV") + 1
+        columns = columns[:at] + (TIER_COLUMN,) + columns[at:]
     rows = []
-    for w in state.worker_list(workers_only=False, include_gone=include_gone):
+    for w in workers:
         st = w.stats
         has_load = bool(st.loads)
-        rows.append(
-            (
-                w.id_hex,
-                f"{w.namespace}/{w.component}",
-                w.role or "-",
-                w.status,
-                w.model or "-",
-                ",".join(sorted(w.loras)) or "-",
-                w.node or "-",
-                str(w.pid or "-"),
-                str(st.running) if has_load else "-",
-                str(st.waiting) if has_load else "-",
-                fmt_pct(st.kv_usage),
-                fmt_pct(st.hit_rate),
-                fmt_age(now - w.started_at if w.started_at else None),
-            )
-        )
-    return rows
+        row = [
+            w.id_hex,
+            f"{w.namespace}/{w.component}",
+            w.role or "-",
+            w.status,
+            w.model or "-",
+            ",".join(sorted(w.loras)) or "-",
+            w.node or "-",
+            str(w.pid or "-"),
+            str(st.running) if has_load else "-",
+            str(st.waiting) if has_load else "-",
+            fmt_pct(st.kv_usage),
+        ]
+        if with_tiers:
+            row.append(fmt_tiers(tiers[w.instance_id]))
+        row += [fmt_pct(st.hit_rate), fmt_age(now - w.started_at if w.started_at else None)]
+        rows.append(tuple(row))
+    return columns, rows
 
 
 def format_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

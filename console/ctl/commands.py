@@ -16,12 +16,11 @@ from dynamod.console.actions.control import ActionResult, ControlClient
 from dynamod.console.collectors.connection import ClusterConnection
 from dynamod.console.present import (
     POOL_COLUMNS,
-    STATUS_COLUMNS,
     format_table,
     pool_records,
     pool_row,
     status_records,
-    status_table_rows,
+    status_table,
 )
 from dynamod.console.settings import ConsoleSettings, settings_from_args
 from dynamod.console.state.cluster import ClusterState
@@ -110,11 +109,11 @@ async def status(args: argparse.Namespace) -> int:
     if args.json:
         _dump(status_records(state, include_gone=args.all))
         return EXIT_OK
-    rows = status_table_rows(state, include_gone=args.all)
+    columns, rows = status_table(state, include_gone=args.all)
     if not rows:
         print(f"no instances ({_settings(args).describe()})")
         return EXIT_OK
-    print(format_table(STATUS_COLUMNS, rows))
+    print(format_table(columns, rows))
     if is_disaggregated(pools):
         # Which pool is short is the first question about a disaggregated cluster.
         print()

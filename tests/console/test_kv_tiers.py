@@ -43,3 +43,44 @@ def test_workers_without_tiers_cost_nothing() -> None:
     t = KvTierTracker()
     t.observe(LoadMetrics(worker_id=3, kv_usage=0.5), now=1.0)
     assert t.figures(3) == {}
+
+
+def test_tier_cell_shows_only_the_tiers_a_worker_has() -> None:
+    from dynamod.console.present import fmt_tiers
+    from dynamod.console.state.tiers import TierFigures
+
+    assert fmt_tiers({}) == "-"
+    assert fmt_tiers({"DISK": TierFigures(blocks=1, total_blocks=8), "CPU": TierFigures(blocks=5, total_blocks=8)}) == "H62 D12"
+    assert fmt_tiers({"CPU": TierFigures(blocks=8, total_blocks=8)}) == "H100"
+    assert fmt_tiers({"DISK": TierFigures()}) == "D-"  # capacity not known yet
+
+
+def test_workers_table_and_dynamoctl_status_gain_a_tier_column_only_with_tiers() -> None:
+    from dynamod.console.present import TIER_COLUMN, status_records, status_table
+    from dynamod.console.tui.views.workers import fit_columns
+    from tests.console.factories import make_state, register
+
+    assert TIER_COLUMN not in fit_columns(200, False, {})
+    wide = fit_columns(200, False, {}, tiers=True)
+    assert wide.index(TIER_COLUMN) == wide.index("KV") + 1
+    assert TIER_COLUMN in fit_columns(80, False, {}, tiers=True)  # it outranks the sparkline at 80 columns
+
+    state, _ = make_state()
+    register(state, 0x11)
+    register(state, 0x22)
+    state.apply_load(LoadMetrics(worker_id=0x11, kv_usage=0.5, total_blocks=100, ts=1000.0))
+    columns, rows = status_table(state)
+    assert TIER_COLUMN not in columns and all(len(r) == len(columns) for r in rows)
+    assert all(r["kv_tiers"] is None for r in status_records(state))
+
+    state.apply_load(LoadMetrics(worker_id=0x22, kv_usage=0.5, total_blocks=100, ts=1000.0, kv_tiers={
+        "CPU": KvTierLoad(blocks=30, total_blocks=100, hit_tokens=64),
+        "DISK": KvTierLoad(blocks=5, total_blocks=1000)}))
+    columns, rows = status_table(state)
+    at = columns.index(TIER_COLUMN)
+    assert columns[at - 1] == "KV" and all(len(r) == len(columns) for r in rows)
+    assert {r[0]: r[at] for r in rows} == {"11": "-", "22": "H30 D0"}
+    records = {r["id"]: r["kv_tiers"] for r in status_records(state)}
+    assert records["11"] is None
+    assert records["22"]["CPU"] == {"usage": 0.3, "blocks": 30, "total_blocks": 100, "hit_tokens": 64,
+                                    "onboard_blocks_per_s": None, "offload_blocks_per_s": None}

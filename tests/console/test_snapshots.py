@@ -111,3 +111,33 @@ def test_disagg_workers_wide(snap_compare, disagg_recording) -> None:
 def test_disagg_worker_detail(snap_compare, disagg_recording) -> None:
     """A decode worker's detail: its KV transfer figures and its recent decisions by stage."""
     assert snap_compare(_app(disagg_recording), run_before=_on_worker_press(DECODE_2, "enter"), terminal_size=(80, 24))
+
+
+def _with_kv_tiers(recording: list[dict]) -> list[dict]:
+    """The recorded cluster with host and disk KV tiers on worker A and a host tier on worker B:
+    their load messages carry ``kv_tiers``, filling and counting up over the recording."""
+    out = []
+    for rec in recording:
+        value = rec.get("value")
+        if rec["kind"] == "kv_metrics" and value["worker_id"] in (WORKER_A, WORKER_B):
+            step = int(rec["t"] - recording[0]["t"])
+            tiers = {"CPU": {"blocks": min(40 * step, 3200), "total_blocks": 4096, "hit_tokens": 512 * step,
+                             "onboarded_blocks": 6 * step, "offloaded_blocks": 40 * step}}
+            if value["worker_id"] == WORKER_A:
+                tiers["DISK"] = {"blocks": 12 * step, "total_blocks": 65536, "hit_tokens": 64 * step,
+                                 "onboarded_blocks": step, "offloaded_blocks": 12 * step}
+            rec = {**rec, "value": {**value, "kv_tiers": tiers}}
+        out.append(rec)
+    return out
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_workers_with_kv_tiers(snap_compare, recording, size: tuple[int, int]) -> None:
+    """Workers with host/disk KV tiers gain a TIER% column after KV (``H78 D1``: only the tiers a
+    worker has, "-" for one without)."""
+    assert snap_compare(_app(_with_kv_tiers(recording)), terminal_size=size)
+
+
+def test_worker_detail_with_kv_tiers(snap_compare, recording) -> None:
+    assert snap_compare(_app(_with_kv_tiers(recording)), run_before=_on_worker_press(WORKER_A, "enter"),
+                        terminal_size=(80, 24))

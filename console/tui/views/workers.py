@@ -6,6 +6,10 @@ With disaggregated serving (a prefill or decode pool exists) a strip above the t
 columns. Columns are chosen by priority to fit the terminal: at 80 columns the identity, status,
 role and queue come first, then transfer rate and latency; what does not fit is left out whole,
 never cut (a status reads ``draining``, not ``draini``).
+
+When some worker has host or disk KV tiers (its load messages carry ``kv_tiers``), a ``TIER%``
+column follows KV with each lower tier's occupancy (``H40 D12``); a cluster without tiers never
+shows it.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ from textual.widgets import DataTable, Static
 
 from dynamod.console.present import (
     POOL_COLUMNS,
+    TIER_COLUMN,
     fmt_age,
     fmt_bytes_rate,
     fmt_count,
     fmt_ms,
     fmt_ms_value,
     fmt_pct,
+    fmt_tiers,
     pool_row,
     sparkline,
     worker_load_scale,
@@ -31,6 +37,7 @@ from dynamod.console.present import (
 from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.pools import is_disaggregated
 from dynamod.console.state.records import Worker
+from dynamod.console.state.tiers import TierFigures
 from dynamod.console.state.transfers import TransferFigures
 from dynamod.console.tui.messages import ShowWorker
 from dynamod.console.tui.style import status_text
@@ -40,15 +47,15 @@ SPARK_WIDTH = 12
 # Display order, and the cell width each column needs when fitting (text columns are measured).
 COLUMN_WIDTH = {
     "ID": 16, "ROLE": 7, "COMPONENT": 0, "STATUS": 8, "MODEL": 0, "LORAS": 0, "NODE": 0, "RUN": 3, "WAIT": 4,
-    "KV": 4, "HIT": 4, "TTFT": 5, "ITL": 5, "XFER/S": 7, "XFER50": 6, "XFER99": 6, "XFAIL": 5, "HELD": 4,
+    "KV": 4, TIER_COLUMN: 9, "HIT": 4, "TTFT": 5, "ITL": 5, "XFER/S": 7, "XFER50": 6, "XFER99": 6, "XFAIL": 5, "HELD": 4,
     "CACHED": 6, "ROUTED": 6, "AGE": 4, "LOAD": SPARK_WIDTH,
 }
 MEASURED = ("COMPONENT", "MODEL", "LORAS", "NODE")
 # What is kept first when columns must go. A one-pool cluster has no use for ROLE (every row says
 # agg) or transfer columns; a disaggregated one needs the role right after the status.
-PRIORITY_AGG = ("ID", "STATUS", "RUN", "WAIT", "KV", "HIT", "TTFT", "ITL", "LOAD",
+PRIORITY_AGG = ("ID", "STATUS", "RUN", "WAIT", "KV", TIER_COLUMN, "HIT", "TTFT", "ITL", "LOAD",
                 "COMPONENT", "MODEL", "NODE", "LORAS", "CACHED", "ROUTED", "AGE", "ROLE")
-PRIORITY_DISAGG = ("ID", "STATUS", "ROLE", "RUN", "WAIT", "KV", "XFER/S", "TTFT", "ITL", "XFER99", "HIT", "LOAD",
+PRIORITY_DISAGG = ("ID", "STATUS", "ROLE", "RUN", "WAIT", "KV", TIER_COLUMN, "XFER/S", "TTFT", "ITL", "XFER99", "HIT", "LOAD",
                    "XFAIL", "HELD", "XFER50", "COMPONENT", "MODEL", "NODE", "LORAS", "CACHED", "ROUTED", "AGE")
 CELL_PADDING = 2  # DataTable pads each cell by one column on either side
 SCROLLBAR = 1
@@ -63,13 +70,18 @@ def column_width(col: str, measured: dict[str, int]) -> int:
     return max(len(col), COLUMN_WIDTH[col], measured.get(col, 0))
 
 
-def fit_columns(width: int, disaggregated: bool, measured: dict[str, int], *, transfers: bool = True) -> tuple[str, ...]:
+def fit_columns(
+    width: int, disaggregated: bool, measured: dict[str, int], *, transfers: bool = True, tiers: bool = False
+) -> tuple[str, ...]:
     """The columns that fit ``width`` terminal columns, in display order: taken by priority, a
     column too wide for what is left is skipped (a narrower one after it may still fit). Until
-    some worker reports a KV transfer, the transfer columns (all "-") come last."""
+    some worker reports a KV transfer, the transfer columns (all "-") come last; without a worker
+    with KV tiers there is no tier column."""
     room = width - SCROLLBAR
     chosen: set[str] = set()
     order = PRIORITY_DISAGG if disaggregated else PRIORITY_AGG
+    if not tiers:
+        order = tuple(c for c in order if c != TIER_COLUMN)
     if not transfers:
         order = tuple(c for c in order if c not in TRANSFER_COLUMNS) + TRANSFER_COLUMNS
     for col in order:
@@ -105,6 +117,7 @@ def worker_cells(
     hot: set[int],
     spark: dict[int, tuple[int, float, str]] | None = None,
     transfer: TransferFigures | None = None,
+    tiers: dict[str, TierFigures] | None = None,
 ) -> tuple[Cell, ...]:
     """The row of one worker. ``spark`` caches sparklines: they change once a second, not per refresh."""
     st = w.stats
@@ -142,6 +155,8 @@ def worker_cells(
             out.append(str(st.waiting) if has_load else "-")
         elif col == "KV":
             out.append(fmt_pct(st.kv_usage))
+        elif col == TIER_COLUMN:
+            out.append(fmt_tiers(tiers or {}))
         elif col == "HIT":
             out.append(fmt_pct(st.hit_rate))
         elif col == "TTFT":
@@ -207,7 +222,8 @@ class WorkersView(Vertical, ViewMixin):
             "NODE": max((len(w.node or "-") for w in workers), default=0),
         }
         transfers = any(p.transfers_seen for p in state.pools().values())
-        chosen = fit_columns(self.app.size.width, disaggregated, measured, transfers=transfers)
+        tiers = any(state.tiers.figures(w.instance_id) for w in workers)
+        chosen = fit_columns(self.app.size.width, disaggregated, measured, transfers=transfers, tiers=tiers)
         return tuple((col, column_width(col, measured)) for col in chosen)
 
     def refresh_from(self, state: ClusterState, *, force: bool = False) -> None:
@@ -235,7 +251,8 @@ class WorkersView(Vertical, ViewMixin):
         for w in workers:
             key = f"{w.namespace}/{w.component}/{w.id_hex}"
             self._ids[key] = w.instance_id
-            rows.append((key, worker_cells(w, columns, now, scale, hot, self._spark, state.transfers.figures(w.instance_id))))
+            rows.append((key, worker_cells(w, columns, now, scale, hot, self._spark, state.transfers.figures(w.instance_id),
+                                           state.tiers.figures(w.instance_id))))
         sync_table(table, rows, self._row_cache)
         empty = self.query_one("#workers-empty", Static)
         if not rows:

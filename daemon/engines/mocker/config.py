@@ -33,6 +33,7 @@ DEFAULT_HOST_H2D_GBPS = 25.0
 DEFAULT_DISK_WRITE_GBPS = 3.0
 DEFAULT_DISK_READ_GBPS = 6.0
 DEFAULT_DISK_CACHE_DIR = os.path.join(tempfile.gettempdir(), "dynamod-kv-disk")
+DEFAULT_DISK_IO_QUEUE_BLOCKS = 64  # block files being written or read at once, per rank
 
 
 class MockerConfigError(ConfigError, ValueError):
@@ -60,6 +61,7 @@ class MockerConfig:
     num_disk_blocks: int = 0
     disk_cache_dir: str = DEFAULT_DISK_CACHE_DIR  # the daemon adds a per-worker, per-rank part
     disk_cache_persist: bool = False
+    disk_io_queue_blocks: int = DEFAULT_DISK_IO_QUEUE_BLOCKS
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN  # sizes tier transfers without a KV layout
     host_offload_d2h_bandwidth_gbps: float = DEFAULT_HOST_D2H_GBPS
     host_offload_h2d_bandwidth_gbps: float = DEFAULT_HOST_H2D_GBPS
@@ -120,6 +122,7 @@ class MockerConfig:
         ):
             if not gbps >= 0.0:
                 raise MockerConfigError(f"{name} must be >= 0 (0: unlimited), got {gbps}")
+        _positive("--disk-io-queue-blocks", self.disk_io_queue_blocks)
         if self.num_disk_blocks and not self.disk_cache_dir:
             raise MockerConfigError("--disk-cache-dir must not be empty with --num-disk-blocks")
         for tok in self.eos_token_ids:
@@ -204,6 +207,12 @@ def add_tier_flags(group: argparse._ActionsContainer) -> None:
         help="keep the disk tier's files when the worker stops and re-use them at the next start; "
         "otherwise they are removed [env DYN_DISK_CACHE_PERSIST, default off]",
     )
+    group.add_argument(
+        "--disk-io-queue-blocks", type=int, default=_env("DYN_DISK_IO_QUEUE_BLOCKS", str(DEFAULT_DISK_IO_QUEUE_BLOCKS)),
+        help="block files the disk tier writes or reads in the background at once, per rank; when "
+        "full, an offload skips the disk and an onboard recomputes instead of waiting "
+        "[env DYN_DISK_IO_QUEUE_BLOCKS, default %(default)s]",
+    )
     for flag, env, default, what in (
         ("--host-offload-d2h-bandwidth-gbps", "DYN_HOST_OFFLOAD_D2H_BANDWIDTH_GBPS", DEFAULT_HOST_D2H_GBPS,
          "device to host (offload)"),
@@ -244,6 +253,7 @@ def config_from_args(
         num_disk_blocks=ns.num_disk_blocks,
         disk_cache_dir=ns.disk_cache_dir,
         disk_cache_persist=ns.disk_cache_persist,
+        disk_io_queue_blocks=getattr(ns, "disk_io_queue_blocks", DEFAULT_DISK_IO_QUEUE_BLOCKS),
         kv_bytes_per_token=getattr(ns, "kv_bytes_per_token", None) or DEFAULT_KV_BYTES_PER_TOKEN,
         host_offload_d2h_bandwidth_gbps=ns.host_offload_d2h_bandwidth_gbps,
         host_offload_h2d_bandwidth_gbps=ns.host_offload_h2d_bandwidth_gbps,

@@ -16,7 +16,7 @@ keeps the state.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -219,14 +219,35 @@ class MockerCore:
         return TieredKvCache(
             num_host_blocks=config.num_host_blocks, num_disk_blocks=config.num_disk_blocks,
             block_bytes=layout.block_bytes, bandwidth=bandwidth, disk_store=store,
-            read_row=read_row, write_row=write_row,
+            read_row=read_row, write_row=write_row, disk_io_queue_blocks=config.disk_io_queue_blocks,
+            io_thread_name=f"dynamod-kv-disk-dp{self.dp_rank}",
         )
 
     def close(self) -> None:
-        """Releases what outlives the process otherwise: the disk tier's files (unless they are to
-        persist)."""
+        """Releases what outlives the process otherwise: the disk tier's I/O thread and files
+        (a persistent tier finishes its queued writes first; otherwise they are dropped and the
+        files removed). Blocks for as long as that takes."""
         if self.tiers is not None:
             self.tiers.close()
+
+    # ---- disk tier I/O -------------------------------------------------------------------------
+
+    def set_io_listener(self, listener: Callable[[], None] | None) -> None:
+        """``listener`` is called on the disk tier's I/O thread whenever a read or write ends (the
+        engine wakes this rank's step loop with it: a request may have stopped waiting)."""
+        if self.tiers is not None and self.tiers.io is not None:
+            self.tiers.io.on_complete = listener
+
+    @property
+    def io_pending(self) -> int:
+        """Disk-tier reads and writes not yet taken in by a step."""
+        return self.tiers.io_pending if self.tiers is not None else 0
+
+    def wait_for_io(self, timeout: float) -> bool:
+        """Blocks until some disk-tier I/O ended (or none is in flight), for a synchronous driver
+        whose ``step()`` found nothing to run while requests wait for block files; False on
+        timeout."""
+        return self.tiers.wait_io(timeout) if self.tiers is not None else True
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -572,13 +593,15 @@ class MockerCore:
         pending = 0
         for request in sched.waiting:
             pending += request.prefill_target - request.num_computed_tokens
+        for request, _ in sched.reading_from_disk.values():
+            pending += request.prefill_target - request.num_computed_tokens
         for request in sched.running:
             if request.num_computed_tokens < request.prefill_target:
                 pending += request.prefill_target - request.num_computed_tokens
         pool = self.kv_manager.block_pool
         seen = sched.prompt_tokens_seen
         return CoreLoad(
-            num_waiting=len(sched.waiting),
+            num_waiting=sched.num_waiting,
             num_running=len(sched.running),
             active_blocks=pool.get_num_used_blocks(),
             total_blocks=pool.num_blocks,

@@ -4,11 +4,12 @@ A file is ``MAGIC | u32 meta length | msgpack meta | block bytes``; the meta car
 router needs to re-learn the block after a restart (its hashes, parent and LoRA) and the block size
 in bytes, so files written by a worker with another KV layout are dropped instead of onboarded as
 garbage. Files are written to a temporary name and renamed, so a crash leaves no half-written
-block behind a valid name.
+block behind a valid name. ``DiskStore`` does the file operations synchronously; the tier calls it
+only from its I/O thread (``disk_io.py``), never from an engine step.
 
 Persistence (``--disk-cache-persist``): the directory outlives the worker, and at start the files
-found there are the tier's contents (oldest modification first = least recently used), re-announced
-as ``KvStored(DISK)``. Without it the directory is emptied at start and removed at ``close``.
+found there are the tier's contents (oldest written first = least recently used), re-announced as
+``KvStored(DISK)``; ``close`` of a persistent tier first finishes its queued writes. Without it the directory is emptied at start and removed at ``close``.
 """
 
 from __future__ import annotations
@@ -70,13 +71,21 @@ class DiskStore:
         )
         path = self.path_of(entry.block_hash)
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(MAGIC)
-            f.write(_HEADER.pack(len(meta)))
-            f.write(meta)
-            f.write(memoryview(np.ascontiguousarray(data)).cast("B"))
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(MAGIC)
+                f.write(_HEADER.pack(len(meta)))
+                f.write(meta)
+                f.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+            self._publish(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         self.bytes_written += self.block_bytes
+
+    def _publish(self, tmp: Path, path: Path) -> None:
+        """Gives a fully written file its valid name: the one step a reader (or a restart) can see."""
+        os.replace(tmp, path)
 
     def read(self, block_hash: int) -> np.ndarray:
         with open(self.path_of(block_hash), "rb") as f:

@@ -141,9 +141,12 @@ class MockerEngine:
         if self._tasks:
             return
         self._status = EngineState.READY
+        loop = asyncio.get_running_loop()
         for rank, core in enumerate(self.cores):
             # Blocks a persistent disk tier kept from the last run: the router learns them now.
             self._publish(rank, core.take_events())
+            # The disk tier's reads end on its I/O thread: wake the rank, a request may be ready.
+            core.set_io_listener(_threadsafe_setter(loop, self._wake[rank]))
         self._tasks = [
             asyncio.create_task(self._step_loop(rank), name=f"mocker-{self.worker_id:x}-dp{rank}")
             for rank in range(len(self.cores))
@@ -171,8 +174,10 @@ class MockerEngine:
             self._end_all(UnavailableError("mocker engine stopped"))
             for core in self.cores:
                 core.abort_all()
-                core.close()
+                core.set_io_listener(None)
             try:
+                # A persistent disk tier finishes its queued block writes: off the event loop.
+                await asyncio.to_thread(self._close_cores)
                 if self._kv is not None:
                     await self._kv.close()
             finally:
@@ -182,6 +187,10 @@ class MockerEngine:
                     self.events_dropped += 1
                 self._events.put_nowait(None)
         logger.info("mocker stopped worker_id=%x", self.worker_id)
+
+    def _close_cores(self) -> None:
+        for core in self.cores:
+            core.close()
 
     # ---- disaggregation -------------------------------------------------------------------------
 
@@ -611,6 +620,18 @@ class MockerEngine:
 
     def list_loras(self) -> list[LoraInfo]:
         return list(self._loras.values())
+
+
+def _threadsafe_setter(loop: asyncio.AbstractEventLoop, event: asyncio.Event):
+    """A callable for another thread that sets ``event`` on ``loop`` (ignored once the loop closed)."""
+
+    def set_event() -> None:
+        try:
+            loop.call_soon_threadsafe(event.set)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    return set_event
 
 
 def _tier_metrics(load: CoreLoad) -> dict[str, KvTierLoad] | None:

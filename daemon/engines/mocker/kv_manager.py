@@ -83,10 +83,11 @@ class KVCacheManager:
 
     def onboard(self, request: MockRequest, plan: OnboardPlan) -> float:
         """Fills the request's freshly allocated blocks ``plan.start ..`` from the lower tiers
-        (after ``allocate_slots`` made room and cached them); returns the time it takes (ms)."""
+        (after ``allocate_slots`` made room and cached them), disk blocks from the bytes read for
+        the request if it waited for them; returns the time it takes (ms)."""
         assert self.tiers is not None
         blocks = request.blocks[plan.start:plan.start + len(plan.entries)]
-        return self.tiers.onboard(plan, blocks)
+        return self.tiers.onboard(plan, blocks, request.staged_kv)
 
     def allocate_slots(
         self,

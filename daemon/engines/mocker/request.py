@@ -20,6 +20,8 @@ from dynamod.shared.kv.hashing import chain_hash, compute_block_hashes, hash_tok
 from dynamod.shared.protocol.kv_transfer import KvTransferParams
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from dynamod.daemon.engines.mocker.sampling import TokenSampler
 
 _MASK64 = (1 << 64) - 1
@@ -34,6 +36,7 @@ class RequestStatus(enum.IntEnum):
     PREEMPTED = 2
     FINISHED = 3
     WAITING_FOR_REMOTE_KVS = 4  # blocks allocated, the prompt's KV still being read from a prefill worker
+    WAITING_FOR_DISK_KVS = 5  # no blocks yet, its prefix's block files still being read from the disk tier
 
 
 def request_seed(request_id: str, prompt_token_ids: list[int], seed: int | None) -> int:
@@ -63,6 +66,7 @@ class MockRequest:
         "lora_name", "kv_transferred", "status", "num_computed_tokens", "prefill_target",
         "num_cached_tokens", "blocks", "num_cached_blocks", "block_hashes", "local_hashes",
         "num_preemptions", "rng_state", "vocab_size", "finish_reason", "remote", "hold_kv", "sampler",
+        "staged_kv",
     )
 
     def __init__(
@@ -110,6 +114,9 @@ class MockRequest:
         # Set for a request whose sampling options the LCG cannot honour (log-probabilities, an
         # output constraint, logit bias, penalties): it samples instead of ``next_token``.
         self.sampler: TokenSampler | None = None
+        # Block hash -> bytes read from the disk tier for this request's next admission; None
+        # until it has waited for such reads (it waits at most once per admission).
+        self.staged_kv: dict[int, np.ndarray] | None = None
 
     @property
     def num_tokens(self) -> int:

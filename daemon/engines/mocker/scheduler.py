@@ -19,6 +19,13 @@ KV in place (only the last prompt token is computed here, as vLLM recomputes it 
 token; that costs a decode slot, not a prefill) or, when the read failed, with no blocks, to be
 prefilled locally. A prefill worker's request (``hold_kv``) keeps its blocks when it finishes; the
 core hands them to a hold.
+
+Onboarding from the disk tier waits the same way, but before admission: a waiting request whose
+prefix continues in block files that must be read first starts the reads and moves to
+``WAITING_FOR_DISK_KVS`` holding no blocks; the requests behind it are admitted meanwhile. Each
+step polls the tier's I/O; when its reads have all ended the request goes back to the head of the
+waiting queue with the bytes (``staged_kv``) and is admitted as usual, onboarding as far as the
+bytes go and prefilling the rest. It waits at most once per admission.
 """
 
 from __future__ import annotations
@@ -28,9 +35,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+
 from dynamod.daemon.engines.mocker.block_pool import KVBlock
 from dynamod.daemon.engines.mocker.kv_manager import KVCacheManager
 from dynamod.daemon.engines.mocker.request import MockRequest, RequestStatus
+from dynamod.daemon.engines.mocker.tiers import OnboardPlan
 from dynamod.shared.protocol.llm import FINISH_LENGTH, FINISH_STOP
 
 logger = logging.getLogger(__name__)
@@ -107,6 +117,8 @@ class Scheduler:
         self.cached_tokens_seen = 0
         # Of the cached tokens, those onboarded from each lower tier (medium -> tokens).
         self.onboarded_tokens_seen: dict[str, int] = {}
+        # Waiting for disk-tier reads: request id -> the block hashes still being read.
+        self.reading_from_disk: dict[str, tuple[MockRequest, set[int]]] = {}
 
     # ---- request lifecycle ---------------------------------------------------------------------
 
@@ -128,6 +140,11 @@ class Scheduler:
         elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             del self.waiting_for_remote[request_id]
             self._aborted_loads[request_id] = request
+            request.status = RequestStatus.FINISHED
+            return request
+        elif request.status == RequestStatus.WAITING_FOR_DISK_KVS:
+            del self.reading_from_disk[request_id]  # it holds no blocks; its reads end unheeded
+            request.staged_kv = None
             request.status = RequestStatus.FINISHED
             return request
         else:
@@ -166,7 +183,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Requests not admitted yet (those waiting for disk reads included)."""
+        return len(self.waiting) + len(self.reading_from_disk)
 
     @property
     def num_running(self) -> int:
@@ -191,7 +209,7 @@ class Scheduler:
         allows no stretch at all.
         """
         running = self.running
-        if self.waiting or not running or len(running) > self.max_num_batched_tokens:
+        if self.waiting or self.reading_from_disk or not running or len(running) > self.max_num_batched_tokens:
             return NO_DECODE_STRETCH
         bs = self.kv_manager.block_size
         caching = self.kv_manager.enable_caching
@@ -242,6 +260,9 @@ class Scheduler:
 
         bs = kv.block_size
         caching = kv.enable_caching
+        tiers = kv.tiers
+        if tiers is not None and tiers.io is not None:
+            self._collect_disk_reads(tiers.poll())
 
         # 1. Running requests, in order; preempt from the tail when one cannot grow.
         i = 0
@@ -305,7 +326,14 @@ class Scheduler:
                 else:
                     hits, num_hit_tokens = kv.get_computed_blocks(request)
                     # The prefix may go on in the host or disk tier: onboard instead of recompute.
-                    plan = kv.find_offloaded(request, len(hits)) if kv.tiers is not None else None
+                    plan = kv.find_offloaded(request, len(hits)) if tiers is not None else None
+                    if plan is not None and tiers.io is not None:  # type: ignore[union-attr]
+                        first = tiers.first_unread(plan, request.staged_kv)  # type: ignore[union-attr]
+                        if first < len(plan.entries):
+                            if request.staged_kv is None and self._start_disk_reads(request, plan):
+                                waiting.popleft()
+                                continue  # it waits off the queue; the next request may go ahead
+                            plan = plan.head(first)
                     if plan is not None:
                         num_hit_tokens += len(plan.entries) * bs
                     num_new_hit = num_hit_tokens
@@ -317,6 +345,7 @@ class Scheduler:
                 waiting.popleft()
                 if not arrived and plan is not None:
                     out.onboard_ms += kv.onboard(request, plan)
+                request.staged_kv = None
                 request.num_computed_tokens = num_hit_tokens
                 request.status = RequestStatus.RUNNING
                 if request.num_cached_tokens < 0:
@@ -338,6 +367,40 @@ class Scheduler:
                 if not request.kv_transferred:
                     out.num_prefill_tokens += num_new
         return out
+
+    def _start_disk_reads(self, request: MockRequest, plan: OnboardPlan) -> bool:
+        """Starts the block-file reads ``request`` needs to onboard ``plan`` and parks it until
+        they end; False if the I/O queue took none (it is admitted without them)."""
+        tiers = self.kv_manager.tiers
+        assert tiers is not None
+        staged: dict[int, np.ndarray] = {}
+        hashes = tiers.start_reads(plan, staged)
+        if not hashes:
+            return False
+        request.staged_kv = staged
+        request.status = RequestStatus.WAITING_FOR_DISK_KVS
+        self.reading_from_disk[request.request_id] = (request, set(hashes))
+        return True
+
+    def _collect_disk_reads(self, finished: dict[int, np.ndarray | None]) -> None:
+        """Hands finished reads to the requests waiting for them; those with nothing left to wait
+        for go back to the head of the waiting queue, in the order they started waiting."""
+        if not finished or not self.reading_from_disk:
+            return
+        ready: list[MockRequest] = []
+        for request_id, (request, outstanding) in list(self.reading_from_disk.items()):
+            staged = request.staged_kv
+            assert staged is not None
+            for h in outstanding & finished.keys():
+                data = finished[h]
+                if data is not None:
+                    staged[h] = data
+                outstanding.discard(h)
+            if not outstanding:
+                del self.reading_from_disk[request_id]
+                request.status = RequestStatus.WAITING
+                ready.append(request)
+        self.waiting.extendleft(reversed(ready))
 
     def _admit_remote(self, request: MockRequest, watermark: int) -> bool:
         """Allocates the whole prompt for a remote read; False if it does not fit now."""

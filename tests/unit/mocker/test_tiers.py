@@ -53,6 +53,11 @@ def gpu_rows(core: MockerCore, hashes: list[int]) -> np.ndarray:
     return np.stack([core.kv_writer.memory.array[pool.cached_block_hash_to_block[h].block_id] for h in hashes])
 
 
+def io_idle(core: MockerCore) -> None:
+    """Waits for the disk tier's background writes and deletes (the files lag the index)."""
+    assert core.tiers.io.wait_idle(10.0), "disk tier I/O did not finish"
+
+
 def stored_hashes(evs, medium: str) -> list[int]:
     return [b.block_hash for e in evs if isinstance(e, KvStored) and e.medium == medium for b in e.blocks]
 
@@ -69,6 +74,7 @@ def test_device_evictions_go_to_host_then_disk_with_medium_events(tmp_path):
     # Host holds 2; the oldest evicted block went straight on to disk, never announced as CPU.
     assert len(in_host) == 2 and len(in_disk) == 1 and set(in_host) | set(in_disk) == set(a_hashes)
     assert set(core.tiers.host.entries) == set(in_host) and set(core.tiers.disk.entries) == set(in_disk)
+    io_idle(core)
     files = sorted(p.name for p in (tmp_path / "disk" / "dp0").iterdir())
     assert files == [f"{in_disk[0]:016x}.kvb"]
     # Every GPU removal precedes the lower-tier stores of the same step.
@@ -108,6 +114,7 @@ def test_capacities_hold_and_the_last_tier_drops_its_oldest(tmp_path):
     assert len(core.tiers.host) == 1 and len(core.tiers.disk) == 2
     dropped = [h for e in all_evs if isinstance(e, KvRemoved) and e.medium == MEDIUM_DISK for h in e.block_hashes]
     assert dropped and not set(dropped) & set(core.tiers.disk.entries)
+    io_idle(core)
     assert len(list((tmp_path / "disk" / "dp0").glob("*.kvb"))) == 2
 
 
@@ -124,6 +131,7 @@ def test_clear_one_tier_or_all_and_dump_lists_every_tier(tmp_path):
     assert core.take_events() == [KvCleared(medium=MEDIUM_GPU)]
     assert core.clear_kv_blocks() == 1
     assert core.take_events() == [KvCleared()]
+    io_idle(core)
     assert core.kv_dump() == [] and not list((tmp_path / "disk" / "dp0").glob("*.kvb"))
     with pytest.raises(Exception, match="unknown KV tier"):
         core.clear_kv_blocks("NVME")
@@ -151,6 +159,7 @@ def test_disk_tier_survives_a_restart_only_when_persistent(tmp_path):
     assert throwaway.take_events() == [] and len(throwaway.tiers.disk) == 0  # old files are not reused
     run(throwaway, "a", PROMPT_A)
     run(throwaway, "b", PROMPT_B)
+    io_idle(throwaway)
     assert list((tmp_path / "disk" / "dp0").glob("*.kvb"))
     throwaway.close()
     assert not (tmp_path / "disk" / "dp0").exists()
@@ -191,3 +200,49 @@ def test_worker_metrics_export_tier_load_as_counters_and_gauges():
     assert registry.get_sample_value("dynamo_component_kv_tier_onboarded_blocks_total", labels) == 5
     assert registry.get_sample_value("dynamo_component_kv_tier_hit_tokens_total", labels) == 20
     assert registry.get_sample_value("dynamo_component_kv_tier_offloaded_blocks_total", labels) == 7
+
+
+def test_a_block_pushed_out_and_offloaded_again_in_one_flush_stays_known():
+    """Host [1, 2] takes evictions 4, 3, 1: block 1 is pushed out by 3 and comes back with the
+    third eviction. A router replaying the events must still know 1 is in the host tier (the
+    events are the net change per hash, not a second store followed by a removal)."""
+    from dynamod.daemon.engines.mocker.block_pool import KVBlock
+    from dynamod.daemon.engines.mocker.tiers import TierBandwidth, TieredKvCache
+
+    def evicted(*hashes: int) -> list[KVBlock]:
+        blocks = []
+        for h in hashes:
+            block = KVBlock(h)
+            block.block_hash = h
+            blocks.append(block)
+        return blocks
+
+    tiers = TieredKvCache(num_host_blocks=3, num_disk_blocks=0, block_bytes=64, bandwidth=TierBandwidth())
+    tiers.on_evict(evicted(1, 2))
+    tiers.flush()
+    tiers.take_events()
+    tiers.on_evict(evicted(4, 3, 1))
+    tiers.flush()
+    view = {1, 2}
+    for event in tiers.take_events():
+        assert event.medium == MEDIUM_CPU
+        if isinstance(event, KvStored):
+            new = {b.block_hash for b in event.blocks}
+            assert not new & view
+            view |= new
+        else:
+            assert set(event.block_hashes) <= view
+            view -= set(event.block_hashes)
+    assert view == set(tiers.host.entries) == {4, 3, 1}
+
+
+def test_lower_tier_stores_name_each_parent_before_its_children(tmp_path):
+    """A request frees its blocks tail first, so the device evicts a chain child first; the host
+    tier's stores must still come parent first: a router drops a stored block whose parent it does
+    not hold, and the device has just removed it."""
+    core = tier_core(tmp_path, host=4, disk=0)
+    a_hashes = stored_hashes(events(run(core, "a", PROMPT_A)), MEDIUM_GPU)
+    evs = events(run(core, "b", PROMPT_B))
+    cpu = [e for e in evs if isinstance(e, KvStored) and e.medium == MEDIUM_CPU]
+    assert [b.block_hash for e in cpu for b in e.blocks] == a_hashes
+    assert len(cpu) == 1 and cpu[0].parent_hash is None  # one run, from the chain's root
