@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+from typing import Any
 
 _CONFIGURED = False
 
@@ -39,6 +40,24 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(obj, separators=(",", ":"))
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at the time of each record, not the object it was when
+    logging was configured: a command run in-process (tests, an embedding program) may swap
+    ``sys.stderr`` and close the old one, and a handler bound to that one would then fail on every
+    record ("--- Logging error ---")."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
+
+
 def configure_logging(level: str | None = None, *, json_lines: bool | None = None, role: str = "") -> None:
     """Configures the root logger once per process (idempotent; later calls adjust the level)."""
     global _CONFIGURED
@@ -51,7 +70,7 @@ def configure_logging(level: str | None = None, *, json_lines: bool | None = Non
         return
     if json_lines is None:
         json_lines = os.environ.get("DYN_LOGGING_JSONL", "").lower() in ("1", "true", "yes")
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(_JsonFormatter() if json_lines else _KvFormatter())
     root.handlers[:] = [handler]
     # Third-party chatter stays at warning unless the operator asked for debug.
