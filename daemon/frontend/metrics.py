@@ -1,7 +1,8 @@
 """Frontend metrics with Dynamo's names, so its Grafana dashboards work unchanged.
 
-Label children are resolved once per model (``ModelMetrics``) and kept, because ``labels()`` takes
-a lock and builds a tuple: the per-token path only calls ``observe``.
+Label children are resolved once per model (``ModelMetrics``), and the request counter's once per
+label set, and kept, because ``labels()`` takes a lock and builds a tuple: the per-token path only
+calls ``observe``.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ class FrontendMetrics:
         self.disagg = DisaggMetrics(registry, "dynamo_frontend")
         self._models: dict[str, ModelMetrics] = {}
         self._workers: dict[int, tuple[Gauge, Gauge]] = {}
+        self._request_counters: dict[tuple[str, str, bool, str], Counter] = {}
 
     def for_model(self, model: str) -> ModelMetrics:
         m = self._models.get(model)
@@ -134,7 +136,15 @@ class FrontendMetrics:
             gauges[1].set(decode_s / (completion_tokens - 1))
 
     def count_request(self, model: str, endpoint: str, stream: bool, status: str) -> None:
-        self.requests.labels(model, endpoint, "stream" if stream else "unary", status).inc()
+        key = (model, endpoint, stream, status)
+        child = self._request_counters.get(key)
+        if child is None:
+            if len(self._request_counters) > 4096:  # model names come and go; keep the cache bounded
+                self._request_counters.clear()
+            child = self._request_counters[key] = self.requests.labels(
+                model, endpoint, "stream" if stream else "unary", status
+            )
+        child.inc()
 
 
 class ModelMetrics:

@@ -3,7 +3,11 @@
 We bind the listening socket ourselves so that the processes of one ``--num-frontends`` fleet can
 share one port (``SO_REUSEPORT``: the kernel spreads new connections over them) and so that port 0
 resolves before the copies are started. Accepted sockets get ``TCP_NODELAY``: an SSE chunk is a few hundred
-bytes, and Nagle's algorithm would hold each one back until the previous one is acknowledged.
+bytes, and Nagle's algorithm would hold each one back until the previous one is acknowledged. The
+option is set on the listening socket, which Linux copies to every accepted one (and uvloop sets it
+on TCP transports as well); only where that does not hold does each new connection pay a
+``setsockopt`` of its own (``NoDelayHttpToolsProtocol``), which on a fresh connection per request
+was a measurable share of the connection's cost.
 
 With ``ssl_context`` (``--http-tls-cert-file``) the same socket serves HTTPS: uvicorn wraps each
 accepted connection in that context (``shared/security/tls.server_context``: TLS 1.2 or newer).
@@ -19,6 +23,7 @@ import contextlib
 import logging
 import socket
 import ssl
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,11 +48,32 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(transport)
 
 
+def accepted_sockets_inherit_nodelay(sock: socket.socket) -> bool:
+    """True when connections accepted on ``sock`` start with Nagle off: Linux copies the listening
+    socket's ``TCP_NODELAY`` to them (elsewhere we do not rely on it)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return bool(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+    except OSError:
+        return False
+
+
+def http_protocol_for(sock: socket.socket) -> type[HttpToolsProtocol]:
+    """uvicorn's protocol as is when accepted sockets inherit ``TCP_NODELAY``, else ours that sets it."""
+    return HttpToolsProtocol if accepted_sockets_inherit_nodelay(sock) else NoDelayHttpToolsProtocol
+
+
 def bind_socket(host: str, port: int, *, reuse_port: bool = True) -> socket.socket:
-    """A listening TCP socket; with ``reuse_port`` other processes may bind the same port."""
+    """A listening TCP socket with Nagle off (inherited by accepted sockets where the OS does that);
+    with ``reuse_port`` other processes may bind the same port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass  # then NoDelayHttpToolsProtocol sets it per connection
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
@@ -92,7 +118,7 @@ class HttpServer:
             tls = {"ssl_context_factory": lambda _config, _default: ssl_context}
         config = uvicorn.Config(
             app,
-            http=NoDelayHttpToolsProtocol,
+            http=http_protocol_for(sock),
             loop="none",
             lifespan="off",
             access_log=False,

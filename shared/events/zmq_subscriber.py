@@ -2,8 +2,14 @@
 
 One SUB socket per publisher rather than one socket connected to all of them: ZMQ does not say
 which peer a message came from, and the consumer needs ``publisher_id`` (parsed from the discovery
-key) to attribute ``seq`` and detect loss per publisher. Each socket has a small receive task that
-moves frames into one bounded drop-oldest queue, which the iterator reads.
+key) to attribute ``seq`` and detect loss per publisher. Each socket's frames go into one bounded
+drop-oldest queue, which the iterator reads.
+
+Frames are read by a callback on the socket's ZMQ file descriptor with plain non-blocking receives,
+not by awaiting pyzmq's asyncio ``recv_multipart``: that builds a future and re-arms its poller for
+every message, which at a KV router's thousands of events a second was a visible share of a
+frontend's CPU. The descriptor is edge-like (it signals a change, not "readable"), so a wake-up reads
+until ``zmq.Again``; a batch cap hands the loop back to other work between batches.
 
 With CURVE on, each socket also has a monitor: a publisher that fails the handshake (not a member:
 another cluster's token, or a forged channel record) delivers nothing by construction, and the
@@ -49,7 +55,9 @@ class _Connection:
     publisher_id: int
     address: str
     socket: zmq.asyncio.Socket
-    task: asyncio.Task[None] | None = None
+    reader: zmq.Socket | None = None  # the same socket without asyncio futures: read from the fd callback
+    fd: int | None = None  # registered with the loop's add_reader while connected
+    closed: bool = False
     monitor: zmq.asyncio.Socket | None = None
     monitor_task: asyncio.Task[None] | None = None
     handshake_failures: int = 0
@@ -252,7 +260,12 @@ class ZmqEventSubscriber:
             return
         if conn.monitor is not None:
             conn.monitor_task = asyncio.create_task(self._monitor_loop(conn), name=f"zmq-sub-monitor-{key}")
-        conn.task = asyncio.create_task(self._recv_loop(conn), name=f"zmq-sub-{key}")
+        conn.reader = zmq.Socket.shadow(sock.underlying)
+        conn.fd = conn.reader.getsockopt(zmq.FD)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(conn.fd, self._drain, conn)
+        # The descriptor signals changes only: read once now in case one happened before add_reader.
+        loop.call_soon(self._drain, conn)
         self._conns[key] = conn
         logger.info("event subscriber connected backend=zmq key=%s address=%s", key, address)
 
@@ -260,9 +273,8 @@ class ZmqEventSubscriber:
         conn = self._conns.pop(key, None)
         if conn is None:
             return
-        for task in (conn.task, conn.monitor_task):
-            if task is not None:
-                task.cancel()
+        if conn.monitor_task is not None:
+            conn.monitor_task.cancel()
         self._past_handshake_failures += conn.handshake_failures
         self._close_sockets(conn)
         self._seqs.forget(key)
@@ -270,6 +282,11 @@ class ZmqEventSubscriber:
 
     @staticmethod
     def _close_sockets(conn: _Connection) -> None:
+        conn.closed = True
+        if conn.fd is not None:
+            # Before the socket closes: its fd number may be reused by the next socket.
+            asyncio.get_running_loop().remove_reader(conn.fd)
+            conn.fd = None
         if conn.monitor is not None:
             # The monitor's inproc address is named after the socket's fd: stop it before the fd
             # can be reused by the next socket.
@@ -301,25 +318,28 @@ class ZmqEventSubscriber:
         except zmq.ZMQError:
             return  # the monitor socket was closed under us: the connection is going away
 
-    async def _recv_loop(self, conn: _Connection) -> None:
+    def _drain(self, conn: _Connection) -> None:
+        """Reads what the socket has queued (a batch at most), from the fd callback."""
+        reader = conn.reader
+        if conn.closed or reader is None:
+            return
         try:
-            sock = conn.socket
-            # The same socket without asyncio futures: after a wake-up, what is already queued is
-            # taken with plain non-blocking calls (a batch at most, so other tasks get the loop).
-            drain = zmq.Socket.shadow(sock.underlying)
-            while True:
-                self._on_frames(conn, await sock.recv_multipart())
-                for _ in range(_RECV_BATCH):
-                    try:
-                        frames = drain.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._on_frames(conn, frames)
-        except asyncio.CancelledError:
-            raise
+            for _ in range(_RECV_BATCH):
+                try:
+                    frames = reader.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    return  # drained: the descriptor signals again when the next message arrives
+                self._on_frames(conn, frames)
         except zmq.ZMQError as exc:
-            if not self._closed and conn.key in self._conns:
+            if conn.fd is not None:
+                asyncio.get_running_loop().remove_reader(conn.fd)
+                conn.fd = None
+            if not self._closed and self._conns.get(conn.key) is conn:
                 logger.warning("event subscriber socket failed key=%s error=%s", conn.key, exc)
+            return
+        # A full batch: more may be waiting, and no new signal would come for it. Continue after
+        # the callbacks already due, so a flood on one socket does not starve the loop.
+        asyncio.get_running_loop().call_soon(self._drain, conn)
 
     def _on_frames(self, conn: _Connection, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:

@@ -322,3 +322,29 @@ async def test_durability_is_refused_with_a_pointer_to_nats(
         await plane.publisher("ns", "worker", TOPIC, durable=True)
     with pytest.raises(ConfigError, match="nats"):
         await plane.subscribe("ns", "worker", TOPIC, durable_name="router")
+
+
+async def test_a_burst_larger_than_one_read_batch_arrives_whole_and_in_order(
+    mem_plane: tuple[MemStore, ZmqEventPlane],
+) -> None:
+    """The subscriber reads from its fd callback in batches; what is left after a batch must be
+    read without waiting for another message to wake the socket (the burst's tail has none)."""
+    from dynamod.shared.events.zmq_subscriber import _RECV_BATCH
+
+    _, plane = mem_plane
+    sub = await plane.subscribe("ns", "worker", TOPIC)
+    pub = await plane.publisher("ns", "worker", TOPIC)
+    await wait_for(lambda: sub.publishers, 5, "the subscriber to connect")
+
+    async def probe() -> None:
+        await pub.publish(TOPIC, b"probe")
+
+    await prime(probe, sub, {plane.lease.id})
+    first = pub.seq + 1
+    count = 3 * _RECV_BATCH + 7
+    for i in range(count):
+        await pub.publish(TOPIC, b"m%d" % i)
+    got = await collect(sub, count)
+    assert [m.seq for m in got] == list(range(first, first + count))
+    assert [m.payload for m in got] == [b"m%d" % i for i in range(count)]
+    assert sub.dropped == 0 and sub.gaps == 0
