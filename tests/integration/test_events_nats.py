@@ -12,7 +12,7 @@ import pytest
 from dynamod.shared.errors import EventPlaneError
 from dynamod.shared.events.nats_plane import NatsEventPlane
 from dynamod.shared.events.plane import TOPIC_KV_EVENTS, TOPIC_KV_METRICS, EventMessage, EventPlane
-from tests.fixtures.servers import NatsServer, free_port
+from tests.fixtures.servers import NatsServer, free_port, wait_for
 from tests.integration.helpers_events.child import PublisherProcess
 
 TOPIC = TOPIC_KV_EVENTS
@@ -26,13 +26,6 @@ async def next_payload(sub: AsyncIterator[EventMessage], timeout: float = 10.0) 
 async def collect(sub: AsyncIterator[EventMessage], n: int, timeout: float = 10.0) -> list[bytes]:
     return [await next_payload(sub, timeout) for _ in range(n)]
 
-
-async def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture

@@ -25,17 +25,11 @@ from dynamod.shared.events.plane import TOPIC_KV_EVENTS, TOPIC_KV_METRICS, Event
 from dynamod.shared.events.zmq_plane import ZmqEventPlane
 from dynamod.shared.events.zmq_subscriber import ZmqEventSubscriber
 from dynamod.shared.protocol.keys import EVENT_CHANNELS_ROOT, event_channel_key
+from tests.fixtures.servers import wait_for
 from tests.integration.helpers_events.child import PublisherProcess
 
 TOPIC = TOPIC_KV_EVENTS
 
-
-async def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def receive(sub: AsyncIterator[EventMessage], timeout: float) -> EventMessage | None:

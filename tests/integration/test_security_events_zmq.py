@@ -24,18 +24,12 @@ from dynamod.shared.events.zmq_plane import ZmqEventPlane
 from dynamod.shared.events.zmq_subscriber import ZmqEventSubscriber
 from dynamod.shared.security.curve import CurveKeys
 from dynamod.shared.security.token import ClusterToken
+from tests.fixtures.servers import wait_for
 
 TOKEN = ClusterToken("member-token-0123456789abcdef")
 OTHER = ClusterToken("another-cluster-token-0123456789")
 NS, COMPONENT = "ns1", "worker"
 
-
-async def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def next_message(sub: ZmqEventSubscriber, timeout: float) -> EventMessage | None:
