@@ -57,6 +57,7 @@ from dynamod.shared.discovery.file_liveness import (
     Verdict,
     this_process,
 )
+from dynamod.shared.discovery.file_poll import SharedPoll
 from dynamod.shared.discovery.store import DEFAULT_LEASE_TTL_S, WatchEvent, WatchEventKind
 from dynamod.shared.errors import DiscoveryError
 
@@ -375,8 +376,8 @@ class _Layout:
 
 class _Scanner:
     """Lists visible entries under a prefix, re-reading only files that changed since its last
-    scan. One per watcher (or per call), so no entry cache is shared between threads; the lease
-    judgements are the store's (``LeaseJudge``), shared by all its scanners."""
+    scan. One per caller (the shared watch poll has its own), so no entry cache is shared between
+    threads; the lease judgements are the store's (``LeaseJudge``), shared by all its scanners."""
 
     def __init__(self, layout: _Layout) -> None:
         self._layout = layout
@@ -504,6 +505,9 @@ class FileStore:
         self._leases: list[FileLease] = []
         self._started = False
         self._closed = asyncio.Event()
+        # Every watch of this store reads one scan per interval (file_poll), not one scan each.
+        self._poll_scanner = _Scanner(self._layout)
+        self._poll = SharedPoll(self._poll_scan, poll_interval_s, self._closed)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -679,32 +683,30 @@ class FileStore:
 
     async def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]:  # type: ignore[override]
         self._check_open()
-        scanner = _Scanner(self._layout)
-        view = await self._io(f"watch {prefix}", scanner.scan, prefix, self._own_ids())
-        for key in sorted(view):
-            yield WatchEvent(WatchEventKind.PUT, key, view[key].value)
-        failing = False
-        while not self._closed.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._closed.wait(), self.poll_interval_s)
-                return
-            try:
-                now = await asyncio.to_thread(scanner.scan, prefix, self._own_ids())
-            except OSError as exc:  # a transient file-system error must not end the watch
-                if not failing:
-                    logger.warning("file discovery watch scan failing prefix=%s error=%s", prefix, exc)
-                failing = True
-                continue
-            if failing:
-                logger.info("file discovery watch scan recovered prefix=%s", prefix)
-                failing = False
-            for key in sorted(view.keys() - now.keys()):
-                yield WatchEvent(WatchEventKind.DELETE, key)
-            for key in sorted(now):
-                old = view.get(key)
-                if old is None or old.version != now[key].version:
-                    yield WatchEvent(WatchEventKind.PUT, key, now[key].value)
-            view = now
+        watcher = self._poll.subscribe()
+        try:
+            read_at = asyncio.get_running_loop().time()
+            view = await self._io(f"watch {prefix}", _Scanner(self._layout).scan, prefix, self._own_ids())
+            for key in sorted(view):
+                yield WatchEvent(WatchEventKind.PUT, key, view[key].value)
+            while True:
+                snapshot = await watcher.next(read_at, self._closed)
+                if snapshot is None:
+                    return
+                now = snapshot if not prefix else {k: e for k, e in snapshot.items() if k.startswith(prefix)}
+                for key in sorted(view.keys() - now.keys()):
+                    yield WatchEvent(WatchEventKind.DELETE, key)
+                for key in sorted(now):
+                    old = view.get(key)
+                    if old is None or old.version != now[key].version:
+                        yield WatchEvent(WatchEventKind.PUT, key, now[key].value)
+                view = now
+        finally:
+            self._poll.unsubscribe(watcher)
+
+    def _poll_scan(self) -> dict[str, _Entry]:
+        """The shared poll's scan (in a thread): every visible key, with this store's own leases."""
+        return self._poll_scanner.scan("", self._own_ids())
 
     # -- internals ---------------------------------------------------------------------------
 
