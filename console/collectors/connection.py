@@ -114,6 +114,7 @@ class ClusterConnection:
                     self.sink,
                     lambda: frontend_metric_urls(self.state, self.settings.frontend_urls),
                     interval_s=self.settings.scrape_interval_s,
+                    token=self.settings.security.request_plane.token,  # members' /metrics need it
                 )
                 tg.create_task(self._supervise("scraper", scraper.run))
             if self._tick:

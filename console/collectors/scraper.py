@@ -3,6 +3,9 @@
 Frontends are found in discovery (role or component ``frontend``; a ``metrics_url`` label wins over
 the status server's ``system_url``) plus any ``--frontend-url``. A frontend that stops answering is
 forgotten, so its stale figures do not linger in the Models view.
+
+Every scrape carries the cluster token when the console has one: a member's status server refuses
+``/metrics`` without it, and a frontend with API keys accepts it on its ``/metrics`` in place of a key.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import httpx
 
 from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.recording import StateSink
+from dynamod.shared.observability.status_server import metrics_auth_headers
+from dynamod.shared.security.token import ClusterToken
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +39,17 @@ def frontend_metric_urls(state: ClusterState, extra: Iterable[str] = ()) -> list
 
 
 class FrontendScraper:
-    def __init__(self, sink: StateSink, sources: Callable[[], list[str]], *, interval_s: float = 2.0, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        sink: StateSink,
+        sources: Callable[[], list[str]],
+        *,
+        interval_s: float = 2.0,
+        timeout_s: float = 2.0,
+        token: ClusterToken | None = None,
+    ) -> None:
         self._sink = sink
+        self._headers = metrics_auth_headers(token)
         self._sources = sources
         self._interval_s = interval_s
         self._timeout_s = timeout_s
@@ -43,15 +57,23 @@ class FrontendScraper:
         self._known: set[str] = set()
 
     async def run(self) -> None:
-        async with httpx.AsyncClient(timeout=self._timeout_s) as client:
+        async with self.http_client() as client:
             while True:
-                urls = self._sources()
-                for gone in self._known - set(urls):
-                    self._sink.forget_source(gone)
-                self._known = set(urls)
-                if urls:
-                    await asyncio.gather(*(self._scrape(client, u) for u in urls))
+                await self.scrape_once(client)
                 await asyncio.sleep(self._interval_s)
+
+    def http_client(self) -> httpx.AsyncClient:
+        """The client every scrape goes through: this scraper's timeout and, with a token, its header."""
+        return httpx.AsyncClient(timeout=self._timeout_s, headers=self._headers)
+
+    async def scrape_once(self, client: httpx.AsyncClient) -> None:
+        """One round over the current sources (``run`` repeats it on the interval)."""
+        urls = self._sources()
+        for gone in self._known - set(urls):
+            self._sink.forget_source(gone)
+        self._known = set(urls)
+        if urls:
+            await asyncio.gather(*(self._scrape(client, u) for u in urls))
 
     async def _scrape(self, client: httpx.AsyncClient, url: str) -> None:
         try:

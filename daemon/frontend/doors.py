@@ -4,7 +4,9 @@ In order, each refusal an OpenAI-shaped error with its status, before the body i
 
 1. API key (``auth``), when keys are configured: ``/live`` stays open for liveness probes;
    ``/health`` answers an unauthenticated caller with its status only (no models, workers,
-   addresses or pids); every other route answers 401.
+   addresses or pids); ``/metrics`` also takes the cluster token (``member_token``), so the
+   cluster's own readers (Prometheus, the console, the planner) need no API key; every other route
+   answers 401. Without keys the port is open by the operator's choice, ``/metrics`` included.
 2. Rate (``limits.RateLimiter``), when ``--rate-limit`` is set: per API key, else per client
    address, on the API routes (probes and scrapes are not counted); 429 with ``Retry-After``.
    Callers with a wrong key are counted by address, so guessing keys is rate-limited too.
@@ -41,11 +43,14 @@ from dynamod.shared.errors import (
     InvalidApiKeyError,
     RateLimitedError,
 )
+from dynamod.shared.security.token import ClusterToken
 
 HEALTH_DETAILS = "dynamod.health_details"
 """Scope key: False when ``/health`` must answer without instance details (unauthenticated)."""
 
 OPEN_PATHS = frozenset({"/live"})
+METRICS_PATH = "/metrics"
+MEMBER_CLIENT = "cluster-member"  # the client name of a /metrics caller holding the cluster token
 NOT_RATE_LIMITED = frozenset({"/live", "/health", "/metrics"})
 
 REASON_UNAUTHENTICATED = "unauthenticated"
@@ -65,6 +70,7 @@ class DoorSettings:
     rate_limit: float = 0.0  # requests per second per client; 0: off
     rate_limit_burst: float = 0.0  # 0: the rate (at least 1)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    member_token: ClusterToken | None = None  # the cluster token, accepted on /metrics like a key
 
 
 class RefusalMetrics:
@@ -108,6 +114,10 @@ class FrontDoors:
         self.admission_paths = admission_paths
         self._refused = RefusalMetrics.counter(state.metrics.registry)
 
+    def _is_member(self, presented: bytes | None) -> bool:
+        token = self.settings.member_token
+        return token is not None and token.matches(presented)
+
     async def _refuse(self, send: Any, reason: str, error: DynamoError, close: bool = False) -> None:
         self._refused.labels(reason).inc()
         await send_error(send, to_http_error(error), _CLOSE if close else None)
@@ -122,6 +132,8 @@ class FrontDoors:
         if self.keys is not None and path not in OPEN_PATHS:
             presented = bearer_key(_authorization(scope))
             client = self.keys.identify(presented)
+            if client is None and path == METRICS_PATH and self._is_member(presented):
+                client = MEMBER_CLIENT
             if client is None:
                 if path == "/health":
                     scope[HEALTH_DETAILS] = False

@@ -17,7 +17,8 @@ tasks, memory) except ratios and last-seen values (``*_rate``, ``*_ratio``, ``*_
 are averaged over the members, and start times (``*_created``, ``process_start_time_seconds``),
 which take the earliest. A peer that does not answer within the timeout is left out and counted
 in ``dynamo_frontend_fleet_scrape_errors``; ``dynamo_frontend_fleet_members`` says how many
-processes the answer covers.
+processes the answer covers. With the cluster token on, the members' private ``/metrics`` refuse
+callers without it, so a member sends it to its peers.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ import httpx
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+
+from dynamod.shared.observability.status_server import metrics_auth_headers
+from dynamod.shared.security.token import ClusterToken
 
 if TYPE_CHECKING:
     from dynamod.shared.runtime.client import EndpointClient
@@ -133,12 +137,13 @@ class FleetMetrics:
         fleet: str,
         own_instance_id: int,
         timeout_s: float = PEER_TIMEOUT_S,
+        token: ClusterToken | None = None,
     ) -> None:
         self._registry = registry
         self._peers = peers
         self.fleet = fleet
         self._own = own_instance_id
-        self._http = httpx.AsyncClient(timeout=timeout_s)
+        self._http = httpx.AsyncClient(timeout=timeout_s, headers=metrics_auth_headers(token))
         self.scrape_errors = 0
 
     def _members(self) -> list[Any]:

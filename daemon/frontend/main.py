@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import ssl
+from dataclasses import replace
 
 from dynamod.daemon.frontend.app import build_app
 from dynamod.daemon.frontend.auth import ApiKeys
@@ -90,7 +91,8 @@ def add_door_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--api-key-file", default=env_or("DYN_API_KEY_FILE", "") or None,
                    help="file of API keys the OpenAI port accepts as 'Authorization: Bearer KEY', one per line (re-read "
                         "when it changes and on SIGHUP); keys may also be given, comma-separated, in DYN_API_KEY; "
-                        "/live stays open and /health shows only its status without a key "
+                        "/live stays open, /health shows only its status without a key and /metrics also "
+                        "takes the cluster token "
                         "[env DYN_API_KEY_FILE, default: no keys, the port is open]")
     g.add_argument("--rate-limit", type=float, default=float(env_or("DYN_HTTP_RATE_LIMIT", "0")),
                    help="requests per second each client (API key, else address) may send (all routes but /live, /health and /metrics); more get "
@@ -225,7 +227,8 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
                 f"cannot listen on {config.http_host}:{config.http_port}: {exc.strerror or exc}; pick another --http-port"
             ) from exc
         port = int(sock.getsockname()[1])
-        doors = door_settings_from_args(args)
+        # The cluster token opens /metrics behind API keys too: the cluster's scrapers carry no key.
+        doors = replace(door_settings_from_args(args), member_token=settings.security.request_plane.token)
         https = https_context_from_args(args)
         if doors.api_keys is None and not is_loopback(config.http_host):
             logger.warning(
@@ -258,7 +261,8 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         if in_fleet and runtime.status_url:
             peers = await runtime.namespace().component("frontend").endpoint("http").client()
             state.fleet_metrics = FleetMetrics(
-                runtime.registry, peers, fleet=base_url, own_instance_id=runtime.instance_id
+                runtime.registry, peers, fleet=base_url, own_instance_id=runtime.instance_id,
+                token=settings.security.request_plane.token,  # the members' own /metrics want it
             )
         logger.info(
             "frontend listening url=%s://%s:%d router_mode=%s models=%d frontends=%d api_keys=%d rate_limit=%g "

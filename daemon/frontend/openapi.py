@@ -4,7 +4,9 @@ The request bodies are generated from the msgspec structs the endpoints decode w
 (``msgspec.json.schema_components``), so the document cannot drift from what is accepted: a field
 added to a struct is in the schema, a bound on it is the same bound. The ``model`` of each request
 is an ``enum`` of the models served at the time of the request (built from the registry, as
-``/v1/models`` is): another name is a 404, so the enum is the truth about what is accepted.
+``/v1/models`` is): another name is a 404, so the enum is the truth about what is accepted. The
+fields msgspec sees as ``Any`` (chat messages, prompts, Responses input, tools) are spelled out by
+``openapi_fields`` as the frontend's own checks accept them.
 
 Used by clients that generate code from a schema and by the schema fuzz test
 (``tests/integration/test_frontend_schemathesis.py``).
@@ -21,6 +23,7 @@ import msgspec
 
 from dynamod.daemon.frontend.asgi import Scope, send_json
 from dynamod.daemon.frontend.embeddings import EmbeddingRequest
+from dynamod.daemon.frontend.openapi_fields import bound_by_models, refine
 from dynamod.daemon.frontend.protocol import ChatCompletionRequest, CompletionRequest, ErrorBody
 from dynamod.daemon.frontend.responses_protocol import ResponsesRequest
 from dynamod.daemon.frontend.state import FrontendState
@@ -51,6 +54,7 @@ def _static_document() -> dict[str, Any]:
     """Everything but the model enums and the security section (built once per process)."""
     structs = [route[0] for route in _GENERATION_ROUTES]
     refs, components = msgspec.json.schema_components([*structs, ErrorBody], ref_template=_REF)
+    refine(components)  # the fields msgspec sees as Any, as the frontend's checks accept them
     paths: dict[str, Any] = {}
     for (struct, path, op_id, summary, _), ref in zip(_GENERATION_ROUTES, refs, strict=False):
         body = {"required": True, "content": {"application/json": {"schema": ref}}}
@@ -76,12 +80,17 @@ def _static_document() -> dict[str, Any]:
     }
 
 
-def build_document(model_names: dict[str, list[str]], *, api_keys: bool) -> dict[str, Any]:
+def build_document(
+    model_names: dict[str, list[str]], *, api_keys: bool, vocab_size: int | None = None,
+    context_length: int | None = None,
+) -> dict[str, Any]:
     """The document with ``model`` enums from ``model_names`` (kind -> names; an empty list
-    leaves the field a plain string) and, with ``api_keys``, the bearer scheme on every route but
-    ``/live`` and ``/health``."""
+    leaves the field a plain string), token ids and output lengths bounded by the served models'
+    ``vocab_size`` and ``context_length`` when known and, with ``api_keys``, the bearer scheme on
+    every route but ``/live`` and ``/health``."""
     doc = copy.deepcopy(_static_document())
     schemas = doc["components"]["schemas"]
+    bound_by_models(schemas, vocab_size=vocab_size, context_length=context_length)
     for struct, *_, kind in _GENERATION_ROUTES:
         names = model_names.get(kind) or []
         prop = schemas[struct.__name__]["properties"].get("model")
@@ -105,5 +114,21 @@ class OpenApiEndpoint:
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         registry = self.state.registry
         names = {"chat": list(registry.models), "embedding": list(registry.embedding_models)}
-        body = json.dumps(build_document(names, api_keys=self.api_keys)).encode()
+        contexts = [m.context_length for m in registry.models.values() if m.context_length]
+        document = build_document(
+            names, api_keys=self.api_keys, vocab_size=_smallest_vocab(registry),
+            context_length=min(contexts) if contexts else None,
+        )
+        body = json.dumps(document).encode()
         await send_json(send, 200, body)
+
+
+def _smallest_vocab(registry: Any) -> int | None:
+    """The smallest vocabulary among the chat models whose tokenizer is loaded (None: none yet).
+    Read without waiting: the document never holds a request up for a tokenizer load."""
+    sizes = []
+    for model in registry.models.values():
+        task = model.preprocessor_task
+        if task is not None and task.done() and not task.cancelled() and task.exception() is None:
+            sizes.append(task.result().vocab_size)
+    return min(sizes) if sizes else None

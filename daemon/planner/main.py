@@ -55,6 +55,7 @@ from dynamod.shared.protocol.planner import (
 )
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from dynamod.shared.runtime.model_cards import CardListener, ModelCardSet
+from dynamod.shared.security.token import ClusterToken
 from dynamod.shared.transport.plane import RequestContext
 
 logger = logging.getLogger(__name__)
@@ -94,8 +95,9 @@ class Observer:
 
 
 def make_traffic_source(config: PlannerDaemonConfig, store: DiscoveryStore, namespace: str,
-                        window_s: float) -> TrafficSource | None:
-    """The configured traffic source; the Prometheus window is the adjustment interval."""
+                        window_s: float, token: ClusterToken | None = None) -> TrafficSource | None:
+    """The configured traffic source; the Prometheus window is the adjustment interval. ``token``:
+    the cluster token, which the frontends' ``/metrics`` want from members."""
     if config.traffic_source == "off":
         return None
     if config.traffic_source == "prometheus":
@@ -104,7 +106,7 @@ def make_traffic_source(config: PlannerDaemonConfig, store: DiscoveryStore, name
         return PrometheusTraffic(config.prometheus_url, window_s, model=config.model,
                                  extra_selector=config.prometheus_selector, timeout_s=config.scrape_timeout_s)
     return FrontendScrape(store, namespace, urls=list(config.metrics_urls), frontend_component=config.frontend_component,
-                          model=config.model, timeout_s=config.scrape_timeout_s)
+                          model=config.model, timeout_s=config.scrape_timeout_s, token=token)
 
 
 async def next_decision_id(store: DiscoveryStore, namespace: str) -> int:
@@ -158,7 +160,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         cards.add_listener(_model_card_listener(policy, {config.worker_component, config.prefill_component}))
         closers.append(cards.close)
         await cards.start()
-        traffic = make_traffic_source(config, store, ns, policy.interval_s)
+        traffic = make_traffic_source(config, store, ns, policy.interval_s, settings.security.request_plane.token)
         if traffic is not None:
             closers.append(traffic.close)
             await traffic.start()

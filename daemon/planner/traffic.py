@@ -10,7 +10,8 @@ Frontends are found in discovery (their ``frontend/http`` records carry a ``metr
 else their status server's ``system_url``) and from ``--metrics-url``. A frontend seen for the
 first time, or one whose last scrape failed, only sets a baseline: differencing across a gap would
 put two intervals of requests into one. A counter that went down (the frontend restarted) counts
-from zero.
+from zero. Each scrape carries the cluster token when the planner has one: a fleet member's status
+server refuses ``/metrics`` without it, and a frontend with API keys accepts it in place of a key.
 
 The request count is the *arrivals*: requests that finished plus the growth of the in-flight gauge.
 Finished requests alone cannot exceed what the pools serve, so a saturated cluster would look
@@ -32,8 +33,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from dynamod.daemon.planner.policy import TrafficSample
 from dynamod.shared.discovery.store import DiscoveryStore
 from dynamod.shared.errors import UnavailableError
+from dynamod.shared.observability.status_server import metrics_auth_headers
 from dynamod.shared.protocol.keys import instances_prefix
 from dynamod.shared.runtime.instances import InstanceSet
+from dynamod.shared.security.token import ClusterToken
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +143,9 @@ class FrontendScrape:
 
     def __init__(self, store: DiscoveryStore | None, namespace: str, *, urls: list[str] | None = None,
                  frontend_component: str = "frontend", model: str | None = None, timeout_s: float = 5.0,
-                 client: httpx.AsyncClient | None = None) -> None:
+                 client: httpx.AsyncClient | None = None, token: ClusterToken | None = None) -> None:
         self._static = list(urls or [])
+        self._headers = metrics_auth_headers(token)
         self._instances = (
             InstanceSet(store, instances_prefix(namespace, frontend_component)) if store is not None and frontend_component else None
         )
@@ -173,7 +177,7 @@ class FrontendScrape:
         return list(dict.fromkeys(found))
 
     async def _scrape(self, url: str) -> FrontendTotals:
-        resp = await self._client.get(url)
+        resp = await self._client.get(url, headers=self._headers)
         resp.raise_for_status()
         return parse_totals(resp.text, self._model)
 

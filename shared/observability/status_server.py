@@ -5,13 +5,19 @@ and every process (workers, routers, planner) gets the same three routes with no
 ``/health`` is 200 only when the process says it is ready (its endpoints are served and it is not
 shutting down); ``/live`` is 200 while the event loop runs; ``/metrics`` is Prometheus text.
 
-With the cluster token on, ``/health`` follows the frontend's rule: a caller who does not present
-the token (``Authorization: Bearer <token>``) gets the status and the in-flight count only, not the
-served endpoints, instance ids or role extras (router workers, global-router pools), which map the
-cluster for anyone who can reach the port. The status code is the same either way, so readiness
-probes need no secret; ``inflight`` stays public because it is a load figure, not an identity, and
-``dynamod up``'s scaler picks the worker to remove by it. ``/metrics`` stays open for Prometheus and
-the console's scraper: keep the status port on the cluster network (``--system-host``, NetworkPolicy).
+With the cluster token on, the token (``Authorization: Bearer <token>``) is what separates a member
+from anyone who can reach the port:
+
+- ``/metrics`` answers 401 without it: its series name worker ids, models, LoRA adapters and the
+  load on each, a map of the cluster and its traffic. Every reader in the tree sends the token
+  (``metrics_auth_headers``): the console's scraper, the planner, a frontend fleet adding up its
+  members, and Prometheus through ``authorization.credentials_file`` (``deploy/prometheus``).
+- ``/health`` follows the frontend's rule: a caller without the token gets the status and the
+  in-flight count only, not the served endpoints, instance ids or role extras (router workers,
+  global-router pools). The status code is the same either way, so readiness probes need no
+  secret; ``inflight`` stays public because it is a load figure, not an identity, and
+  ``dynamod up``'s scaler picks the worker to remove by it.
+- ``/live`` stays open: a liveness probe carries no secret.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from collections.abc import Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from dynamod.shared.errors import ConfigError
-from dynamod.shared.security.token import ClusterToken
+from dynamod.shared.security.token import REASON_BAD_TOKEN, REASON_MISSING_TOKEN, ClusterToken
 from dynamod.shared.transport.address import advertised_host, join_host_port
 
 logger = logging.getLogger(__name__)
@@ -33,6 +39,22 @@ HealthProbe = Callable[[], tuple[bool, dict]]
 _MAX_REQUEST_BYTES = 16 * 1024
 PUBLIC_HEALTH_FIELDS = ("inflight",)
 """What ``/health`` shows beside ``status`` to a caller without the token (see the module docstring)."""
+
+
+def metrics_auth_headers(token: ClusterToken | None) -> dict[str, str]:
+    """The headers a member sends to read another process's ``/metrics`` (none without a token)."""
+    return {"Authorization": f"Bearer {token.value}"} if token is not None else {}
+
+
+def _unauthorized_body(reason: str) -> bytes:
+    """An OpenAI-shaped error, as the frontend's 401s are, saying what to send."""
+    told = "no cluster token was presented" if reason == REASON_MISSING_TOKEN else "the cluster token presented is wrong"
+    message = (
+        f"/metrics needs the cluster token and {told}: send 'Authorization: Bearer <token>' with the token "
+        "of --cluster-token-file / DYN_CLUSTER_TOKEN"
+    )
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": reason}
+    return json.dumps({"error": error}).encode() + b"\n"
 
 
 def bearer_token(head: bytes) -> bytes | None:
@@ -108,8 +130,14 @@ class StatusServer:
                     await self._write(writer, 400, "text/plain", b"bad request\n", False)
                     return
                 method, path = parts[0], parts[1].split("?", 1)[0]
-                status, ctype, body = self._route(method, path, self._may_see_details(head))
-                await self._write(writer, status, ctype, body if method != "HEAD" else b"", keep_alive)
+                refusal = self._metrics_refusal(method, path, head)
+                extra = b""
+                if refusal is not None:
+                    status, ctype, body = 401, "application/json", _unauthorized_body(refusal)
+                    extra = b'WWW-Authenticate: Bearer realm="dynamod"\r\n'
+                else:
+                    status, ctype, body = self._route(method, path, self._may_see_details(head))
+                await self._write(writer, status, ctype, body if method != "HEAD" else b"", keep_alive, extra)
                 if not keep_alive:
                     return
         finally:
@@ -118,6 +146,15 @@ class StatusServer:
 
     def _may_see_details(self, head: bytes) -> bool:
         return self._token is None or self._token.matches(bearer_token(head))
+
+    def _metrics_refusal(self, method: str, path: str, head: bytes) -> str | None:
+        """Why a ``/metrics`` request is refused (missing or wrong token), or None to serve it."""
+        if self._token is None or path != "/metrics" or method not in ("GET", "HEAD"):
+            return None
+        presented = bearer_token(head)
+        if presented is None:
+            return REASON_MISSING_TOKEN
+        return None if self._token.matches(presented) else REASON_BAD_TOKEN
 
     def _route(self, method: str, path: str, details: bool = True) -> tuple[int, str, bytes]:
         if method not in ("GET", "HEAD"):
@@ -135,11 +172,15 @@ class StatusServer:
         return 404, "text/plain", b"not found\n"
 
     @staticmethod
-    async def _write(writer: asyncio.StreamWriter, status: int, ctype: str, body: bytes, keep_alive: bool) -> None:
-        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
+    async def _write(
+        writer: asyncio.StreamWriter, status: int, ctype: str, body: bytes, keep_alive: bool, extra: bytes = b""
+    ) -> None:
+        reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+                  503: "Service Unavailable"}
         head = (
             f"HTTP/1.1 {status} {reason.get(status, 'OK')}\r\nContent-Type: {ctype}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: {'keep-alive' if keep_alive else 'close'}\r\n\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: {'keep-alive' if keep_alive else 'close'}\r\n"
         )
-        writer.write(head.encode() + body)
+        writer.write(head.encode() + extra + b"\r\n" + body)
         await writer.drain()
+

@@ -18,7 +18,7 @@ import pytest
 
 from tests.fixtures.servers import EtcdServer, NatsServer, free_port, wait_until
 from tests.fixtures.tls import ETCD_PASSWORD, ETCD_USER, NATS_PASSWORD, NATS_USER, ClusterCerts
-from tests.integration.test_frontend_support import CLI, Proc, get_json, get_text
+from tests.integration.test_frontend_support import CLI, Proc, get_json
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -145,7 +145,10 @@ def test_refusals_are_counted_by_the_worker(cluster: SecureCluster) -> None:
     env = {k: v for k, v in cluster.env.items() if k != "DYN_CLUSTER_TOKEN_FILE"}
     worker_id = next(r["id"] for r in json.loads(ctl(cluster.env, "status", "--json").stdout) if r["component"] == "backend")
     assert ctl(env, "clear-kv", worker_id).returncode == 1
-    metrics = get_text(f"http://127.0.0.1:{cluster.worker_port}/metrics")
+    token = Path(cluster.env["DYN_CLUSTER_TOKEN_FILE"]).read_text().strip()  # the worker's /metrics is for members
+    metrics = httpx.get(
+        f"http://127.0.0.1:{cluster.worker_port}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=5
+    ).text
     counted = [
         line for line in metrics.splitlines()
         if line.startswith("dynamo_component_request_plane_unauthenticated_total") and 'reason="missing_token"' in line

@@ -51,3 +51,35 @@ def test_address_relabelling_uses_the_annotated_port() -> None:
         joined = f"{address};{port}"
         assert regex.fullmatch(joined), joined
         assert regex.sub(replacement, joined) == want
+
+
+def _cluster_secret_mounts() -> set[str]:
+    """Where the rendered dynamod pods mount the ``dynamod-cluster-secrets`` Secret."""
+    mounts = set()
+    for overlay in OVERLAYS:
+        for doc in rendered(overlay):
+            pod = doc.get("spec", {}).get("template", {}).get("spec", {})
+            volumes = {
+                v["name"] for v in pod.get("volumes", [])
+                if v.get("secret", {}).get("secretName") == "dynamod-cluster-secrets"
+            }
+            for container in pod.get("containers", []):
+                mounts |= {m["mountPath"] for m in container.get("volumeMounts", []) if m["name"] in volumes}
+    return mounts
+
+
+def test_pods_job_sends_the_cluster_token_from_the_secret_file() -> None:
+    """Status servers refuse /metrics without the cluster token: the job must send it, from the same
+    Secret key and mount path the dynamod pods use (README's ``--from-file=cluster.token=...``)."""
+    auth = _job("dynamod-pods")["authorization"]
+    assert auth["type"] == "Bearer"
+    assert "credentials" not in auth, "the token belongs in a file, not in the config"
+    directory, _, name = auth["credentials_file"].rpartition("/")
+    assert name == "cluster.token"
+    assert _cluster_secret_mounts() == {directory}
+    readme = (DEPLOY / "kubernetes" / "README.md").read_text()
+    assert "--from-file=cluster.token=" in readme and f"DYN_CLUSTER_TOKEN_FILE={auth['credentials_file']}" in readme
+
+
+def test_prometheus_self_scrape_sends_no_token() -> None:
+    assert "authorization" not in _job("prometheus")
