@@ -48,7 +48,7 @@ from dynamod.shared.protocol.kv_events import (
     StoredBlock,
 )
 from dynamod.shared.protocol.kv_transfer import KvLayout, KvTransferParams
-from dynamod.shared.protocol.llm import PreprocessedRequest, SamplingOptions, Usage
+from dynamod.shared.protocol.llm import FINISH_ERROR, PreprocessedRequest, SamplingOptions, Usage
 
 
 @dataclass(slots=True)
@@ -440,7 +440,7 @@ class MockerCore:
                         completion_tokens=request.num_output_tokens,
                     ),
                     request.num_preemptions,
-                    self._hold(request) if request.hold_kv else None,
+                    self._hold(request) if request.hold_kv and request.finish_reason != FINISH_ERROR else None,
                 )
             )
         out.kv_events = self.kv_manager.take_events()

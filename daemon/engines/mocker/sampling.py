@@ -71,6 +71,8 @@ class TokenSampler:
         self._ignore_eos = ignore_eos
         self._rng = np.random.default_rng(seed)
         self._temperature = 1.0 if options.temperature is None else float(options.temperature)
+        if self._temperature < _GREEDY_BELOW:
+            self._temperature = 0.0  # as vLLM: a temperature this small is greedy (and 1/T overflows)
         self._top_k = options.top_k if options.top_k is not None and options.top_k > 0 else 0
         self._top_p = 1.0 if options.top_p is None else float(options.top_p)
         self._min_p = 0.0 if options.min_p is None else float(options.min_p)
@@ -190,12 +192,16 @@ class TokenSampler:
         if self._seen is not None:
             r = np.float32(self._repetition)
             seen = self._seen
-            logits[seen] = np.where(logits[seen] > 0, logits[seen] / r, logits[seen] * r)
+            with np.errstate(over="ignore", divide="ignore"):  # extremes are clipped below
+                logits[seen] = np.where(logits[seen] > 0, logits[seen] / r, logits[seen] * r)
         if self._counts is not None:
             counts = self._counts
             logits -= np.float32(self._frequency) * counts
             if self._presence:
                 logits -= np.float32(self._presence) * (counts > 0)
+        # A valid but extreme parameter (repetition_penalty 1e-300 divides by a float32 zero) must
+        # give a finite logit, not inf: inf - inf is NaN and no distribution is left to draw from.
+        np.clip(logits, -_LOGIT_LIMIT, _LOGIT_LIMIT, out=logits)
 
     def _truncate(self, logits: np.ndarray) -> np.ndarray:
         """Temperature, then top_k, top_p and min_p (vLLM's order); excluded tokens -> -inf."""
@@ -241,6 +247,10 @@ class TokenSampler:
         best = np.argpartition(-logp, n - 1)[:n]
         best = best[np.argsort(-logp[best], kind="stable")]
         self.last_top = [(int(t), float(logp[t])) for t in best]
+
+
+_GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
+_LOGIT_LIMIT = np.float32(1e30)  # finite in float32, and far beyond any real logit
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

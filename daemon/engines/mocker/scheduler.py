@@ -41,7 +41,7 @@ from dynamod.daemon.engines.mocker.block_pool import KVBlock
 from dynamod.daemon.engines.mocker.kv_manager import KVCacheManager
 from dynamod.daemon.engines.mocker.request import MockRequest, RequestStatus
 from dynamod.daemon.engines.mocker.tiers import OnboardPlan
-from dynamod.shared.protocol.llm import FINISH_LENGTH, FINISH_STOP
+from dynamod.shared.protocol.llm import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 
 logger = logging.getLogger(__name__)
 
@@ -453,7 +453,15 @@ class Scheduler:
 
     def _sample(self, request: MockRequest, result: UpdateResult) -> None:
         sampler = request.sampler
-        token = request.next_token() if sampler is None else sampler.sample(request)
+        if sampler is None:
+            token = request.next_token()
+        else:
+            try:
+                token = sampler.sample(request)
+            except Exception:  # one request's parameters must not fail the others in the batch
+                logger.exception("mocker sampling failed request_id=%s action=fail_request", request.request_id)
+                self._finish(request, FINISH_ERROR, result)
+                return
         tokens = request.token_ids
         tokens.append(token)
         result.req_ids.append(request.request_id)
@@ -469,9 +477,12 @@ class Scheduler:
             reason = FINISH_LENGTH
         else:
             return
+        self._finish(request, reason, result)
+
+    def _finish(self, request: MockRequest, reason: str, result: UpdateResult) -> None:
         request.finish_reason = reason
         request.status = RequestStatus.FINISHED
-        if not request.hold_kv:  # else the core moves the blocks to a hold for a decode worker
+        if not request.hold_kv or reason == FINISH_ERROR:  # else the core moves the blocks to a hold
             self.kv_manager.free(request)
         del self.requests[request.request_id]
         result.finished.append(request)

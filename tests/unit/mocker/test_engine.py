@@ -9,11 +9,18 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from dynamod.daemon.engines.mocker.engine import MockerEngine
+from dynamod.daemon.engines.mocker.sampling import TokenSampler
 from dynamod.daemon.worker.engine import Engine
 from dynamod.shared.errors import ContextLengthError, InvalidRequestError, NotFoundError, UnavailableError
 from dynamod.shared.kv.hashing import hash_tokens
 from dynamod.shared.protocol.kv_events import KvCleared, KvStored, RouterEvent
-from dynamod.shared.protocol.llm import EngineOutput, PreprocessedRequest, StopConditions
+from dynamod.shared.protocol.llm import (
+    FINISH_ERROR,
+    EngineOutput,
+    PreprocessedRequest,
+    SamplingOptions,
+    StopConditions,
+)
 from tests.unit.mocker.factories import make_config
 
 WORKER_ID = 0xABC
@@ -247,3 +254,40 @@ async def test_stop_fails_in_flight_requests_and_ends_kv_events():
     assert all(isinstance(e, RouterEvent) for e in remaining)
     with pytest.raises(UnavailableError):
         await collect(engine.generate(request("late", [1], 1)))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"repetition_penalty": 5e-324},  # found by schemathesis: 1/r overflows float32, inf - inf = NaN
+        {"repetition_penalty": 100.0, "temperature": 2.0},
+        {"temperature": 1e-300, "repetition_penalty": 1e-300},  # below vLLM's epsilon: greedy
+        {"presence_penalty": 2.0, "frequency_penalty": -2.0, "logit_bias": {1: 100.0, 2: -100.0}},
+    ],
+)
+async def test_extreme_but_valid_sampling_parameters_generate(make_engine, options):
+    engine = await make_engine()
+    prompt = [1, 2, 3, 1, 2, 3, 4, 5]
+    outs = await collect(engine.generate(request("x", prompt, 12, sampling=SamplingOptions(**options))))
+    assert outs[-1].finish_reason == "length" and sum(len(o.token_ids) for o in outs) == 12
+
+
+async def test_a_request_whose_sampling_fails_fails_alone(make_engine, monkeypatch):
+    """One request's sampler raising (a bug, a parameter no check foresaw) fails that request with
+    an error; the other requests in the same batch finish as if nothing happened."""
+    engine = await make_engine(speedup_ratio=100.0)
+    real = TokenSampler.sample
+
+    def sample(self, req):  # noqa: ANN001, ANN202
+        if req.request_id == "bad" and req.num_output_tokens == 3:
+            raise FloatingPointError("probabilities are not finite")
+        return real(self, req)
+
+    monkeypatch.setattr(TokenSampler, "sample", sample)
+    opts = SamplingOptions(temperature=0.7, presence_penalty=0.5)  # a penalty: the sampler runs
+    good = asyncio.ensure_future(collect(engine.generate(request("good", list(range(1, 9)), 30, sampling=opts))))
+    bad = await collect(engine.generate(request("bad", list(range(11, 19)), 30, sampling=opts)))
+    assert bad[-1].finish_reason == FINISH_ERROR and sum(len(o.token_ids) for o in bad) == 3
+    outs = await good
+    assert outs[-1].finish_reason == "length" and sum(len(o.token_ids) for o in outs) == 30
+    await until(lambda: engine.num_active_requests == 0)
