@@ -20,13 +20,16 @@ from tests.integration.test_frontend_support import LocalCluster, get_text, runn
 pytestmark = pytest.mark.timeout(180)
 
 STREAMS = 32
-MAX_TOKENS = 400  # seconds of mocker time, so the kill lands mid-generation
+# Seconds of mocker time, so the kill lands mid-generation: the worker runs ahead of what the client
+# has read (kernel buffers hold a stream's whole output), and on a loaded machine the client lags
+# far behind; a short generation could be over on the worker while the client is at token 5.
+MAX_TOKENS = 600
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     # A slower mocker keeps the streams running long enough to kill a worker in their middle.
-    with running_cluster(tmp_path_factory.mktemp("migration-cluster"), speedup=2.0) as c:
+    with running_cluster(tmp_path_factory.mktemp("migration-cluster"), speedup=1.0) as c:
         yield c
 
 
