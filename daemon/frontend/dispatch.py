@@ -174,22 +174,38 @@ class EngineStream:
             outcome = await self._prefill([choice.instance]) if req.model.prefill is not None else None
             return choice, pool, outcome
         candidates = await self._candidates(exclude)
-        model = req.model
-        router = model.router
-        assert router is not None
         pre = req.preprocessed
-        if model.prefill is None:
-            choice = await router.select(RouteRequest(req.request_id, pre.token_ids, model.lora_name), candidates)
-            return choice, model.workers[choice.worker_id], None
-        outcome = await self._prefill(candidates)
-        # Decode stage: a prompt prefilled remotely is fetched, not computed, so the decode
-        # worker's cache earns nothing (Dynamo's decode router: overlap weight 0).
-        route = RouteRequest(
-            req.request_id, pre.token_ids, model.lora_name, stage=STAGE_DECODE,
-            overlap_weight=0.0 if outcome.remote else None, disagg=outcome.info,
-        )
-        choice = await router.select(route, candidates)
-        return choice, model.workers[choice.worker_id], outcome
+        outcome: PrefillOutcome | None = None
+        if req.model.prefill is not None:
+            outcome = await self._prefill(candidates)
+            candidates = await self._candidates(exclude)  # the prefill took a while: who is still here
+        passed: set[int] = set()
+        while True:
+            model = req.model
+            router = model.router
+            assert router is not None
+            if outcome is None:
+                route = RouteRequest(req.request_id, pre.token_ids, model.lora_name)
+            else:
+                # Decode stage: a prompt prefilled remotely is fetched, not computed, so the decode
+                # worker's cache earns nothing (Dynamo's decode router: overlap weight 0).
+                route = RouteRequest(
+                    req.request_id, pre.token_ids, model.lora_name, stage=STAGE_DECODE,
+                    overlap_weight=0.0 if outcome.remote else None, disagg=outcome.info,
+                )
+            choice = await router.select(route, candidates)
+            pool = model.workers.get(choice.worker_id)
+            if pool is not None:
+                return choice, pool, outcome
+            # The worker left while the router held the request (its queue, a busy fleet): not a
+            # failure of the request, and not a migration; route it again among those still here.
+            router.on_finish(req.request_id)
+            passed.add(choice.worker_id)
+            logger.info(
+                "routed worker left before dispatch request_id=%s worker_id=%x action=reroute",
+                req.request_id, choice.worker_id,
+            )
+            candidates = await self._candidates(exclude | passed)
 
     async def _prefill(self, candidates: list[Instance]) -> PrefillOutcome:
         """The prefill stage of this attempt (the prompt plus what was generated so far)."""

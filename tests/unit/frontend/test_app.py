@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,13 +21,20 @@ from dynamod.daemon.frontend.app import build_app
 from dynamod.daemon.frontend.dispatch import Dispatcher
 from dynamod.daemon.frontend.metrics import FrontendMetrics
 from dynamod.daemon.frontend.models import ModelRegistry
-from dynamod.daemon.frontend.routing import Quarantine, make_basic_router
+from dynamod.daemon.frontend.routing import (
+    Quarantine,
+    RoundRobinRouter,
+    RouteChoice,
+    RouteRequest,
+    make_basic_router,
+)
 from dynamod.daemon.frontend.server import HttpServer, bind_socket
 from dynamod.daemon.frontend.state import FrontendConfig, FrontendState
 from dynamod.daemon.models import TINY_MODEL_DIR
 from dynamod.shared.config import RuntimeSettings
 from dynamod.shared.discovery.mem import MemStore
 from dynamod.shared.errors import UnavailableError
+from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.keys import mdc_key
 from dynamod.shared.protocol.model_card import ModelCard, encode_card
 from dynamod.shared.runtime.distributed import DistributedRuntime, ServedInstance
@@ -427,3 +434,46 @@ async def test_metrics_use_dynamo_names(cluster: Cluster) -> None:
     ):
         assert f"{name}{{" in text or f"{name} " in text, name
     assert 'dynamo_frontend_kv_hit_rate{model="tiny"} 0.5' in text  # 2 cached of 4 prompt tokens
+
+
+class HoldFirstRouter(RoundRobinRouter):
+    """Holds its first pick (as the KV router's queue holds a request while every worker is busy),
+    then returns ``victim`` even though it may have left meanwhile."""
+
+    def __init__(self, victim: int) -> None:
+        super().__init__()
+        self.victim = victim
+        self.held = asyncio.Event()
+        self.release = asyncio.Event()
+        self.finished: list[str] = []
+
+    async def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice:
+        if not self.held.is_set():
+            self.held.set()
+            await self.release.wait()
+            return RouteChoice(next(c for c in candidates if c.instance_id == self.victim), stage=request.stage)
+        return await super().select(request, candidates)
+
+    def on_finish(self, request_id: str) -> None:
+        self.finished.append(request_id)
+
+
+async def test_a_worker_that_leaves_while_the_router_holds_the_request_is_routed_around(cluster: Cluster) -> None:
+    """Found by the planner's scale-down test: the router picked a worker that was removed while
+    the request waited in it, and the lookup of that worker's pool raised KeyError (a 500)."""
+    a = await cluster.add_worker()
+    b = await cluster.add_worker()
+    assert cluster.state is not None
+    model = cluster.state.registry.models["tiny"]
+    router = HoldFirstRouter(a.id)
+    model.router = router
+    api = client(cluster)
+    request = asyncio.ensure_future(api.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=6))
+    await asyncio.wait_for(router.held.wait(), 5)
+    await a.lease.revoke()  # the worker's records go: as when the planner retires it
+    await cluster.wait(lambda: a.id not in model.workers)
+    router.release.set()
+    result = await asyncio.wait_for(request, 10)
+    assert result.choices[0].text == expected_text(4, 6)
+    assert a.requests == [] and len(b.requests) == 1
+    assert len(router.finished) == 2  # the abandoned pick released, then the served request
