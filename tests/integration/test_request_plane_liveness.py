@@ -10,6 +10,7 @@ while a handler that is merely quiet for several timeouts (a long prefill) must 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import selectors
@@ -414,14 +415,14 @@ async def test_sigstopped_client_has_its_streams_cancelled_by_the_server() -> No
     """A frontend frozen mid-stream must not hold the worker's slot for ever: the worker sees its
     pings stop and aborts the connection, which ends the handler (the engine frees the request)."""
     server, address, ended, registry = await _paced_server(HB.timeout_s)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CLIENT_CHILD, address.address, str(HB.interval_s), str(HB.timeout_s)],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CLIENT_CHILD, address.address, str(HB.interval_s), str(HB.timeout_s),
+        cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE,
     )
     try:
         assert proc.stdout is not None
-        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 20)
-        assert line.strip() == "reading"
+        line = await asyncio.wait_for(proc.stdout.readline(), 20)
+        assert line.strip() == b"reading"
         await asyncio.sleep(3 * HB.interval_s)  # a few pings reach the server first
         assert "from-child" not in ended
         os.kill(proc.pid, signal.SIGSTOP)
@@ -436,11 +437,10 @@ async def test_sigstopped_client_has_its_streams_cancelled_by_the_server() -> No
         assert _dead_count(registry) == 1
         assert server.stats()["connections"] == 0
     finally:
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.kill()
-        proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        with contextlib.suppress(ProcessLookupError):  # thawed, it may already have ended
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        await proc.wait()
         await server.stop(0)
 
 
