@@ -7,6 +7,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import time
 import urllib.request
 from typing import Any
@@ -53,3 +54,18 @@ def rss_mb() -> float:
     """This process's resident memory in MiB."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def latency_summary(values: list[float], *, unit: str = "us", digits: int = 1, with_max: bool = True) -> dict[str, float]:
+    """p50/p99(/max)/mean of durations in seconds, in ``unit`` ("us" or "ms"), keys named after it."""
+    scale = {"us": 1e6, "ms": 1e3}[unit]
+    out = {
+        f"p50_{unit}": round(percentile(values, 50) * scale, digits),
+        f"p99_{unit}": round(percentile(values, 99) * scale, digits),
+    }
+    if with_max:
+        out[f"max_{unit}"] = round(max(values) * scale, digits)
+    out[f"mean_{unit}"] = round(statistics.fmean(values) * scale, digits)
+    out["n"] = len(values)
+    return out
+

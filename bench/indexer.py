@@ -43,7 +43,6 @@ import os
 import platform
 import random
 import resource
-import statistics
 import sys
 import time
 from collections import deque
@@ -58,7 +57,7 @@ from dynamod.shared.kv.indexer import KvIndexer
 from dynamod.shared.protocol.kv_events import KvRemoved, KvStored, RouterEvent, StoredBlock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import calibrate, rss_mb  # noqa: E402
+from bench_util import calibrate, latency_summary, rss_mb  # noqa: E402
 
 BLOCK_SIZE = 16
 SYSTEM_PROMPTS = 64
@@ -74,21 +73,10 @@ class Request:
     seq: list[int]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 
 
-def summary_us(values: list[float]) -> dict[str, float]:
-    return {
-        "p50_us": round(percentile(values, 0.50) * 1e6, 2),
-        "p99_us": round(percentile(values, 0.99) * 1e6, 2),
-        "max_us": round(max(values) * 1e6, 2),
-        "mean_us": round(statistics.fmean(values) * 1e6, 2),
-        "n": len(values),
-    }
 
 
 class Workload:
@@ -303,7 +291,7 @@ def bench_find_matches(args, index: KvIndexer, wl: Workload, rng: random.Random)
         for name, queries in kinds:
             prepared = [prep(q) for q in queries]
             wall, cpu, mean_depth = run(fn, prepared)
-            section[name] = {"wall": summary_us(wall), "cpu": summary_us(cpu), "mean_matched_blocks": round(mean_depth, 1)}
+            section[name] = {"wall": latency_summary(wall, digits=2), "cpu": latency_summary(cpu, digits=2), "mean_matched_blocks": round(mean_depth, 1)}
         section["target_met_wall"] = all(section[k]["wall"]["p99_us"] <= 50 for k, _ in kinds)
         section["target_met_cpu"] = all(section[k]["cpu"]["p99_us"] <= 50 for k, _ in kinds)
         out[variant] = section
@@ -353,10 +341,10 @@ def bench_routing(args, index: KvIndexer, streams: list[WorkerStream], wl: Workl
         "workers": len(streams),
         "active_requests": args.active,
         "mean_overlap_blocks": round(overlap / len(prompts), 1),
-        "select_worker_wall": summary_us(total),
-        "select_worker_cpu": summary_us(total_cpu),
-        "hashing_alone_wall": summary_us(hashing),
-        "find_matches_sequence_alone_wall": summary_us(matching),
+        "select_worker_wall": latency_summary(total, digits=2),
+        "select_worker_cpu": latency_summary(total_cpu, digits=2),
+        "hashing_alone_wall": latency_summary(hashing, digits=2),
+        "find_matches_sequence_alone_wall": latency_summary(matching, digits=2),
         "target_p99_us": 1000,
     }
     out["target_met_wall"] = out["select_worker_wall"]["p99_us"] <= 1000

@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import random
-import statistics
 import sys
 import time
 
@@ -42,23 +41,16 @@ from dynamod.shared.kv.hashing import compute_block_hashes, compute_sequence_has
 from dynamod.shared.protocol.kv_events import KvStored, RouterEvent, StoredBlock
 from dynamod.shared.protocol.model_card import ModelCard
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import latency_summary  # noqa: E402
+
 BLOCK_SIZE = 16
 CHUNK_BLOCKS = 32
 DOCUMENTS = 8
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def summary_ms(values: list[float]) -> dict[str, float]:
-    return {
-        "p50_ms": round(percentile(values, 0.50) * 1e3, 3),
-        "p99_ms": round(percentile(values, 0.99) * 1e3, 3),
-        "mean_ms": round(statistics.fmean(values) * 1e3, 3),
-        "n": len(values),
-    }
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -178,12 +170,12 @@ def main() -> None:
         "prompt_tokens": prompt_tokens,
         "prompt_blocks": prompt_tokens // BLOCK_SIZE,
         "workers": args.workers,
-        "tokenizer_alone_wall": summary_ms(tok_wall),
-        "tokenizer_alone_cpu": summary_ms(tok_cpu),
-        "pipeline_wall": summary_ms(pipe_wall),
-        "pipeline_cpu": summary_ms(pipe_cpu),
-        "pipeline_async_wall": summary_ms(async_wall),
-        "stages_wall": {"template": summary_ms(render_s), "hash": summary_ms(hash_s), "select_worker": summary_ms(route_s)},
+        "tokenizer_alone_wall": latency_summary(tok_wall, unit="ms", digits=3, with_max=False),
+        "tokenizer_alone_cpu": latency_summary(tok_cpu, unit="ms", digits=3, with_max=False),
+        "pipeline_wall": latency_summary(pipe_wall, unit="ms", digits=3, with_max=False),
+        "pipeline_cpu": latency_summary(pipe_cpu, unit="ms", digits=3, with_max=False),
+        "pipeline_async_wall": latency_summary(async_wall, unit="ms", digits=3, with_max=False),
+        "stages_wall": {"template": latency_summary(render_s, unit="ms", digits=3, with_max=False), "hash": latency_summary(hash_s, unit="ms", digits=3, with_max=False), "select_worker": latency_summary(route_s, unit="ms", digits=3, with_max=False)},
     }
     for kind in ("wall", "cpu"):
         pipe, tok = out[f"pipeline_{kind}"], out[f"tokenizer_alone_{kind}"]

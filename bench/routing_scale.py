@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import random
-import statistics
 import sys
 import time
 from array import array
@@ -38,7 +37,7 @@ from dynamod.shared.kv.hashing import compute_block_hashes, compute_sequence_has
 from dynamod.shared.protocol.kv_events import KvStored, RouterEvent, StoredBlock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import calibrate, rss_mb  # noqa: E402
+from bench_util import calibrate, latency_summary, rss_mb  # noqa: E402
 
 BLOCK_SIZE = 16
 SYSTEM_PROMPTS = 64
@@ -48,19 +47,8 @@ ISL = 8192
 U64 = (1 << 64) - 1
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def summary_us(values: list[float]) -> dict[str, float]:
-    return {
-        "p50_us": round(percentile(values, 0.50) * 1e6, 1),
-        "p99_us": round(percentile(values, 0.99) * 1e6, 1),
-        "max_us": round(max(values) * 1e6, 1),
-        "mean_us": round(statistics.fmean(values) * 1e6, 1),
-        "n": len(values),
-    }
 
 
 
@@ -172,10 +160,10 @@ def scenario(workers: int, active: int, args, rng: random.Random) -> dict:
         "build_seconds": round(build_s, 1),
         "isl_tokens": ISL,
         "mean_overlap_blocks": round(overlap / args.routes, 1),
-        "select_worker_wall": summary_us(wall),
-        "select_worker_cpu": summary_us(cpu),
-        "hashing_alone_wall": summary_us(hashing),
-        "find_matches_sequence_alone_wall": summary_us(matching),
+        "select_worker_wall": latency_summary(wall, digits=1),
+        "select_worker_cpu": latency_summary(cpu, digits=1),
+        "hashing_alone_wall": latency_summary(hashing, digits=1),
+        "find_matches_sequence_alone_wall": latency_summary(matching, digits=1),
         "router_rss_mb": round(router_mb),
         "index_tables_mb": round(memory() / 2**20, 1) if memory else None,
         "target_p99_us": target_us,
