@@ -24,7 +24,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -64,6 +64,8 @@ from dynamod.shared.runtime.intent import IntentRecorder
 from dynamod.shared.transport.plane import RequestContext
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 GENERATE = "generate"
 _KV_DUMP_CHUNK = 2000
@@ -377,15 +379,21 @@ class WorkerService:
 
     # -- generate -------------------------------------------------------------------------------
 
-    async def _generate(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
+    def _admit(self, body: Any, kind: type[T], what: str) -> T:
+        """A request this worker takes now: ready, well formed, its LoRA adapter loaded."""
         if self.status != STATUS_READY:
             raise UnavailableError(f"worker {self.worker_id:x} is {self.status}; it takes no new requests")
         try:
-            request = msgspec.convert(body, PreprocessedRequest)
+            request = msgspec.convert(body, kind)
         except msgspec.ValidationError as exc:
-            raise InvalidRequestError(f"bad generate request: {exc}") from None
-        if request.lora_name and request.lora_name not in {lo.name for lo in self.engine.list_loras()}:
-            raise InvalidRequestError(f"LoRA adapter {request.lora_name!r} is not loaded on worker {self.worker_id:x}")
+            raise InvalidRequestError(f"bad {what} request: {exc}") from None
+        lora = request.lora_name  # type: ignore[attr-defined]
+        if lora and lora not in {lo.name for lo in self.engine.list_loras()}:
+            raise InvalidRequestError(f"LoRA adapter {lora!r} is not loaded on worker {self.worker_id:x}")
+        return request
+
+    async def _generate(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
+        request = self._admit(body, PreprocessedRequest, "generate")
         assert self.card is not None  # served only after start()
         check_generate_limits(request, self.card.context_length)
         async for out in self.engine.generate(request):
@@ -393,14 +401,7 @@ class WorkerService:
 
     async def _embed(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
         """One reply frame: the vectors of all inputs (``EmbedResponse``)."""
-        if self.status != STATUS_READY:
-            raise UnavailableError(f"worker {self.worker_id:x} is {self.status}; it takes no new requests")
-        try:
-            request = msgspec.convert(body, EmbedRequest)
-        except msgspec.ValidationError as exc:
-            raise InvalidRequestError(f"bad embed request: {exc}") from None
-        if request.lora_name and request.lora_name not in {lo.name for lo in self.engine.list_loras()}:
-            raise InvalidRequestError(f"LoRA adapter {request.lora_name!r} is not loaded on worker {self.worker_id:x}")
+        request = self._admit(body, EmbedRequest, "embed")
         assert isinstance(self.engine, EmbeddingEngine)  # start() refused anything else
         yield await self.engine.embed(request)
 
