@@ -34,6 +34,9 @@ from dynamod.daemon.frontend.metrics import STATUS_ERROR, STATUS_SUCCESS
 from dynamod.daemon.frontend.models import EndpointPool, ServedModel
 from dynamod.daemon.frontend.preprocess.model_preprocessor import ModelPreprocessor
 from dynamod.daemon.frontend.protocol import (
+    RequestBody,
+)
+from dynamod.daemon.frontend.protocol import (
     _decode as decode_json_body,  # the chat bodies' decoding: 400 + param
 )
 from dynamod.daemon.frontend.routing import Quarantine, RouteRequest, header_candidates
@@ -59,7 +62,7 @@ DEFAULT_RETRIES = 3
 Dimensions = Annotated[int, msgspec.Meta(ge=1, le=65536)]
 
 
-class EmbeddingRequest(msgspec.Struct, kw_only=True):
+class EmbeddingRequest(RequestBody, kw_only=True):
     model: str
     # msgspec allows one array type per union; the element types are checked in ``embedding_inputs``.
     input: str | list[Any]

@@ -3,8 +3,11 @@
 Requests are decoded and validated in one pass (``msgspec.json.decode(body, type=...)``), so a
 wrong type or an out-of-range number becomes a 400 naming the parameter, and no value that the
 request plane cannot carry (an integer beyond 64 bits, a NaN) gets past the door. Every integer has
-an upper bound for that reason. Unknown fields are ignored, as the OpenAI API does for forward
-compatibility.
+an upper bound for that reason. An unknown field is a 400 naming it, as the OpenAI API answers
+("Unrecognized request argument supplied"): a misspelt ``max_token`` or a ``chat_template`` we would
+not apply must not be served as if it had been honoured. OpenAI's bookkeeping fields that change
+nothing about the output (``store``, ``metadata``, ``service_tier``, ``user``, ...) are accepted and
+documented as such in ``ACCEPTED_UNUSED``.
 
 Responses are plain structs encoded once per chunk with a shared encoder: no per-token model
 validation on the hot path.
@@ -41,26 +44,42 @@ Priority = Annotated[int, msgspec.Meta(ge=-_I32 - 1, le=_I32)]
 
 MAX_STOP_SEQUENCES = 16
 
+# OpenAI request fields accepted and not used: they describe the caller or its billing, not the
+# output, so serving the request without them is what the caller asked for.
+ACCEPTED_UNUSED = ("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key")
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+# Unknown fields a client is likely to send, and what to do instead (the 400's message says it).
+UNKNOWN_FIELD_HINTS = {
+    "chat_template": "the served model's own chat template applies; pass its variables in 'chat_template_kwargs'",
+    "functions": "use 'tools'",
+    "function_call": "use 'tool_choice'",
+    "max_token": "did you mean 'max_tokens'?",
+}
+
+
+class RequestBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of every struct decoded from a client's request body: unknown fields are refused."""
+
+
+class StreamOptions(RequestBody, kw_only=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class NvExtRouter(msgspec.Struct, kw_only=True):
+class NvExtRouter(RequestBody, kw_only=True):
     """``nvext.router``: latency targets in ms, read by the global router to pick a pool."""
 
     ttft_target: LatencyTargetMs | None = None
     itl_target: LatencyTargetMs | None = None
 
 
-class AgentHints(msgspec.Struct, kw_only=True):
+class AgentHints(RequestBody, kw_only=True):
     """``nvext.agent_hints``: ``priority`` picks the global router's priority overrides."""
 
     priority: Priority | None = None
 
 
-class NvExt(msgspec.Struct, kw_only=True):
+class NvExt(RequestBody, kw_only=True):
     """Dynamo's request extension block; ``ignore_eos`` also works at the top level."""
 
     ignore_eos: bool | None = None
@@ -87,7 +106,7 @@ class NvExt(msgspec.Struct, kw_only=True):
         return None if h is None or h.priority is None else RoutingHints(priority=h.priority)
 
 
-class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+class JsonSchemaFormat(RequestBody, kw_only=True):
     """``response_format.json_schema``: the schema under ``schema`` (vLLM also reads ``json_schema``)."""
 
     name: str | None = None
@@ -97,7 +116,7 @@ class JsonSchemaFormat(msgspec.Struct, kw_only=True):
     strict: bool | None = None
 
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
+class ResponseFormat(RequestBody, kw_only=True):
     """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema`` (vLLM's
     ``structural_tag`` is decoded so it can be refused by name)."""
 
@@ -105,7 +124,7 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(msgspec.Struct, kw_only=True):
+class StructuredOutputs(RequestBody, kw_only=True):
     """vLLM's ``structured_outputs`` request field (its ``StructuredOutputsParams``)."""
 
     json: Any = None
@@ -119,7 +138,7 @@ class StructuredOutputs(msgspec.Struct, kw_only=True):
     structural_tag: Any = None
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
+class _SamplingFields(RequestBody, kw_only=True):
     model: str
     max_tokens: MaxTokens | None = None
     min_tokens: MinTokens | None = None
@@ -161,7 +180,13 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
     bad_words: Any = None
+    # ACCEPTED_UNUSED
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     nvext: NvExt | None = None
     return_token_ids: bool | None = False  # vLLM's extension: each choice also carries its token ids
 
@@ -457,9 +482,15 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
     except msgspec.ValidationError as exc:
         message = str(exc)
         param = _param_of(message)
+        field = message.split("`")[1] if "`" in message else None
         if message.startswith("Object missing required field"):
-            field = message.split("`")[1] if "`" in message else None
             raise InvalidRequestError(f"missing required parameter: {field}", param=field) from None
+        if message.startswith("Object contains unknown field") and field is not None:
+            where = f"{param}.{field}" if param else field
+            hint = UNKNOWN_FIELD_HINTS.get(field)
+            raise InvalidRequestError(
+                f"Unrecognized request argument supplied: {where}" + (f" ({hint})" if hint else ""), param=where
+            ) from None
         raise InvalidRequestError(f"invalid parameter: {message}", param=param) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None

@@ -24,6 +24,7 @@ from dynamod.daemon.frontend.protocol import (
     JsonSchemaFormat,
     MaxTokens,
     NvExt,
+    RequestBody,
     ResponseFormat,
     Temperature,
     TopP,
@@ -39,7 +40,7 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 TEXT_FORMATS = ("text", "json_object", "json_schema")
 
 
-class TextFormat(msgspec.Struct, kw_only=True):
+class TextFormat(RequestBody, kw_only=True):
     """``text.format``: ``text``, ``json_object``, or ``json_schema`` with its fields flat (where
     chat nests them under ``response_format.json_schema``)."""
 
@@ -60,16 +61,16 @@ class TextFormat(msgspec.Struct, kw_only=True):
         return ResponseFormat(type=self.type)
 
 
-class TextConfig(msgspec.Struct, kw_only=True):
+class TextConfig(RequestBody, kw_only=True):
     format: TextFormat | None = None
 
 
-class ReasoningConfig(msgspec.Struct, kw_only=True):
+class ReasoningConfig(RequestBody, kw_only=True):
     effort: str | None = None
     summary: str | None = None
 
 
-class ResponsesRequest(msgspec.Struct, kw_only=True):
+class ResponsesRequest(RequestBody, kw_only=True):
     model: str
     # A string, or a list of input items (dicts; checked in ``input_messages``).
     input: str | list[Any]
@@ -92,7 +93,11 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     background: bool | None = None
     conversation: Any = None
     prompt: Any = None
+    # protocol.ACCEPTED_UNUSED
     user: str | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     # Dynamo's extensions, as on chat requests.
     ignore_eos: bool | None = None
     nvext: NvExt | None = None

@@ -7,6 +7,7 @@ cannot read fails here rather than in a user's program.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import msgspec
 import pytest
@@ -14,11 +15,13 @@ from openai.types import Completion as OpenAICompletion
 from openai.types.chat import ChatCompletion as OpenAIChatCompletion
 from openai.types.chat import ChatCompletionChunk as OpenAIChatChunk
 
+from dynamod.daemon.frontend.embeddings import decode_embedding_request
 from dynamod.daemon.frontend.endpoints import plan_max_tokens
 from dynamod.daemon.frontend.errors import to_http_error
 from dynamod.daemon.frontend.formatters import SSE_DONE, ChatFormatter, CompletionFormatter, make_usage
 from dynamod.daemon.frontend.preprocess.model_preprocessor import completion_prompts
 from dynamod.daemon.frontend.protocol import decode_chat_request, decode_completion_request
+from dynamod.daemon.frontend.responses_protocol import decode_responses_request
 from dynamod.shared.errors import (
     ContextLengthError,
     InvalidRequestError,
@@ -40,7 +43,7 @@ def test_chat_request_decodes_openai_fields() -> None:
         _chat(
             max_completion_tokens=5, max_tokens=9, temperature=0.5, top_p=0.9, seed=7, stop=["a", "b"],
             stream=True, stream_options={"include_usage": True}, logprobs=True, top_logprobs=2, ignore_eos=True,
-            some_future_field={"x": 1},
+            user="u1", store=False, metadata={"k": "v"}, service_tier="auto",  # accepted, change nothing
         )
     )
     assert req.output_limit() == 5  # max_completion_tokens wins
@@ -71,6 +74,30 @@ def test_bad_parameters_name_the_parameter(body: bytes, param: str) -> None:
         decode_chat_request(body)
     assert info.value.param == param
     assert to_http_error(info.value).status == 400
+
+
+@pytest.mark.parametrize(
+    ("decode", "body", "param", "hint"),
+    [
+        (decode_chat_request, _chat(foo_bar=1), "foo_bar", None),
+        (decode_chat_request, _chat(chat_template="{{ messages }}"), "chat_template", "chat_template_kwargs"),
+        (decode_chat_request, _chat(functions=[]), "functions", "'tools'"),
+        (decode_chat_request, _chat(nvext={"ignore_eos": True, "routr": {}}), "nvext.routr", None),
+        (decode_chat_request, _chat(stream_options={"include_usage": True, "x": 1}), "stream_options.x", None),
+        (decode_completion_request, b'{"model":"m","prompt":"hi","max_token":3}', "max_token", "max_tokens"),
+        (decode_responses_request, b'{"model":"m","input":"hi","max_tokens":3}', "max_tokens", None),
+        (decode_embedding_request, b'{"model":"m","input":"hi","dims":3}', "dims", None),
+    ],
+)
+def test_an_unknown_field_is_a_400_naming_it(decode: Any, body: bytes, param: str, hint: str | None) -> None:
+    """OpenAI answers "Unrecognized request argument supplied"; serving the request as if a misspelt
+    or unsupported field had been honoured would hide the caller's mistake."""
+    with pytest.raises(InvalidRequestError) as info:
+        decode(body)
+    assert info.value.param == param
+    message = json.loads(to_http_error(info.value).body)["error"]["message"]
+    assert message.startswith(f"Unrecognized request argument supplied: {param}")
+    assert hint is None or hint in message
 
 
 @pytest.mark.parametrize("body", [b"", b"{", b'{"model": "tiny", "messages": [', b"[1, 2]", b"null", b"\xff\xfe"])
