@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from dynamod.daemon.frontend.preprocess import IncrementalDetokenizer, Tokenizer
@@ -36,6 +36,9 @@ def test_emoji_and_cjk_token_by_token_never_emit_broken_characters() -> None:
 )
 def test_any_text_in_any_batches_equals_full_decode(text: str, batch_sizes: list[int]) -> None:
     ids = TOKENIZER.encode(text)
+    # Text that spells a special token ("<|python_tag|>") encodes to it, and decoding skips special
+    # tokens: that round trip is not the text by design (test_special_tokens_... covers it).
+    assume(not TOKENIZER.special_token_ids.intersection(ids))
     detok = IncrementalDetokenizer(TOKENIZER)
     deltas: list[str] = []
     pos = 0
