@@ -12,10 +12,18 @@ import argparse
 import os
 import socket
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.security.settings import SecuritySettings, add_security_args, security_from_args
-from dynamod.shared.transport.address import advertised_host, check_advertise_host, is_wildcard
+from dynamod.shared.transport.address import (
+    advertised_host,
+    check_advertise_host,
+    is_loopback_host,
+    is_wildcard,
+)
+from dynamod.shared.transport.admission import DEFAULT_MAX_PENDING_PER_PEER, MAX_DEFAULT_PENDING
+from dynamod.shared.transport.guard import DEFAULT_HANDSHAKE_TIMEOUT_S
 from dynamod.shared.transport.liveness import (
     DEFAULT_HEARTBEAT_INTERVAL_S,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
@@ -60,6 +68,10 @@ class RuntimeSettings:
     # The TCP request-plane server's caps: connections held, and how long one may idle (0: forever).
     request_plane_max_connections: int = DEFAULT_MAX_CONNECTIONS
     request_plane_idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+    # Connections still in their TLS/token handshake (transport/admission.py); 0: the defaults.
+    request_plane_max_pending: int = 0
+    request_plane_max_pending_per_peer: int = 0
+    request_plane_handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
     node_name: str = field(default_factory=socket.gethostname)
     log_level: str | None = None
     # Who this process lets in and how it logs in to etcd and NATS; empty: open (loopback dev).
@@ -96,6 +108,32 @@ class RuntimeSettings:
             return self.advertise_host
         return advertised_host(bind_host)
 
+    def remote_discovery(self) -> str | None:
+        """The first etcd endpoint or NATS server this process uses that is on another host (not
+        loopback), or None: then the cluster spans hosts and loopback addresses reach nobody."""
+        urls = list(self.etcd_endpoints) if self.discovery_backend == "etcd" else []
+        if "nats" in (self.event_plane, self.request_plane):
+            urls += [u.strip() for u in self.nats_server.split(",") if u.strip()]
+        for url in urls:
+            host = urlsplit(url if "://" in url else f"//{url}").hostname
+            if host and not is_loopback_host(host):
+                return url
+        return None
+
+    def loopback_advertise_problem(self) -> str | None:
+        """Why peers on other hosts cannot reach this process's TCP request plane, or None: it
+        advertises a loopback address (the default ``--host``) while discovery is on another host
+        (issue 24 item 9: a frontend elsewhere dialled its own 127.0.0.1)."""
+        remote = self.remote_discovery()
+        advertised = self.advertised(self.host)
+        if self.request_plane != "tcp" or remote is None or not is_loopback_host(advertised):
+            return None
+        return (
+            f"this process advertises {advertised} while discovery is on another host ({remote}): processes on "
+            "other hosts would dial their own loopback. Set --host to an address they reach (or 0.0.0.0), and "
+            "--advertise-host when they reach it under another (NAT)"
+        )
+
     @property
     def request_plane_heartbeat(self) -> HeartbeatConfig:
         return HeartbeatConfig(self.request_plane_heartbeat_interval_s, self.request_plane_heartbeat_timeout_s)
@@ -104,7 +142,11 @@ class RuntimeSettings:
     def request_plane_limits(self) -> ConnectionLimits:
         # A worker judges its clients' silence by its own heartbeat settings (off with them).
         silent_s = self.request_plane_heartbeat_timeout_s if self.request_plane_heartbeat_interval_s > 0 else 0.0
-        return ConnectionLimits(self.request_plane_max_connections, self.request_plane_idle_timeout_s, silent_s)
+        return ConnectionLimits(
+            self.request_plane_max_connections, self.request_plane_idle_timeout_s, silent_s,
+            max_pending=self.request_plane_max_pending, max_pending_per_peer=self.request_plane_max_pending_per_peer,
+            handshake_timeout_s=self.request_plane_handshake_timeout_s,
+        )
 
 
 def _env(name: str) -> str | None:
@@ -185,6 +227,25 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         help="seconds a request-plane connection with no open stream may send nothing before it is closed "
         f"(clients dial again); 0 = never [env DYN_REQUEST_PLANE_IDLE_TIMEOUT, default {DEFAULT_IDLE_TIMEOUT_S:g}]",
     )
+    g.add_argument(
+        "--request-plane-max-pending",
+        type=int,
+        help="connections (request plane and KV block server) that may be in their TLS/token handshake at once; "
+        "past it the oldest such connection is closed, never an authenticated one "
+        f"[env DYN_REQUEST_PLANE_MAX_PENDING, default 0: a quarter of the max connections, at most {MAX_DEFAULT_PENDING}]",
+    )
+    g.add_argument(
+        "--request-plane-max-pending-per-peer",
+        type=int,
+        help="the same from one peer address "
+        f"[env DYN_REQUEST_PLANE_MAX_PENDING_PER_PEER, default 0: {DEFAULT_MAX_PENDING_PER_PEER}]",
+    )
+    g.add_argument(
+        "--request-plane-handshake-timeout",
+        type=float,
+        help="seconds a new connection has to finish TLS and present the cluster token before it is closed "
+        f"[env DYN_REQUEST_PLANE_HANDSHAKE_TIMEOUT, default {DEFAULT_HANDSHAKE_TIMEOUT_S:g}]",
+    )
     g.add_argument("--log-level", help="log level [env DYN_LOG, default info]")
     add_security_args(parser)
 
@@ -237,6 +298,13 @@ def settings_from_args(ns: argparse.Namespace, **overrides: object) -> RuntimeSe
         )
         s.request_plane_idle_timeout_s = float(
             pick("request_plane_idle_timeout", "DYN_REQUEST_PLANE_IDLE_TIMEOUT", DEFAULT_IDLE_TIMEOUT_S)  # type: ignore[arg-type]
+        )
+        s.request_plane_max_pending = int(pick("request_plane_max_pending", "DYN_REQUEST_PLANE_MAX_PENDING", 0))  # type: ignore[arg-type]
+        s.request_plane_max_pending_per_peer = int(
+            pick("request_plane_max_pending_per_peer", "DYN_REQUEST_PLANE_MAX_PENDING_PER_PEER", 0)  # type: ignore[arg-type]
+        )
+        s.request_plane_handshake_timeout_s = float(
+            pick("request_plane_handshake_timeout", "DYN_REQUEST_PLANE_HANDSHAKE_TIMEOUT", DEFAULT_HANDSHAKE_TIMEOUT_S)  # type: ignore[arg-type]
         )
     except ValueError as exc:
         raise ConfigError(f"bad numeric setting: {exc}") from exc

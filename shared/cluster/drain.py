@@ -35,15 +35,15 @@ async def drain_instances(
                 await client.instance_set.wait_for(lambda insts, i=iid: any(x.instance_id == i for x in insts), APPEAR_TIMEOUT_S)
                 replies = await client.call({"wait": True, "timeout_s": timeout_s}, instance_id=iid, timeout_s=timeout_s + 10.0)
             except (DynamoError, TimeoutError) as exc:
-                logger.warning("drain failed component=%s instance=%x error=%s", component, iid, exc or type(exc).__name__)
+                logger.warning("drain failed component=%s instance=%016x error=%s", component, iid, exc or type(exc).__name__)
                 ok = False
                 continue
             reply = replies[-1] if replies else {}
             if not isinstance(reply, dict) or reply.get("status") != control.STATUS_OK:
-                logger.warning("drain incomplete component=%s instance=%x reply=%s", component, iid, reply)
+                logger.warning("drain incomplete component=%s instance=%016x reply=%s", component, iid, reply)
                 ok = False
             else:
-                logger.info("drained component=%s instance=%x", component, iid)
+                logger.info("drained component=%s instance=%016x", component, iid)
     finally:
         await client.close()
     return ok

@@ -50,6 +50,21 @@ async def role_mode(session: HostSession, cluster: ClusterSpec, role: RoleSpec) 
     return detected
 
 
+def last_lines(text: str, limit: int = 600) -> str:
+    """A remote command's error output for a one-line report: its last whole lines (where a
+    traceback or a shell says what went wrong) up to ``limit`` characters, joined with `` | ``;
+    never cut mid-sentence, and "..." in front when earlier lines were left out."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    kept: list[str] = []
+    size = 0
+    for line in reversed(lines):
+        if kept and size + len(line) + 3 > limit:
+            break
+        kept.insert(0, line)
+        size += len(line) + 3
+    return ("... | " if len(kept) < len(lines) else "") + " | ".join(kept)
+
+
 async def role_health(session: HostSession, cluster: ClusterSpec, role: RoleSpec) -> tuple[str, str]:
     """(``ok`` | ``fail`` | ``-`` without a system port, the /health body or error)."""
     if role.system_port is None:
@@ -65,7 +80,7 @@ async def upload_secret_files(session: HostSession, cluster: ClusterSpec) -> Non
         content = await asyncio.to_thread(Path(local).read_text, encoding="utf-8")
         res = await session.run(cmds.upload_secret_command(cluster, var), stdin=content)
         if res.rc != 0:
-            raise SshError(f"cannot write {var} on {session.host.name}: {(res.stderr or res.stdout).strip()[:200]}")
+            raise SshError(f"cannot write {var} on {session.host.name}: {last_lines(res.stderr or res.stdout)}")
 
 
 async def start_role(session: HostSession, cluster: ClusterSpec, role: RoleSpec, mode: str | None = None) -> RoleState:
@@ -74,10 +89,10 @@ async def start_role(session: HostSession, cluster: ClusterSpec, role: RoleSpec,
     try:
         await upload_secret_files(session, cluster)
     except (OSError, UnicodeDecodeError, SshError) as exc:
-        return RoleState(mode, "error", detail=f"secret files: {exc}"[:300])
+        return RoleState(mode, "error", detail=f"secret files: {exc}")
     res = await session.run(cmds.start_command(cluster, role, mode, session.host))
     if res.rc != 0:
-        return RoleState(mode, "error", detail=(res.stderr or res.stdout).strip()[:300])
+        return RoleState(mode, "error", detail=last_lines(res.stderr or res.stdout))
     out = res.stdout.strip()
     state, pid = parse_state(out.splitlines()[-1] if out else "")
     return RoleState(mode, state, pid)
@@ -89,7 +104,7 @@ async def stop_role(session: HostSession, cluster: ClusterSpec, role: RoleSpec, 
     mode = mode or await role_mode(session, cluster, role)
     res = await session.run(cmds.stop_command(cluster, role, mode), timeout_s=cmds.STOP_TIMEOUT_S + 30)
     if res.rc != 0:
-        return RoleState(mode, "error", detail=(res.stderr or res.stdout).strip()[:300])
+        return RoleState(mode, "error", detail=last_lines(res.stderr or res.stdout))
     out = res.stdout.strip()
     return RoleState(mode, out.splitlines()[-1] if out else "stopped")
 

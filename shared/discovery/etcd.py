@@ -246,7 +246,7 @@ class EtcdStore:
         lease._set_id(resp.ID)
         lease.task = asyncio.create_task(self._keepalive_loop(lease), name=f"etcd-lease-{resp.ID:x}")
         self._leases.append(lease)
-        logger.debug("etcd lease granted lease=%x ttl=%s", resp.ID, resp.TTL)
+        logger.debug("etcd lease granted lease=%016x ttl=%s", resp.ID, resp.TTL)
         return lease
 
     async def _revoke(self, lease: EtcdLease) -> None:
@@ -270,11 +270,11 @@ class EtcdStore:
             await self._stubs()[1].LeaseRevoke(
                 LeaseRevokeRequest(ID=lease.id), timeout=_CLOSE_TIMEOUT_S, wait_for_ready=True
             )
-            logger.debug("etcd lease revoked lease=%x keys=%d", lease.id, len(lease.keys))
+            logger.debug("etcd lease revoked lease=%016x keys=%d", lease.id, len(lease.keys))
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 logger.warning(
-                    "etcd lease revoke failed lease=%x error=%s keys_expire_within_s=%g",
+                    "etcd lease revoke failed lease=%016x error=%s keys_expire_within_s=%g",
                     lease.id,
                     exc.code().name,
                     lease.ttl,
@@ -301,7 +301,7 @@ class EtcdStore:
                 if failing_since is None:
                     failing_since = loop.time()
                     logger.warning(
-                        "etcd lease keepalive failing lease=%x error=%s endpoints=%s",
+                        "etcd lease keepalive failing lease=%016x error=%s endpoints=%s",
                         lease.id,
                         _describe(exc),
                         ",".join(self.endpoints),
@@ -309,7 +309,7 @@ class EtcdStore:
                 continue
             if failing_since is not None:
                 logger.info(
-                    "etcd lease keepalive recovered lease=%x after_s=%.1f",
+                    "etcd lease keepalive recovered lease=%016x after_s=%.1f",
                     lease.id,
                     loop.time() - failing_since,
                 )
@@ -343,14 +343,14 @@ class EtcdStore:
                 resp = await self._raw(lease_stub.LeaseGrant, LeaseGrantRequest(TTL=lease.grant_ttl))
                 lease._set_id(resp.ID)
                 logger.warning(
-                    "etcd lease id changed old_lease=%x new_lease=%x reason=old_id_taken", old_id, resp.ID
+                    "etcd lease id changed old_lease=%016x new_lease=%016x reason=old_id_taken", old_id, resp.ID
                 )
         lease.needs_reput = True
         for key, value in list(lease.keys.items()):
             await self._raw(kv.Put, PutRequest(key=key.encode(), value=value, lease=lease.id))
         lease.needs_reput = False
         logger.warning(
-            "etcd lease %s lease=%x old_lease=%x keys_reput=%d",
+            "etcd lease %s lease=%016x old_lease=%016x keys_reput=%d",
             "re-granted" if lost else "keys re-put",
             lease.id,
             old_id,

@@ -11,6 +11,7 @@ import os
 
 from dynamod.shared.discovery.store import DiscoveryStore
 from dynamod.shared.errors import ConfigError
+from dynamod.shared.security.private_dir import user_runtime_dir
 from dynamod.shared.security.settings import EtcdSecurity
 
 BACKENDS = ("etcd", "file", "mem")
@@ -23,8 +24,7 @@ def default_file_kv_dir() -> str:
     explicit = os.environ.get("DYN_FILE_KV")
     if explicit:
         return explicit
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return os.path.join(base, f"dynamod-{os.getuid()}", "discovery")
+    return str(user_runtime_dir() / "discovery")
 
 
 def parse_etcd_endpoints(value: str) -> list[str]:

@@ -60,6 +60,7 @@ from dynamod.shared.discovery.file_liveness import (
 from dynamod.shared.discovery.file_poll import SharedPoll
 from dynamod.shared.discovery.store import DEFAULT_LEASE_TTL_S, WatchEvent, WatchEventKind
 from dynamod.shared.errors import DiscoveryError
+from dynamod.shared.security.private_dir import ensure_private_dir, private_root_for
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,8 @@ class _Layout:
             os.makedirs(path, mode=0o700, exist_ok=True)
 
     def ensure(self) -> None:
+        # Records here say where prompts go: the directory must be this user's alone (private_dir).
+        ensure_private_dir(self.root, what="file discovery", owned_from=private_root_for(self.root))
         self.make_dirs()
         # Unique per call: two stores of one process starting at once must not share the probe.
         probe = os.path.join(self.keys_dir, f"{_TMP}probe-{os.getpid()}-{secrets.token_hex(6)}")
@@ -350,11 +353,11 @@ class _Layout:
                     return
                 if self._unlink_if_version(de.path, entry.version):
                     collected += 1
-                    logger.info("file discovery collected expired key=%s lease=%x", entry.key, lease_id)
+                    logger.info("file discovery collected expired key=%s lease=%016x", entry.key, lease_id)
         if unchanged():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-                logger.info("file discovery removed dead lease lease=%x keys=%d", lease_id, collected)
+                logger.info("file discovery removed dead lease lease=%016x keys=%d", lease_id, collected)
 
     @staticmethod
     def _unlink_if_version(path: str, version: tuple[int, int, int]) -> bool:
@@ -446,7 +449,7 @@ class _Scanner:
             if any(name.startswith(prefix) for name in os.listdir(layout.leases_dir)):
                 continue
             if layout._unlink_if_version(path, entry.version):
-                logger.info("file discovery collected orphan key=%s lease=%x", entry.key, entry.lease_id)
+                logger.info("file discovery collected orphan key=%s lease=%016x", entry.key, entry.lease_id)
 
 
 def _parse_lease_name(name: str) -> tuple[int, float] | None:
@@ -559,12 +562,12 @@ class FileStore:
                 kind = "disk_full" if isinstance(exc, DiscoveryDiskFullError) else type(exc).__name__
                 if kind != failing:
                     log = logger.error if kind == "disk_full" else logger.warning
-                    log("file discovery heartbeat failing lease=%x cause=%s error=%s", lease.id, kind, exc)
+                    log("file discovery heartbeat failing lease=%016x cause=%s error=%s", lease.id, kind, exc)
                 failing = kind
                 failed_beats += 1
                 continue
             if failing is not None:
-                logger.info("file discovery heartbeat recovered lease=%x failed_beats=%d", lease.id, failed_beats)
+                logger.info("file discovery heartbeat recovered lease=%016x failed_beats=%d", lease.id, failed_beats)
                 failing = None
                 failed_beats = 0
 
@@ -576,7 +579,7 @@ class FileStore:
             lease.keys.pop(key, None)
         if missing or reput:
             logger.warning(
-                "file discovery lease restored lease=%x keys_reput=%d reason=%s on=%s",
+                "file discovery lease restored lease=%016x keys_reput=%d reason=%s on=%s",
                 lease.id,
                 len(reput),
                 "lease_file_missing" if missing else "keys_missing",
@@ -618,7 +621,7 @@ class FileStore:
             await asyncio.to_thread(revoke_sync)
         except OSError as exc:
             logger.warning(
-                "file discovery revoke failed lease=%x error=%s keys_expire_within_s=%g",
+                "file discovery revoke failed lease=%016x error=%s keys_expire_within_s=%g",
                 lease.id,
                 exc,
                 lease.ttl,

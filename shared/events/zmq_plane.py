@@ -191,6 +191,11 @@ class ZmqEventPlane:
         # HWM must be set before bind/connect: ZMQ applies it to a pipe when the pipe is created.
         sock.setsockopt(zmq.SNDHWM, self.sndhwm)
         sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
+        # Pre-auth limits, as on the request plane: a peer that does not finish the ZMTP (CURVE)
+        # handshake in 5 s is dropped, and inbound messages (subscriptions: topic prefixes) over
+        # 64 KiB drop the peer instead of being buffered.
+        sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
+        sock.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)
         if self.curve is not None:
             self.curve.make_server(sock)
         bind_host = self.host or "*"

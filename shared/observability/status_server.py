@@ -18,6 +18,12 @@ from anyone who can reach the port:
   secret; ``inflight`` stays public because it is a load figure, not an identity, and
   ``dynamod up``'s scaler picks the worker to remove by it.
 - ``/live`` stays open: a liveness probe carries no secret.
+
+Guessing the token is rate-limited per client address (``shared/security/rate_limit``, as the
+frontend's doors do for API keys): past ``DEFAULT_AUTH_FAILURE_BURST`` wrong or missing tokens on
+``/metrics`` (then one a second), that address gets 429 before any token is checked. Connections
+are capped (``MAX_CONNECTIONS``, ``transport/admission``) and one that sends no request head for
+``_HEAD_TIMEOUT_S`` is closed.
 """
 
 from __future__ import annotations
@@ -30,13 +36,22 @@ from collections.abc import Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from dynamod.shared.errors import ConfigError
+from dynamod.shared.security.rate_limit import (
+    DEFAULT_AUTH_FAILURE_BURST,
+    DEFAULT_AUTH_FAILURE_RATE,
+    RateLimiter,
+)
 from dynamod.shared.security.token import REASON_BAD_TOKEN, REASON_MISSING_TOKEN, ClusterToken
 from dynamod.shared.transport.address import advertised_host, join_host_port
+from dynamod.shared.transport.admission import ConnectionAdmission
 
 logger = logging.getLogger(__name__)
 
 HealthProbe = Callable[[], tuple[bool, dict]]
 _MAX_REQUEST_BYTES = 16 * 1024
+_HEAD_TIMEOUT_S = 30.0
+MAX_CONNECTIONS = 256
+"""Scrapers, probes and the console: a handful each; a flood gets 503 and a closed socket."""
 PUBLIC_HEALTH_FIELDS = ("inflight",)
 """What ``/health`` shows beside ``status`` to a caller without the token (see the module docstring)."""
 
@@ -46,6 +61,11 @@ def metrics_auth_headers(token: ClusterToken | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token.value}"} if token is not None else {}
 
 
+def _error_body(message: str, code: str) -> bytes:
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    return json.dumps({"error": error}).encode() + b"\n"
+
+
 def _unauthorized_body(reason: str) -> bytes:
     """An OpenAI-shaped error, as the frontend's 401s are, saying what to send."""
     told = "no cluster token was presented" if reason == REASON_MISSING_TOKEN else "the cluster token presented is wrong"
@@ -53,8 +73,7 @@ def _unauthorized_body(reason: str) -> bytes:
         f"/metrics needs the cluster token and {told}: send 'Authorization: Bearer <token>' with the token "
         "of --cluster-token-file / DYN_CLUSTER_TOKEN"
     )
-    error = {"message": message, "type": "invalid_request_error", "param": None, "code": reason}
-    return json.dumps({"error": error}).encode() + b"\n"
+    return _error_body(message, reason)
 
 
 def bearer_token(head: bytes) -> bytes | None:
@@ -87,6 +106,8 @@ class StatusServer:
         self._port = port
         self._server: asyncio.base_events.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._slots = ConnectionAdmission("status_server", MAX_CONNECTIONS)
+        self._auth_failures = RateLimiter(DEFAULT_AUTH_FAILURE_RATE, DEFAULT_AUTH_FAILURE_BURST) if token else None
         self.url = ""
 
     async def start(self) -> str:
@@ -114,11 +135,17 @@ class StatusServer:
             self._server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self._slots.open_established(writer):
+            writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            writer.close()
+            return
         self._writers.add(writer)
+        peer = writer.get_extra_info("peername")
+        address = str(peer[0]) if isinstance(peer, tuple) and peer else "unknown"
         try:
             while True:
                 try:
-                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=30)
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=_HEAD_TIMEOUT_S)
                 except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
                     return
                 if len(head) > _MAX_REQUEST_BYTES:
@@ -130,9 +157,19 @@ class StatusServer:
                     await self._write(writer, 400, "text/plain", b"bad request\n", False)
                     return
                 method, path = parts[0], parts[1].split("?", 1)[0]
-                refusal = self._metrics_refusal(method, path, head)
+                failures = self._auth_failures
+                wait = failures.waiting(address) if failures is not None and path == "/metrics" else 0.0
+                refusal = self._metrics_refusal(method, path, head) if wait == 0.0 else None
                 extra = b""
-                if refusal is not None:
+                if wait > 0.0:
+                    # Too many wrong tokens from here: refused before this one is even compared.
+                    status, ctype = 429, "application/json"
+                    body = _error_body(f"too many failed cluster token checks from {address}; retry in {wait:.1f}s",
+                                       "rate_limit_exceeded")
+                    extra = f"Retry-After: {max(1, round(wait))}\r\n".encode()
+                elif refusal is not None:
+                    if failures is not None:
+                        failures.acquire(address)
                     status, ctype, body = 401, "application/json", _unauthorized_body(refusal)
                     extra = b'WWW-Authenticate: Bearer realm="dynamod"\r\n'
                 else:
@@ -141,6 +178,7 @@ class StatusServer:
                 if not keep_alive:
                     return
         finally:
+            self._slots.close(writer)
             self._writers.discard(writer)
             writer.close()
 
@@ -176,7 +214,7 @@ class StatusServer:
         writer: asyncio.StreamWriter, status: int, ctype: str, body: bytes, keep_alive: bool, extra: bytes = b""
     ) -> None:
         reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-                  503: "Service Unavailable"}
+                  429: "Too Many Requests", 503: "Service Unavailable"}
         head = (
             f"HTTP/1.1 {status} {reason.get(status, 'OK')}\r\nContent-Type: {ctype}\r\n"
             f"Content-Length: {len(body)}\r\nConnection: {'keep-alive' if keep_alive else 'close'}\r\n"

@@ -51,10 +51,15 @@ class PlannerDecision(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One pool's decision at one interval, with what it was decided from.
 
     ``reason`` is a short snake_case word (``kv_usage_high``, ``queue_low``, ``sla_throughput``,
-    ``grace_period``, ``at_max_budget``, ``override``, ``cold_start``, ...); ``detail`` says the same
-    in words with the numbers. ``inputs`` are the observed figures (``kv_usage``, ``num_waiting``,
-    ``ttft_ms``, ``itl_ms``, ``request_rate``, ``isl``, ``osl``, ...), ``predicted`` the next
-    interval's (``request_rate``, ``isl``, ``osl``), ``targets`` the SLA (``ttft_ms``, ``itl_ms``).
+    ``grace_period``, ``at_max_budget``, ``override``, ``cold_start``, ``ttft_miss``,
+    ``itl_miss``, ``itl_miss_prefill_interference``, ``queue_backlog``, ``capacity``,
+    ``release_window``, ``scale_up_in_progress``, ``scale_up_settling``, ...); ``detail`` says the
+    same in words with the numbers. ``inputs`` are the observed figures (``kv_usage``,
+    ``num_waiting``, ``ttft_ms``, ``itl_ms``, ``request_rate``, ``isl``, ``osl``,
+    ``ttft_over_frac``, ``itl_over_frac``, ``backlog_tokens``, ...) and the capacity model's numbers
+    (``prefill_thpt``, ``decode_thpt``, ``prefill_cap``, ``prefill_load``, ``learned_factor``,
+    ``need``, ``window_need``, ``predicted_floor``, ...), ``predicted`` the next interval's
+    (``request_rate``, ``isl``, ``osl``), ``targets`` the SLA (``ttft_ms``, ``itl_ms``).
     """
 
     decision_id: int  # increases by one per interval, per planner (all pools of one interval share it)
@@ -87,6 +92,12 @@ class PoolStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
     min_replicas: int = 0
     max_replicas: int = 0
     override: int | None = None
+    # The pool's workers at the last decision (their ``kv_metrics`` reports): ``waiting`` and
+    # ``running`` requests summed, ``kv_usage`` the fullest worker's share (0..1). What the
+    # console's Scaling plot and ``dynamoctl planner status`` show as the pool's load.
+    load: dict[str, float] = {}
+    action: str = ""  # the last decision's ACTION_* and reason, for readers of discovery alone
+    reason: str = ""
 
 
 class PlannerStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -101,6 +112,11 @@ class PlannerStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
     last_decision_id: int = 0
     ts: float = 0.0
     instance_id: int = 0  # the planner process's instance id
+    # The traffic the planner measured over its last interval (its frontend or Prometheus
+    # source, either planner): ``request_rate`` (arrivals/s), ``isl``, ``osl`` (mean tokens),
+    # ``ttft_ms``, ``itl_ms`` (means); a figure nothing measured is absent. One reading that the
+    # console and ``dynamoctl`` both show, so they never disagree.
+    observed: dict[str, float] = {}
 
 
 class DesiredReplicas(msgspec.Struct, kw_only=True, omit_defaults=True):

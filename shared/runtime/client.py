@@ -139,7 +139,7 @@ class EndpointClient:
         failed = sum(1 for stream in list(streams) if stream.fail(InstanceGoneError(message)))
         if failed:
             logger.warning(
-                "instance left discovery with streams open path=%s/%s/%s instance_id=%x streams=%d action=fail_over",
+                "instance left discovery with streams open path=%s/%s/%s instance_id=%016x streams=%d action=fail_over",
                 self.namespace,
                 self.component,
                 self.endpoint,

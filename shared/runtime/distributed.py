@@ -130,7 +130,7 @@ class DistributedRuntime:
             await rt.shutdown(grace_s=0)
             raise
         logger.info(
-            "runtime started instance_id=%x discovery=%s request_plane=%s event_plane=%s namespace=%s",
+            "runtime started instance_id=%016x discovery=%s request_plane=%s event_plane=%s namespace=%s",
             rt.lease.id,
             settings.discovery_backend,
             settings.request_plane,
@@ -182,6 +182,10 @@ class DistributedRuntime:
                 self._server_address = await server.start()
                 self._server = server
                 logger.info("request plane serving transport=%s address=%s", self._server_address.transport, self._server_address.address)
+                problem = self.settings.loopback_advertise_problem()  # the one place a server's address is chosen
+                if problem:
+                    logger.warning("request plane unreachable from other hosts address=%s reason=%s",
+                                   self._server_address.address, problem)
             return self._server, self._server_address
 
     @property
@@ -225,7 +229,7 @@ class DistributedRuntime:
                 try:
                     await lease.revoke()
                 except DynamoError as exc:
-                    logger.warning("lease revoke failed lease=%x error=%s", lease.id, exc)
+                    logger.warning("lease revoke failed lease=%016x error=%s", lease.id, exc)
         await self.store.close()
         self._closed = True
         logger.info("runtime stopped")
@@ -335,7 +339,7 @@ class Endpoint:
         await served.publish()
         rt._served.append(served)
         logger.info(
-            "endpoint served path=%s instance_id=%x transport=%s address=%s",
+            "endpoint served path=%s instance_id=%016x transport=%s address=%s",
             served.path,
             record.instance_id,
             address.transport,

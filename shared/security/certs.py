@@ -167,6 +167,7 @@ def write_token(out: Path, *, overwrite: bool = False) -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="python -m dynamod.shared.security.certs",
         description="Make a dynamod cluster's CA, host and client certificates and its cluster token.",
     )

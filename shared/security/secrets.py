@@ -17,6 +17,14 @@ from dynamod.shared.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 
+def shown_path(path: str) -> str:
+    """``path`` quoted for an error message, unless it does not look like a path: a key typed
+    where a file name was expected (``--api-key-file sk-...``) must not be printed back, into a
+    log or onto a terminal someone else reads. A path has a ``/``, or a name with an extension."""
+    looks_like_path = "/" in path or path.startswith((".", "~")) or ("." in path and " " not in path)
+    return repr(path) if looks_like_path and len(path) < 4096 else "(the value given, not shown: it may be a secret)"
+
+
 def read_secret_file(path: str, what: str) -> str:
     """The file's content without surrounding whitespace (a trailing newline is not part of it)."""
     try:
@@ -24,9 +32,9 @@ def read_secret_file(path: str, what: str) -> str:
             mode = os.fstat(f.fileno()).st_mode
             value = f.read().strip()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{what}: cannot read {path!r}: {exc}") from exc
+        raise ConfigError(f"{what}: cannot read {shown_path(path)}: {getattr(exc, 'strerror', None) or type(exc).__name__}") from exc
     if not value:
-        raise ConfigError(f"{what}: {path!r} is empty")
+        raise ConfigError(f"{what}: {shown_path(path)} is empty")
     if mode & (stat.S_IRGRP | stat.S_IROTH):
         logger.warning("secret file readable by others path=%s what=%s hint=chmod_600", path, what)
     return value

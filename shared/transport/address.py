@@ -23,6 +23,16 @@ def is_wildcard(host: str) -> bool:
     return host in WILDCARD_HOSTS
 
 
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses: a listener there is reachable from this host only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def advertised_host(bind_host: str, advertise: str | None = None) -> str:
     """What a listener bound to ``bind_host`` advertises.
 

@@ -3,7 +3,10 @@
 ``ServerGuard`` is what a request-plane server checks before it dispatches anything: the TLS
 context it wraps connections in (mutual when client certificates are required) and the cluster
 token a peer must present. Every refusal is counted (``RequestPlaneMetrics.rejected``) and logged
-once per peer and reason per minute. ``ClientCredentials`` is the calling side: the TLS context it
+once per peer and reason per minute. Wrong or missing tokens are also counted per peer address
+(``shared/security/rate_limit``): past ``DEFAULT_AUTH_FAILURE_BURST`` of them (then one a second)
+``guessing`` says so and the listener closes that address's new connections before reading a byte,
+so the token cannot be guessed at connection speed. ``ClientCredentials`` is the calling side: the TLS context it
 dials with and the token it presents. Both are built from ``RequestPlaneSecurity`` at start-up, so
 a bad certificate path is a ConfigError before the first request, not a failure during it.
 """
@@ -14,6 +17,11 @@ import msgspec
 from msgspec import UNSET
 
 from dynamod.shared.errors import UnauthenticatedError
+from dynamod.shared.security.rate_limit import (
+    DEFAULT_AUTH_FAILURE_BURST,
+    DEFAULT_AUTH_FAILURE_RATE,
+    RateLimiter,
+)
 from dynamod.shared.security.settings import RequestPlaneSecurity
 from dynamod.shared.security.tls import client_context, server_context
 from dynamod.shared.security.token import (
@@ -22,10 +30,11 @@ from dynamod.shared.security.token import (
     ClusterToken,
     RejectionLog,
 )
+from dynamod.shared.transport.admission import peer_host
 from dynamod.shared.transport.framing import CONNECTION_STREAM_ID, ClientFrame
 from dynamod.shared.transport.liveness import RequestPlaneMetrics
 
-DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0
+DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
 """How long a new connection may take to finish TLS and present its token; then it is closed."""
 
 _hello_decoder = msgspec.msgpack.Decoder(ClientFrame)
@@ -54,6 +63,13 @@ class ServerGuard:
         self.describe = security.describe()
         self._metrics = metrics
         self._log = RejectionLog(f"request_plane.{transport}")
+        self._failures = RateLimiter(DEFAULT_AUTH_FAILURE_RATE, DEFAULT_AUTH_FAILURE_BURST) if self.token else None
+
+    def guessing(self, peer: object) -> bool:
+        """True while ``peer``'s address has used up its failed token checks (closed unread)."""
+        if self._failures is None:
+            return False
+        return self._failures.waiting(peer_host(peer)) > 0.0
 
     @property
     def open(self) -> bool:
@@ -83,6 +99,8 @@ class ServerGuard:
         if self._metrics is not None:
             self._metrics.rejected(self.transport, reason)
         self._log.rejected(peer, reason, detail)
+        if self._failures is not None and reason in (REASON_BAD_TOKEN, REASON_MISSING_TOKEN):
+            self._failures.acquire(peer_host(peer))
         if reason == REASON_BAD_TOKEN:
             return UnauthenticatedError("the cluster token presented does not match this server's")
         return UnauthenticatedError(

@@ -17,7 +17,10 @@ exceed ``HELLO_MAX_BYTES``, and a peer that takes longer than the handshake time
 
 Connection limits (``ConnectionLimits``): past ``max_connections`` open connections a new one is
 told ``overloaded`` (a connection-level error frame; a TLS peer just sees the close) and closed, so
-a flood of connections cannot exhaust the process's descriptors. A connection with no open stream
+a flood of connections cannot exhaust the process's descriptors. With a token or TLS, connections
+that have not finished their handshake are *pending* and capped apart (``admission``: in total and
+per peer address, the oldest pending one closed to make room, never an authenticated one), so idle
+unauthenticated sockets cannot lock members out. A connection with no open stream
 from which nothing has been read for ``idle_timeout_s`` is closed (a peer that opened a connection
 and went quiet, or stalled in the middle of a frame); clients simply dial again for their next
 request. A connection with open streams is never closed as idle: its client pings it while it
@@ -62,6 +65,7 @@ from dynamod.shared.errors import (
 from dynamod.shared.security.settings import RequestPlaneSecurity
 from dynamod.shared.security.token import REASON_HANDSHAKE_TIMEOUT, REASON_MISSING_TOKEN, REASON_TLS_HANDSHAKE
 from dynamod.shared.transport.address import advertised_host
+from dynamod.shared.transport.admission import ConnectionAdmission, PreAuthLimits
 from dynamod.shared.transport.framing import (
     CONNECTION_STREAM_ID,
     DEFAULT_WINDOW_FRAMES,
@@ -75,7 +79,7 @@ from dynamod.shared.transport.framing import (
     OversizeFrame,
     ServerFrame,
 )
-from dynamod.shared.transport.guard import ServerGuard
+from dynamod.shared.transport.guard import DEFAULT_HANDSHAKE_TIMEOUT_S, ServerGuard
 from dynamod.shared.transport.liveness import DEFAULT_HEARTBEAT_TIMEOUT_S, RequestPlaneMetrics
 from dynamod.shared.transport.plane import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -103,10 +107,22 @@ class ConnectionLimits:
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     # How long a pinging client with open streams may be silent before it is presumed frozen; 0: never.
     silent_client_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    # Connections not yet through TLS and the token (``admission``): in all and per peer address
+    # (0: the defaults), and how long one may take.
+    max_pending: int = 0
+    max_pending_per_peer: int = 0
+    handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
+
+    @property
+    def pre_auth(self) -> PreAuthLimits:
+        return PreAuthLimits(self.max_pending, self.max_pending_per_peer)
 
     def validate(self) -> ConnectionLimits:
         if self.max_connections < 1:
             raise ConfigError(f"request-plane max connections must be at least 1, got {self.max_connections}")
+        if self.handshake_timeout_s <= 0:
+            raise ConfigError(f"request-plane handshake timeout must be above 0, got {self.handshake_timeout_s}")
+        self.pre_auth.resolve(self.max_connections)
         if self.idle_timeout_s < 0:
             raise ConfigError(f"request-plane idle timeout must be 0 (off) or more, got {self.idle_timeout_s}")
         if self.silent_client_timeout_s < 0:
@@ -172,7 +188,18 @@ class _ServerConnection(FrameConnection):
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         server = self._server
         guard = server.guard
-        if len(server._connections) >= server.limits.max_connections:
+        if guard.guessing(peer or self.peer):
+            # Too many wrong tokens from this address: closed before a byte is read or a slot taken.
+            self.rejected = True
+            self.authenticated = False
+            if server.metrics is not None:
+                server.metrics.rejected("tcp", "auth_rate_limited")
+            self.close_transport()
+            return
+        admitted = (
+            server.admission.open_established(self) if guard.open else server.admission.open(self, peer or self.peer)
+        )
+        if not admitted:
             self._refuse_over_limit()
             return
         server._connections.add(self)
@@ -202,6 +229,25 @@ class _ServerConnection(FrameConnection):
                 OverloadedError(f"this server holds {server.limits.max_connections} connections already; retry later"),
             )
         self.close()
+
+    def evict_pending(self, reason: str) -> None:
+        """Closed unauthenticated to make room (``admission``): counted, not told (it said nothing)."""
+        if self.closed or self.rejected:
+            return
+        self.rejected = True
+        self.authenticated = False
+        self._handshake_done()
+        metrics = self._server.metrics
+        if metrics is not None:
+            metrics.rejected("tcp", f"evicted_{reason}")
+        transport = self._transport
+        if transport is not None:
+            transport.abort()
+
+    def _maybe_established(self) -> None:
+        """Both checks passed (TLS handshaken where on, token presented where asked): a member."""
+        if self.authenticated and not self.rejected and (self.tls is None or self.tls.handshaken):
+            self._server.admission.establish(self)
 
     def _idle_check(self) -> None:
         self._idle_timer = None
@@ -313,6 +359,7 @@ class _ServerConnection(FrameConnection):
             self._transport.write(out)
         if tls.handshaken and not was_handshaken and self.authenticated:
             self._handshake_done()
+            self._maybe_established()
         return plain
 
     def _authenticate(self, data: bytes) -> bytes | None:
@@ -337,6 +384,7 @@ class _ServerConnection(FrameConnection):
         self._hello = None
         self.authenticated = True
         self._handshake_done()
+        self._maybe_established()
         return bytes(hello[end:])
 
     def data_received(self, data: bytes) -> None:
@@ -372,6 +420,7 @@ class _ServerConnection(FrameConnection):
             self._silence_timer.cancel()
             self._silence_timer = None
         self._server._connections.discard(self)
+        self._server.admission.close(self)
         if self.streams:
             logger.info(
                 "request_plane.tcp.connection_lost peer=%s open_streams=%d reason=%s",
@@ -527,9 +576,12 @@ class TcpRequestServer:
         metrics: RequestPlaneMetrics | None = None,
         limits: ConnectionLimits | None = None,
     ) -> None:
-        self.guard = ServerGuard(security, transport="tcp", metrics=metrics)
-        self.metrics = metrics
         self.limits = (limits or ConnectionLimits()).validate()
+        self.guard = ServerGuard(
+            security, transport="tcp", metrics=metrics, handshake_timeout_s=self.limits.handshake_timeout_s
+        )
+        self.metrics = metrics
+        self.admission = ConnectionAdmission("request_plane.tcp", self.limits.max_connections, self.limits.pre_auth)
         self.refused_over_limit = 0
         self._over_limit_logged_at = -1e9
         self._over_limit_unlogged = 0
@@ -608,6 +660,8 @@ class TcpRequestServer:
         """Connections, streams and bytes queued for sending (for status pages and tests)."""
         return {
             "connections": len(self._connections),
+            "pending": self.admission.pending,
+            "evicted": self.admission.evicted,
             "inflight": self._state.inflight,
             "write_buffer_bytes": sum(c.write_buffer_bytes for c in self._connections),
             "streams_waiting_for_credit": sum(

@@ -67,7 +67,7 @@ def create_agent(
         reason = nixl_unavailable_reason()
         name = BACKEND_NIXL if reason is None else BACKEND_TCP
         logger.info(
-            "kv_transfer.backend_chosen worker_id=%x backend=%s requested=auto reason=%r",
+            "kv_transfer.backend_chosen worker_id=%016x backend=%s requested=auto reason=%r",
             worker_id,
             name,
             reason or "nixl available",

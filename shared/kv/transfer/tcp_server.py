@@ -13,6 +13,10 @@ connection must be a ``hello`` carrying it; anything else gets one ``unauthentic
 and the connection closes, before any block is read. Refusals are counted and logged like the
 request plane's (transport ``kv_transfer``). A failed TLS handshake is asyncio's to end and is not
 counted (the connection never reaches this code).
+
+Connection slots are the request plane's (``transport/admission``): at most ``max_connections``,
+and connections that have not yet presented the token are pending, capped in total and per peer
+address, the oldest closed to make room; a reader that proved itself is never pushed out by them.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from dynamod.shared.kv.transfer.tcp_wire import (
 )
 from dynamod.shared.security.settings import RequestPlaneSecurity
 from dynamod.shared.security.token import REASON_HANDSHAKE_TIMEOUT, REASON_MISSING_TOKEN
+from dynamod.shared.transport.admission import ConnectionAdmission, PreAuthLimits
 from dynamod.shared.transport.guard import ServerGuard
 from dynamod.shared.transport.liveness import RequestPlaneMetrics
 
@@ -54,6 +59,24 @@ buffers at most about two chunks per connection."""
 
 
 GUARD_TRANSPORT = "kv_transfer"  # the transport label of refusals in the request plane's metric
+DEFAULT_MAX_CONNECTIONS = 1024
+
+
+class _Reader:
+    """One accepted connection, as the slot table sees it."""
+
+    __slots__ = ("writer", "metrics", "evicted")
+
+    def __init__(self, writer: asyncio.StreamWriter, metrics: RequestPlaneMetrics | None) -> None:
+        self.writer = writer
+        self.metrics = metrics
+        self.evicted = False
+
+    def evict_pending(self, reason: str) -> None:
+        self.evicted = True  # counted here; the admission table logs evictions once a minute
+        if self.metrics is not None:
+            self.metrics.rejected(GUARD_TRANSPORT, f"evicted_{reason}")
+        self.writer.transport.abort()
 
 
 class KvBlockServer:
@@ -69,12 +92,16 @@ class KvBlockServer:
         *,
         security: RequestPlaneSecurity | None = None,
         metrics: RequestPlaneMetrics | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        pre_auth: PreAuthLimits | None = None,
     ) -> None:
         self._memory = memory
         self._agent_name = agent_name
         self._host = host
         self._port = port
         self.guard = ServerGuard(security, transport=GUARD_TRANSPORT, metrics=metrics)
+        self._metrics = metrics
+        self.admission = ConnectionAdmission("kv_transfer.tcp", max_connections, pre_auth)
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[None]] = set()
         self._callback: NotifyCallback | None = None
@@ -133,9 +160,28 @@ class KvBlockServer:
             self._handlers.add(task)
         writer.transport.set_write_buffer_limits(high=_CHUNK_BYTES)
         peer = writer.get_extra_info("peername")
+        slot = _Reader(writer, self._metrics)
+        needs_hello = self.guard.token is not None
+        if needs_hello and self.guard.guessing(peer):
+            if self._metrics is not None:  # too many wrong tokens from this address: closed unread
+                self._metrics.rejected(GUARD_TRANSPORT, "auth_rate_limited")
+            writer.transport.abort()
+            if task is not None:
+                self._handlers.discard(task)
+            return
+        admitted = self.admission.open(slot, peer) if needs_hello else self.admission.open_established(slot)
+        if not admitted:
+            logger.warning("kv_transfer.tcp.connection_refused agent=%s peer=%s reason=max_connections", self._agent_name, peer)
+            writer.write(encode_frame(ErrorReply("overloaded", "this KV block server holds its maximum of connections")))
+            writer.close()
+            if task is not None:
+                self._handlers.discard(task)
+            return
         try:
-            if self.guard.token is not None and not await self._admit(reader, writer, peer):
-                return
+            if needs_hello:
+                if not await self._admit(reader, writer, peer):
+                    return
+                self.admission.establish(slot)
             while True:
                 try:
                     head = await reader.readexactly(LENGTH_SIZE)
@@ -173,8 +219,10 @@ class KvBlockServer:
         except asyncio.CancelledError:
             return  # close() stops the handlers; the stream callback must not see a cancelled task
         except (ConnectionError, asyncio.IncompleteReadError) as exc:
-            logger.info("kv_transfer.tcp.reader_lost agent=%s peer=%s reason=%s", self._agent_name, peer, exc)
+            if not slot.evicted:
+                logger.info("kv_transfer.tcp.reader_lost agent=%s peer=%s reason=%s", self._agent_name, peer, exc)
         finally:
+            self.admission.close(slot)
             writer.close()
             if task is not None:
                 self._handlers.discard(task)
