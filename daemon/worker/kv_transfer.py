@@ -21,6 +21,7 @@ from dynamod.daemon.worker.metrics import KvTransferMetrics
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.kv.transfer.base import KvTransferAgent, TransferResult
 from dynamod.shared.protocol.kv_transfer import KvTransferMetadata
+from dynamod.shared.protocol.worker_id import worker_id_hex
 from dynamod.shared.security.settings import RequestPlaneSecurity
 
 DEFAULT_HOLD_TIMEOUT_S = 60.0
@@ -109,7 +110,7 @@ class KvTransferStats:
         self.worker_id = worker_id
         self.backend = backend
         self._metrics = metrics
-        self._wid = f"{worker_id:x}"
+        self._wid = worker_id_hex(worker_id)
         self.bytes_total = 0
         self.transfers = 0
         self.failures = 0

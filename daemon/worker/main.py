@@ -23,6 +23,7 @@ from dynamod.daemon.frontend.parsers.registry import REASONING_PARSERS, TOOL_CAL
 from dynamod.daemon.models.local import LocalModel, resolve_model
 from dynamod.daemon.worker.engine import EngineInfo
 from dynamod.daemon.worker.kv_transfer import add_kv_transfer_args, kv_transfer_settings
+from dynamod.daemon.worker.lora_policy import add_lora_args, lora_policy_from_args
 from dynamod.daemon.worker.metrics import WorkerMetrics
 from dynamod.daemon.worker.service import WorkerService
 from dynamod.shared.config import add_runtime_args, settings_from_args
@@ -38,6 +39,7 @@ from dynamod.shared.protocol.model_files import ModelFilesRef
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from dynamod.shared.runtime.intent import IntentRecorder
 from dynamod.shared.runtime.model_files import ModelFiles, ModelFilesPublisher
+from dynamod.shared.transport.address import is_loopback_host
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "kept in discovery under it and re-applied on start; with --num-workers N the engines are "
                         "NAME-0..NAME-(N-1) [env DYN_WORKER_NAME; default NODE-PORT from the host name and a fixed "
                         "--system-port, else none and nothing is kept across restarts]")
+    add_lora_args(parser.add_argument_group("LoRA adapters (every engine, the mocker included)"))
     add_kv_transfer_args(parser.add_argument_group("kv transfer (roles prefill and decode)"))
     add_runtime_args(parser)
 
@@ -99,7 +102,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Nam
     """Adds the chosen engine's flags, then parses. A real engine gets the flags dynamod does not
     know passed through to it (``args.engine_args``), so ``--enforce-eager`` reaches vLLM as is;
     the mocker has no such pass-through and unknown flags are an error."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
     pre.add_argument("--engine", default=os.environ.get("DYN_ENGINE", "mocker"))
     engine = pre.parse_known_args(argv)[0].engine
     add_engine_args(parser, engine if engine in ENGINES else "mocker")
@@ -168,11 +171,28 @@ def worker_names(worker_name: str | None, node_name: str, system_port: int | Non
     return [base] if num_workers == 1 else [f"{base}-{i}" for i in range(num_workers)]
 
 
+def warn_if_open(host: str, secured: bool) -> bool:
+    """Warns, as the frontend does for its HTTP port, when this worker's request plane (generate,
+    drain, load_lora, ...) listens beyond loopback with neither a cluster token nor TLS: anyone who
+    can reach the port can drive it. True when it warned."""
+    if secured or is_loopback_host(host):
+        return False
+    logger.warning(
+        "worker request plane open beyond loopback host=%s security=none "
+        "hint=set --cluster-token-file (DYN_CLUSTER_TOKEN) and/or --tls-ca-file/--tls-cert-file/--tls-key-file",
+        host,
+    )
+    return True
+
+
 async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     if args.num_workers < 1:
         raise ConfigError("--num-workers must be at least 1")
     check_model_type(args)
     settings = settings_from_args(args)
+    lora_policy = lora_policy_from_args(args)
+    warn_if_open(settings.host, settings.security.request_plane.enabled)
+    logger.info("lora policy %s", lora_policy.describe)
     names = worker_names(args.worker_name, settings.node_name, settings.system_port, args.num_workers)
     model = resolve_model(args.model)
     if args.context_length:
@@ -211,6 +231,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
                     advertise_host=settings.advertised(settings.host), security=settings.security.request_plane,
                 ) if args.role in DISAGG_ROLES else None,
                 intent=intent,
+                lora_policy=lora_policy,
             )
             await service.start()
             services.append(service)

@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from dynamod.shared.kv.transfer.base import TransferResult
 from dynamod.shared.protocol.instance import STATUSES
 from dynamod.shared.protocol.load import KvTierLoad, LoadMetrics
+from dynamod.shared.protocol.worker_id import worker_id_hex
 
 # KV reads take from well under a millisecond (a few blocks on loopback) to seconds (a long
 # prompt of a large model over a slow link).
@@ -130,7 +131,7 @@ class WorkerMetrics:
         self.kv_tiers = KvTierMetrics(registry)
 
     def load(self, m: LoadMetrics) -> None:
-        labels = (f"{m.worker_id:x}", str(m.dp_rank))
+        labels = (worker_id_hex(m.worker_id), str(m.dp_rank))
         self.kv_usage.labels(*labels).set(m.kv_usage)
         self.running.labels(*labels).set(m.num_running)
         self.waiting.labels(*labels).set(m.num_waiting)
@@ -140,8 +141,8 @@ class WorkerMetrics:
             self.kv_tiers.load(*labels, m.kv_tiers)
 
     def kv_event(self, worker_id: int, kind: str) -> None:
-        self.kv_events.labels(f"{worker_id:x}", kind).inc()
+        self.kv_events.labels(worker_id_hex(worker_id), kind).inc()
 
     def status(self, worker_id: int, status: str) -> None:
         for s in STATUSES:
-            self.status_gauge.labels(f"{worker_id:x}", s).set(1 if s == status else 0)
+            self.status_gauge.labels(worker_id_hex(worker_id), s).set(1 if s == status else 0)

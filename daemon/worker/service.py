@@ -39,6 +39,7 @@ from dynamod.daemon.worker.control_types import (
 )
 from dynamod.daemon.worker.engine import EmbeddingEngine, Engine, EngineInfo, KvTransferEngine, LoraInfo
 from dynamod.daemon.worker.kv_transfer import KvTransferContext, KvTransferSettings, KvTransferStats
+from dynamod.daemon.worker.lora_policy import LoraSourcePolicy, check_lora_name
 from dynamod.daemon.worker.metrics import WorkerMetrics
 from dynamod.shared.discovery.store import Lease
 from dynamod.shared.errors import (
@@ -119,8 +120,11 @@ class WorkerService:
         metrics: WorkerMetrics,
         kv_transfer: KvTransferSettings | None = None,
         intent: IntentRecorder | None = None,
+        lora_policy: LoraSourcePolicy | None = None,
     ) -> None:
         self.component = component
+        # Where adapters may come from; the default (no root) loads none (``lora_policy``).
+        self.lora_policy = lora_policy or LoraSourcePolicy()
         self.engine = engine
         self._card_builder = card_builder
         self.card: ModelCard | None = None
@@ -185,6 +189,7 @@ class WorkerService:
         await self._put_card(None, self.card)
         # Intent before serving: the records are born with the status the operator left.
         status = await self._restore_intent()
+        self._metrics.status(self.worker_id, status)  # from the start, not only after a change: alerts read it
         labels = {"worker_name": self._intent.worker_name} if self._intent is not None else None
         for name, handler in handlers.items():
             served = await self.component.endpoint(name).serve(
@@ -192,7 +197,7 @@ class WorkerService:
             )
             self._served.append(served)
         logger.info(
-            "worker registered worker_id=%x role=%s status=%s model=%s block_size=%d total_blocks=%d",
+            "worker registered worker_id=%016x role=%s status=%s model=%s block_size=%d total_blocks=%d",
             self.worker_id,
             self.role,
             status,
@@ -211,7 +216,7 @@ class WorkerService:
         await self.component.runtime.store.delete(self._card_key(None))
         deadline = time.monotonic() + grace_s
         if not await self._wait_idle(grace_s):
-            logger.warning("stopping with requests in flight worker_id=%x count=%d", self.worker_id, self.engine.num_active_requests)
+            logger.warning("stopping with requests in flight worker_id=%016x count=%d", self.worker_id, self.engine.num_active_requests)
         await deregister_all(self._served)
         if self._intent is not None:
             await self._intent.close()
@@ -219,7 +224,7 @@ class WorkerService:
         if ctx is not None:
             # Decode workers may still be reading the prompts this worker prefilled.
             if not await self._wait_until(lambda: ctx.stats.held_blocks == 0, deadline - time.monotonic()):
-                logger.warning("stopping with kv blocks held worker_id=%x held_blocks=%d", self.worker_id, ctx.stats.held_blocks)
+                logger.warning("stopping with kv blocks held worker_id=%016x held_blocks=%d", self.worker_id, ctx.stats.held_blocks)
             await self._withdraw_kv_transfer()
         for task in self._tasks:
             task.cancel()
@@ -229,7 +234,7 @@ class WorkerService:
             await ctx.agent.close()
         if self._kv_directory is not None:
             await self._kv_directory.close()
-        logger.info("worker stopped worker_id=%x", self.worker_id)
+        logger.info("worker stopped worker_id=%016x", self.worker_id)
 
     async def _wait_idle(self, timeout_s: float) -> bool:
         """True once the engine has no request in flight; False if ``timeout_s`` passed first."""
@@ -252,7 +257,7 @@ class WorkerService:
         memory = engine.kv_transfer_memory() if isinstance(engine, KvTransferEngine) else None
         if memory is None:
             logger.info(
-                "kv transfer left to the engine's connector worker_id=%x role=%s engine=%s",
+                "kv transfer left to the engine's connector worker_id=%016x role=%s engine=%s",
                 self.worker_id, self.role, type(engine).__name__,
             )
             return
@@ -281,7 +286,7 @@ class WorkerService:
         self._kv_directory = directory
         meta = agent.metadata()
         logger.info(
-            "kv transfer ready worker_id=%x role=%s backend=%s address=%s blocks=%d block_bytes=%d",
+            "kv transfer ready worker_id=%016x role=%s backend=%s address=%s blocks=%d block_bytes=%d",
             self.worker_id, self.role, agent.backend, meta.address, meta.num_blocks, meta.block_bytes,
         )
 
@@ -291,7 +296,7 @@ class WorkerService:
         try:
             await self._kv_directory.withdraw(self.component.name, self.worker_id)
         except Exception as exc:  # the lease ends with the process: the record goes anyway
-            logger.warning("kv transfer withdraw failed worker_id=%x error=%s", self.worker_id, exc)
+            logger.warning("kv transfer withdraw failed worker_id=%016x error=%s", self.worker_id, exc)
 
     # -- operator intent --------------------------------------------------------------------------
 
@@ -313,7 +318,7 @@ class WorkerService:
             except Exception as exc:  # noqa: BLE001 - any engine's refusal; the base model still serves
                 dropped.append(name)
                 logger.warning(
-                    "intent lora dropped worker_id=%x worker_name=%s lora=%s source=%s error=%s",
+                    "intent lora dropped worker_id=%016x worker_name=%s lora=%s source=%s error=%s",
                     self.worker_id, recorder.worker_name, name, source, exc,
                 )
         status = intent.status
@@ -324,7 +329,7 @@ class WorkerService:
             except Exception as exc:  # noqa: BLE001 - refusing to start would crash-loop the worker
                 status = STATUS_DRAINING
                 logger.error(
-                    "intent sleep failed, registering draining worker_id=%x worker_name=%s level=%d error=%s",
+                    "intent sleep failed, registering draining worker_id=%016x worker_name=%s level=%d error=%s",
                     self.worker_id, recorder.worker_name, intent.sleep_level, exc,
                 )
         if dropped:
@@ -332,7 +337,7 @@ class WorkerService:
         self.status = status
         self._metrics.status(self.worker_id, status)
         logger.info(
-            "intent restored worker_id=%x worker_name=%s status=%s sleep_level=%d loras=%s dropped=%s",
+            "intent restored worker_id=%016x worker_name=%s status=%s sleep_level=%d loras=%s dropped=%s",
             self.worker_id, recorder.worker_name, status, self.sleep_level,
             ",".join(n for n in intent.loras if n not in dropped) or "-", ",".join(dropped) or "-",
         )
@@ -416,7 +421,7 @@ class WorkerService:
                 raise InvalidRequestError(f"unknown KV tier {req.medium!r}; expected one of {', '.join(MEDIA)}")
             cleared = await self.engine.clear_kv_blocks(req.medium)
         where = "every tier" if req.medium is None else f"the {req.medium} tier"
-        logger.info("kv cache cleared worker_id=%x medium=%s blocks=%d", self.worker_id, req.medium or "all", cleared)
+        logger.info("kv cache cleared worker_id=%016x medium=%s blocks=%d", self.worker_id, req.medium or "all", cleared)
         yield control.ok(f"cleared {cleared} cached blocks from {where}", cleared_blocks=cleared, medium=req.medium)
 
     async def _sleep(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
@@ -435,7 +440,7 @@ class WorkerService:
             written = await self._set_status(STATUS_SLEEPING)
             self.sleep_level = req.level
             saved = await self._record_intent(lambda r: r.set_status(STATUS_SLEEPING, req.level, set_by=control.SLEEP))
-        logger.info("worker sleeping worker_id=%x level=%d", self.worker_id, req.level)
+        logger.info("worker sleeping worker_id=%016x level=%d", self.worker_id, req.level)
         yield self._reply(f"sleeping at level {req.level}", written and saved, state=self.status, level=req.level)
 
     async def _wake_up(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
@@ -446,7 +451,7 @@ class WorkerService:
             written = await self._set_status(STATUS_READY)
             self.sleep_level = 0
             saved = await self._record_intent(lambda r: r.set_status(STATUS_READY, set_by=control.WAKE_UP))
-        logger.info("worker awake worker_id=%x", self.worker_id)
+        logger.info("worker awake worker_id=%016x", self.worker_id)
         yield self._reply("awake", written and saved, state=self.status)
 
     async def _drain(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
@@ -456,7 +461,7 @@ class WorkerService:
                 raise InvalidRequestError("worker is sleeping; wake it before draining")
             written = await self._set_status(STATUS_DRAINING)
             saved = await self._record_intent(lambda r: r.set_status(STATUS_DRAINING, set_by=control.DRAIN)) and written
-        logger.info("worker draining worker_id=%x inflight=%d", self.worker_id, self.engine.num_active_requests)
+        logger.info("worker draining worker_id=%016x inflight=%d", self.worker_id, self.engine.num_active_requests)
         if not req.wait:
             yield self._reply("draining", saved, state=self.status, inflight=self.engine.num_active_requests)
             return
@@ -464,25 +469,29 @@ class WorkerService:
             left = self.engine.num_active_requests
             yield control.error(f"drain timed out with {left} requests in flight", state=self.status, inflight=left)
         else:
-            logger.info("worker drained worker_id=%x", self.worker_id)
+            logger.info("worker drained worker_id=%016x", self.worker_id)
             yield self._reply("drained", saved, state=self.status, inflight=0)
 
     async def _load_lora(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
         req = parse_body(body, LoadLoraRequest, control.LOAD_LORA)
         uri = req.source if isinstance(req.source, str) else req.source.uri
-        if not req.lora_name or "/" in req.lora_name:
-            raise InvalidRequestError("lora_name must be a non-empty name without '/'")
         info = await self._load_adapter(req.lora_name, uri)
-        saved = await self._record_intent(lambda r: r.add_lora(req.lora_name, uri, set_by=control.LOAD_LORA))
+        # Only the checked source (a resolved path inside a root) outlives this call.
+        saved = await self._record_intent(lambda r: r.add_lora(info.name, info.source, set_by=control.LOAD_LORA))
         yield self._reply(f"loaded {req.lora_name}", saved, lora_name=info.name, lora_id=info.lora_id)
 
     async def _load_adapter(self, name: str, source: str) -> LoraInfo:
-        """Loads an adapter into the engine and publishes its model card (a LoRA is its own model)."""
-        info = await self.engine.load_lora(name, source)
+        """Checks the name and source (``lora_policy``: also for adapters re-applied from intent),
+        loads the adapter into the engine and publishes its model card (a LoRA is its own model)."""
+        check_lora_name(name)
+        checked = self.lora_policy.check(source)
+        if checked != source:
+            logger.info("lora source resolved worker_id=%016x lora=%s source=%r resolved=%s", self.worker_id, name, source, checked)
+        info = await self.engine.load_lora(name, checked)
         assert self.card is not None, "load_lora before start"
         card = msgspec.structs.replace(self.card, served_model_name=name, lora=name, base_model=self.card.served_model_name)
         await self._put_card(name, card)
-        logger.info("lora loaded worker_id=%x lora=%s source=%s", self.worker_id, name, source)
+        logger.info("lora loaded worker_id=%016x lora=%s source=%s", self.worker_id, name, source)
         return info
 
     async def _unload_lora(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
@@ -495,7 +504,7 @@ class WorkerService:
             if self._intent is None or req.lora_name not in self._intent.current.loras:
                 raise
         await self.component.runtime.store.delete(self._card_key(req.lora_name))
-        logger.info("lora unloaded worker_id=%x lora=%s", self.worker_id, req.lora_name)
+        logger.info("lora unloaded worker_id=%016x lora=%s", self.worker_id, req.lora_name)
         saved = await self._record_intent(lambda r: r.remove_loras([req.lora_name], set_by=control.UNLOAD_LORA))
         yield self._reply(f"unloaded {req.lora_name}", saved, lora_name=req.lora_name)
 

@@ -17,6 +17,7 @@ from dynamod.shared.protocol.llm import EngineOutput, PreprocessedRequest, StopC
 from dynamod.shared.protocol.model_card import decode_card
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from tests.fixtures.daemons import DaemonProcess, file_cluster_env
+from tests.fixtures.lora import make_adapter
 
 BLOCK = 16
 TTL = 2.0
@@ -26,7 +27,8 @@ TTL = 2.0
 async def cluster(tmp_path):
     """One worker daemon process plus an in-test runtime on the same file discovery directory."""
     kv_dir = tmp_path / "kv"
-    env = file_cluster_env(kv_dir, DYN_LEASE_TTL=str(TTL))
+    make_adapter(tmp_path / "adapters", "pirate")
+    env = file_cluster_env(kv_dir, DYN_LEASE_TTL=str(TTL), DYN_LORA_ROOT=str(tmp_path / "adapters"))
     worker = DaemonProcess(
         ["--role", "agg", "--engine", "mocker", "--model", "tiny", "--speedup-ratio", "20",
          "--block-size", str(BLOCK), "--num-gpu-blocks", "256", "--system-port", "0"],
@@ -171,9 +173,10 @@ async def test_sleep_and_wake(cluster) -> None:
     assert sum(len(o.token_ids) for o in outs) == 8
 
 
-async def test_lora_load_list_unload(cluster) -> None:
+async def test_lora_load_list_unload(cluster, tmp_path) -> None:
     rt, comp, generate, inst, _ = cluster
-    reply = await control(comp, "load_lora", inst.instance_id, {"lora_name": "pirate", "source": {"uri": "file:///tmp/pirate"}})
+    source = f"file://{tmp_path}/adapters/pirate"
+    reply = await control(comp, "load_lora", inst.instance_id, {"lora_name": "pirate", "source": {"uri": source}})
     assert reply["status"] == "ok"
     key = mdc_key("dynamo", "backend", "generate", inst.instance_id, "pirate")
     card = decode_card(await rt.store.get(key))

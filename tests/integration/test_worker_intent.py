@@ -26,6 +26,7 @@ from dynamod.shared.protocol.intent import decode_intent
 from dynamod.shared.protocol.keys import instances_prefix, intent_key, mdc_key
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from tests.fixtures.daemons import DaemonProcess
+from tests.fixtures.lora import make_adapter
 from tests.fixtures.servers import EtcdServer, free_port, wait_until
 from tests.integration.test_frontend_support import clean_env
 from tests.integration.test_up_supervisor import Up, _up_command
@@ -100,8 +101,9 @@ class EtcdWorkers:
         self.log_dir = log_dir
         self.env = {
             **os.environ, "DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": etcd.endpoint,
-            "DYN_EVENT_PLANE": "zmq", "DYN_LEASE_TTL": str(TTL),
+            "DYN_EVENT_PLANE": "zmq", "DYN_LEASE_TTL": str(TTL), "DYN_LORA_ROOT": str(log_dir / "adapters"),
         }
+        (log_dir / "adapters").mkdir(exist_ok=True)
         self.daemons: list[DaemonProcess] = []
         self.known: set[int] = set()
 
@@ -187,13 +189,15 @@ async def test_a_loaded_lora_adapter_is_loaded_again_until_unloaded(workers: Etc
     async with InstanceLog(workers.rt.store) as log:
         daemon = workers.start("w0")
         first, _ = await workers.registered(log, daemon)
-        assert (await workers.ctl.load_lora(first, "pirate", "file:///adapters/pirate")).ok
-        assert (await workers.intent("w0")).loras == {"pirate": "file:///adapters/pirate"}
+        # Recorded as the checked, resolved directory inside --lora-root, not as given.
+        pirate = str(make_adapter(workers.log_dir / "adapters", "pirate").resolve())
+        assert (await workers.ctl.load_lora(first, "pirate", f"file://{pirate}")).ok
+        assert (await workers.intent("w0")).loras == {"pirate": pirate}
 
         daemon, second, statuses = await workers.restart(log, daemon, "w0")
         assert statuses == {"ready"}
         listed = await workers.ctl.list_loras(second)
-        assert [(lo["name"], lo["source"]) for lo in listed.data["loras"]] == [("pirate", "file:///adapters/pirate")]
+        assert [(lo["name"], lo["source"]) for lo in listed.data["loras"]] == [("pirate", pirate)]
         # Its model card was published with the worker, so frontends serve the adapter again.
         assert await workers.rt.store.get(mdc_key(NS, COMPONENT, "generate", second, "pirate")) is not None
 

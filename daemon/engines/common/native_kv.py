@@ -72,7 +72,7 @@ class NativeKvEventQueue:
         self.gaps += 1
         skipped = self._converter.skip()
         logger.warning(
-            "kv events gap worker_id=%x dp_rank=%d missing_batches=%d skipped_event_id=%d",
+            "kv events gap worker_id=%016x dp_rank=%d missing_batches=%d skipped_event_id=%d",
             self.worker_id, rank, missing, skipped,
         )
 
@@ -90,7 +90,7 @@ class NativeKvEventQueue:
             # The daemon fell behind: drop. The id gap makes the router re-read kv_dump.
             if not self._dropping:
                 self._dropping = True
-                logger.warning("kv event buffer full worker_id=%x event_id=%d", self.worker_id, ev.event_id)
+                logger.warning("kv event buffer full worker_id=%016x event_id=%d", self.worker_id, ev.event_id)
             self.dropped += 1
             return
         self._dropping = False

@@ -20,6 +20,7 @@ from dynamod.daemon.models.kv_layout import geometry_for_bytes_per_token
 from dynamod.daemon.models.local import LocalModel
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.protocol.kv_transfer import KvLayout
+from dynamod.shared.security.private_dir import ensure_private_dir, private_root_for
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,10 @@ def create(args: argparse.Namespace, model: LocalModel, *, worker_id: int, worke
         eos_token_ids=model.eos_token_ids,
         context_length=context_length,
     )
+    if config.num_disk_blocks:
+        # KV blocks are prompt content: this user's directory alone, or refuse to start.
+        ensure_private_dir(config.disk_cache_dir, what="--disk-cache-dir",
+                           owned_from=private_root_for(config.disk_cache_dir))
     config.disk_cache_dir = str(disk_dir_for(config, worker_index))
     if getattr(args, "model_type", "chat") == "embedding":
         return MockerEmbeddingEngine(config, worker_id, dimensions=args.embedding_dimensions)

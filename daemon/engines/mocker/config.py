@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 from dataclasses import dataclass, field
 
 from dynamod.shared.errors import ConfigError
+from dynamod.shared.security.private_dir import user_runtime_dir
 
 DEFAULT_NUM_GPU_BLOCKS = 16384
 DEFAULT_BLOCK_SIZE = 64
@@ -32,7 +32,8 @@ DEFAULT_HOST_D2H_GBPS = 25.0
 DEFAULT_HOST_H2D_GBPS = 25.0
 DEFAULT_DISK_WRITE_GBPS = 3.0
 DEFAULT_DISK_READ_GBPS = 6.0
-DEFAULT_DISK_CACHE_DIR = os.path.join(tempfile.gettempdir(), "dynamod-kv-disk")
+# Per user and private (0700, owner checked: shared/security/private_dir): the files hold prompt content.
+DEFAULT_DISK_CACHE_DIR = str(user_runtime_dir() / "kv-disk")
 DEFAULT_DISK_IO_QUEUE_BLOCKS = 64  # block files being written or read at once, per rank
 
 
@@ -198,8 +199,8 @@ def add_tier_flags(group: argparse._ActionsContainer) -> None:
     )
     group.add_argument(
         "--disk-cache-dir", default=_env("DYN_DISK_CACHE_DIR", DEFAULT_DISK_CACHE_DIR),
-        help="directory of the disk KV tier (a subdirectory per worker and rank) "
-        "[env DYN_DISK_CACHE_DIR, default %(default)s]",
+        help="directory of the disk KV tier (a subdirectory per worker and rank); created 0700 and refused when "
+        "another user owns it [env DYN_DISK_CACHE_DIR, default %(default)s]",
     )
     group.add_argument(
         "--disk-cache-persist", action=argparse.BooleanOptionalAction,

@@ -33,6 +33,7 @@ from dynamod.daemon.engines.mocker.sampling import TokenSampler, needs_sampler
 from dynamod.daemon.engines.mocker.scheduler import (
     NO_DECODE_STRETCH,
     DecodeStretch,
+    PromptHasher,
     Scheduler,
     SchedulerOutput,
 )
@@ -157,7 +158,11 @@ class MockerCore:
         *,
         kv_memory: KvBlockMemory | None = None,
         kv_layout: KvLayout | None = None,
+        prompt_hasher: PromptHasher | None = None,
     ) -> None:
+        """``prompt_hasher``: where an admitted request's prompt hashes come from, for a caller
+        that has them already (a trace replay hashes each prompt once for its routers and every
+        core that admits it); it must give what ``MockRequest.hash_prompt`` would."""
         self.config = config
         self.dp_rank = dp_rank
         self.kv_manager = KVCacheManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
@@ -167,6 +172,7 @@ class MockerCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             watermark_blocks=config.watermark_blocks,
             context_length=config.context_length,
+            prompt_hasher=prompt_hasher,
         )
         self._eos = frozenset(config.eos_token_ids)
         self.num_steps = 0
@@ -284,7 +290,9 @@ class MockerCore:
         ``check_tokens=False`` skips the scan of every prompt token against the vocabulary, for a
         caller whose token ids are in range by construction: a trace replayer checks each trace
         block once, where scanning 145 million prompt tokens here would cost seconds."""
-        prompt = list(prompt_token_ids)
+        # ``MockRequest`` copies the prompt; a list is only read here (a replay's prompts are
+        # thousands of tokens: one copy per admission, not two).
+        prompt = prompt_token_ids if type(prompt_token_ids) is list else list(prompt_token_ids)
         max_out = self.check_request(request_id, prompt, max_tokens, min_tokens, check_tokens=check_tokens)
         stop = frozenset(stop_token_ids)
         if not ignore_eos:

@@ -56,7 +56,7 @@ class DiskStore:
         self.persist = persist
         if not persist and self.directory.exists():
             shutil.rmtree(self.directory)  # a previous run's leftovers, not ours to reuse
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.bytes_written = 0
         self.bytes_read = 0
 

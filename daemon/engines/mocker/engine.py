@@ -153,7 +153,7 @@ class MockerEngine:
         ]
         cfg = self.config
         logger.info(
-            "mocker started worker_id=%x dp=%d num_gpu_blocks=%d block_size=%d max_num_seqs=%d "
+            "mocker started worker_id=%016x dp=%d num_gpu_blocks=%d block_size=%d max_num_seqs=%d "
             "max_num_batched_tokens=%d prefix_caching=%s speedup_ratio=%g",
             self.worker_id, cfg.data_parallel_size, cfg.num_gpu_blocks, cfg.block_size, cfg.max_num_seqs,
             cfg.max_num_batched_tokens, cfg.enable_prefix_caching, cfg.speedup_ratio,
@@ -186,7 +186,7 @@ class MockerEngine:
                     self._events.get_nowait()
                     self.events_dropped += 1
                 self._events.put_nowait(None)
-        logger.info("mocker stopped worker_id=%x", self.worker_id)
+        logger.info("mocker stopped worker_id=%016x", self.worker_id)
 
     def _close_cores(self) -> None:
         for core in self.cores:
@@ -226,7 +226,7 @@ class MockerEngine:
             self.worker_id, self.cores, self._kv_memory, ctx, self._load_done, lambda rank: self._wake[rank].set()
         )
         logger.info(
-            "mocker kv transfer attached worker_id=%x backend=%s block_bytes=%d blocks=%d hold_timeout_s=%g "
+            "mocker kv transfer attached worker_id=%016x backend=%s block_bytes=%d blocks=%d hold_timeout_s=%g "
             "transfer_timeout_s=%g",
             self.worker_id, ctx.agent.backend, self._kv_memory.block_bytes, self._kv_memory.num_blocks,
             ctx.settings.hold_timeout_s, ctx.settings.transfer_timeout_s,
@@ -335,7 +335,7 @@ class MockerEngine:
             if not self._no_agent_logged:
                 self._no_agent_logged = True
                 logger.warning(
-                    "mocker got transfer params without a transfer agent, prefilling locally worker_id=%x "
+                    "mocker got transfer params without a transfer agent, prefilling locally worker_id=%016x "
                     "request_id=%s hint=run_decode_workers_with_role_decode",
                     self.worker_id, request.request_id,
                 )
@@ -383,7 +383,7 @@ class MockerEngine:
             try:
                 out = core.step()
             except Exception as exc:  # a bug in the core must not kill the worker silently
-                logger.exception("mocker step failed worker_id=%x dp_rank=%d", self.worker_id, rank)
+                logger.exception("mocker step failed worker_id=%016x dp_rank=%d", self.worker_id, rank)
                 self._fail_rank(rank, EngineError(f"mocker step failed: {exc}"))
                 continue
             if out.kv_events:
@@ -474,7 +474,7 @@ class MockerEngine:
                 if not self._dropping:
                     self._dropping = True
                     logger.warning(
-                        "mocker kv event buffer full worker_id=%x event_id=%d dropped_total=%d",
+                        "mocker kv event buffer full worker_id=%016x event_id=%d dropped_total=%d",
                         self.worker_id, self._event_id, self.events_dropped + 1,
                     )
                 self.events_dropped += 1
@@ -513,7 +513,7 @@ class MockerEngine:
             self._publish(rank, core.take_events())
         if self._kv is not None:
             self._kv.forget_released()
-        logger.info("mocker kv cleared worker_id=%x medium=%s blocks=%d", self.worker_id, medium or "all", dropped)
+        logger.info("mocker kv cleared worker_id=%016x medium=%s blocks=%d", self.worker_id, medium or "all", dropped)
         return dropped
 
     # ---- load ----------------------------------------------------------------------------------
@@ -581,7 +581,7 @@ class MockerEngine:
         if self._kv is not None:
             self._kv.forget_released()
         logger.info(
-            "mocker asleep worker_id=%x level=%d aborted=%d kv_blocks_dropped=%d",
+            "mocker asleep worker_id=%016x level=%d aborted=%d kv_blocks_dropped=%d",
             self.worker_id, level, aborted, dropped,
         )
 
@@ -592,7 +592,7 @@ class MockerEngine:
             return
         level, self.sleep_level = self.sleep_level, 0
         self._status = EngineState.READY if self._tasks else EngineState.CREATED
-        logger.info("mocker awake worker_id=%x from_level=%d", self.worker_id, level)
+        logger.info("mocker awake worker_id=%016x from_level=%d", self.worker_id, level)
 
     # ---- LoRA ----------------------------------------------------------------------------------
 
@@ -610,13 +610,13 @@ class MockerEngine:
         info = LoraInfo(name=name, source=source, lora_id=self._next_lora_id)
         self._next_lora_id += 1
         self._loras[name] = info
-        logger.info("mocker lora loaded worker_id=%x lora=%s lora_id=%d source=%s", self.worker_id, name, info.lora_id, source)
+        logger.info("mocker lora loaded worker_id=%016x lora=%s lora_id=%d source=%s", self.worker_id, name, info.lora_id, source)
         return info
 
     async def unload_lora(self, name: str) -> None:
         if self._loras.pop(name, None) is None:
             raise NotFoundError(f"LoRA adapter {name!r} is not loaded on worker {self.worker_id:x}")
-        logger.info("mocker lora unloaded worker_id=%x lora=%s", self.worker_id, name)
+        logger.info("mocker lora unloaded worker_id=%016x lora=%s", self.worker_id, name)
 
     def list_loras(self) -> list[LoraInfo]:
         return list(self._loras.values())

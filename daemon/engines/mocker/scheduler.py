@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -74,6 +75,10 @@ class DecodeStretch(NamedTuple):
 
 NO_DECODE_STRETCH = DecodeStretch(0, False)
 
+# A request's prompt -> its (local, sequence) block hashes, what ``MockRequest.hash_prompt`` would
+# set: fresh lists the request owns (it extends them over generated tokens).
+PromptHasher = Callable[[MockRequest], tuple[list[int], list[int]]]
+
 
 @dataclass(slots=True)
 class UpdateResult:
@@ -98,8 +103,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         watermark_blocks: int,
         context_length: int,
+        prompt_hasher: PromptHasher | None = None,
     ) -> None:
         self.kv_manager = kv_manager
+        # Gives an admitted request's (local, sequence) prompt hashes; None: the request hashes
+        # its own prompt (``MockRequest.hash_prompt``). See ``MockerCore``.
+        self.prompt_hasher = prompt_hasher
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark_blocks = watermark_blocks
@@ -126,7 +135,10 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already scheduled")
         if self.kv_manager.enable_caching:
-            request.hash_prompt(self.kv_manager.block_size)
+            if self.prompt_hasher is None:
+                request.hash_prompt(self.kv_manager.block_size)
+            else:
+                request.local_hashes, request.block_hashes = self.prompt_hasher(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

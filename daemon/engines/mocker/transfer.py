@@ -146,12 +146,12 @@ class MockerKvTransfer:
         transfer_id, blocks_read = parse_notify_message(message)
         hold = self._release(transfer_id)
         if hold is None:
-            logger.debug("kv notify for no hold worker_id=%x transfer_id=%s", self.worker_id, transfer_id)
+            logger.debug("kv notify for no hold worker_id=%016x transfer_id=%s", self.worker_id, transfer_id)
             return
         if blocks_read:
             self.ctx.stats.served(blocks_read, blocks_read * self.memory.block_bytes)
         logger.debug(
-            "kv hold released worker_id=%x transfer_id=%s blocks=%d read=%d",
+            "kv hold released worker_id=%016x transfer_id=%s blocks=%d read=%d",
             self.worker_id, transfer_id, len(hold.block_ids), blocks_read,
         )
 
@@ -161,7 +161,7 @@ class MockerKvTransfer:
         if hold is not None:
             self.ctx.stats.hold_expired()
             logger.info(
-                "kv hold expired worker_id=%x transfer_id=%s request_id=%s blocks=%d timeout_s=%g",
+                "kv hold expired worker_id=%016x transfer_id=%s request_id=%s blocks=%d timeout_s=%g",
                 self.worker_id, transfer_id, hold.request_id, len(hold.block_ids), self.ctx.settings.hold_timeout_s,
             )
 
@@ -261,7 +261,7 @@ class MockerKvTransfer:
         except _Mismatch as exc:
             reason, report["reason"] = REASON_ERROR, str(exc)
         except Exception as exc:  # a bug or an unexpected refusal: fall back all the same
-            logger.exception("kv read crashed worker_id=%x request_id=%s", self.worker_id, load.request_id)
+            logger.exception("kv read crashed worker_id=%016x request_id=%s", self.worker_id, load.request_id)
             reason, report["reason"] = REASON_ERROR, f"{type(exc).__name__}: {exc}"
         finally:
             self._pulls.pop(load.request_id, None)
@@ -271,7 +271,7 @@ class MockerKvTransfer:
                 report["failure"] = reason
                 self.ctx.stats.failed(reason)
                 logger.warning(
-                    "kv read failed, prefilling locally worker_id=%x request_id=%s from_worker_id=%x "
+                    "kv read failed, prefilling locally worker_id=%016x request_id=%s from_worker_id=%016x "
                     "transfer_id=%s failure=%s reason=%r",
                     self.worker_id, load.request_id, params.worker_id, params.transfer_id, reason, report["reason"],
                 )
@@ -291,7 +291,7 @@ class MockerKvTransfer:
         try:
             await self.ctx.agent.notify(meta, notify_message(transfer_id, 0), timeout_s=_NOTIFY_TIMEOUT_S)
         except Exception as exc:  # the peer is gone: its hold dies with it
-            logger.debug("kv notify failed worker_id=%x transfer_id=%s error=%s", self.worker_id, transfer_id, exc)
+            logger.debug("kv notify failed worker_id=%016x transfer_id=%s error=%s", self.worker_id, transfer_id, exc)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 

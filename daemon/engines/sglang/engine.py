@@ -12,7 +12,9 @@ payloads here (tests/unit/engines/test_sglang_adapter.py), never against a runni
 - KV events: SGLang's ZMQ publisher, same frames as vLLM, array-shaped events (kv_format.py),
   through the same subscriber, replay and gap handling as the vLLM adapter.
 - Load: SGLang's schedulers push ``KvMetrics`` (pickled) to ``port_args.metrics_ipc_name``; the
-  adapter binds that PULL socket when the engine has one, as Dynamo does.
+  adapter binds that PULL socket when the engine has one, as Dynamo does, and reads it with a
+  restricted unpickler that can build nothing but that report (metrics_wire.py), never
+  ``recv_pyobj``: whoever can write to the socket must not run code in the worker.
 - Disaggregation (``--role prefill|decode``): SGLang's disaggregation mode and bootstrap rooms
   (disagg.py); a prefill leg yields its room first, then prefills; a decode leg joins the room.
 - Controls: abort -> ``tokenizer_manager.abort_request``; clear -> ``flush_cache``; sleep/wake ->
@@ -54,6 +56,11 @@ from dynamod.daemon.engines.common.lora import local_adapter_dir
 from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER, NativeKvEventQueue
 from dynamod.daemon.engines.sglang import disagg
 from dynamod.daemon.engines.sglang.kv_format import decode_sglang_batch
+from dynamod.daemon.engines.sglang.metrics_wire import (
+    MAX_PAYLOAD_BYTES,
+    MetricsMessageError,
+    decode_kv_metrics,
+)
 from dynamod.daemon.engines.sglang.outputs import SglangOutputTracker, sampling_params
 from dynamod.daemon.models.local import LocalModel
 from dynamod.daemon.worker.engine import EngineInfo, EngineState, LoraInfo
@@ -197,7 +204,7 @@ class SglangEngine:
                 raise
             self._status = EngineState.READY
             self.start_seconds = time.monotonic() - started
-            logger.info("sglang engine started worker_id=%x page_size=%d start_s=%.1f",
+            logger.info("sglang engine started worker_id=%016x page_size=%d start_s=%.1f",
                         self.worker_id, self._info.kv_block_size, self.start_seconds)
 
     async def _start(self) -> None:
@@ -217,7 +224,7 @@ class SglangEngine:
         config["endpoint"] = plan.config["endpoint"]
         argv = sglang_argv(self._tokens, model_path=str(self.model.path), kv_events_config=config,
                            context_length=self._context_override, role=self.role)
-        logger.info("sglang engine starting worker_id=%x argv=%s", self.worker_id, " ".join(argv))
+        logger.info("sglang engine starting worker_id=%016x argv=%s", self.worker_id, " ".join(argv))
         try:
             self._engine = await asyncio.to_thread(build_sglang_engine, argv)
         except (ConfigError, asyncio.CancelledError):
@@ -237,18 +244,28 @@ class SglangEngine:
         """Scheduler ``KvMetrics`` pushed to ``port_args.metrics_ipc_name``, when SGLang has it."""
         name = getattr(getattr(self._engine, "port_args", None), "metrics_ipc_name", None)
         if not name:
-            logger.info("sglang scheduler metrics unavailable worker_id=%x effect=load_from_request_counts", self.worker_id)
+            logger.info("sglang scheduler metrics unavailable worker_id=%016x effect=load_from_request_counts", self.worker_id)
             return
         import zmq
         import zmq.asyncio
 
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES)  # a bigger message drops the peer, unread
         sock.bind(name)
+        refused = 0
         try:
             while True:
-                m = await sock.recv_pyobj()
-                self._metrics[int(getattr(m, "data_parallel_rank", 0) or 0)] = m
+                payload = await sock.recv()
+                try:
+                    m = decode_kv_metrics(payload)
+                except MetricsMessageError as exc:
+                    refused += 1
+                    if refused == 1 or refused % 1000 == 0:
+                        logger.warning("sglang metrics message refused worker_id=%016x count=%d reason=%s",
+                                       self.worker_id, refused, exc)
+                    continue
+                self._metrics[int(m.data_parallel_rank or 0)] = m
         finally:
             sock.close(0)
             ctx.term()
@@ -261,7 +278,7 @@ class SglangEngine:
             for rid in list(self._active):
                 self._abort_rid(rid)
         await self._release()
-        logger.info("sglang engine stopped worker_id=%x", self.worker_id)
+        logger.info("sglang engine stopped worker_id=%016x", self.worker_id)
 
     async def _release(self) -> None:
         if self._metrics_task is not None:
@@ -272,7 +289,7 @@ class SglangEngine:
             try:
                 await asyncio.to_thread(engine.shutdown)
             except Exception:
-                logger.exception("sglang shutdown failed worker_id=%x", self.worker_id)
+                logger.exception("sglang shutdown failed worker_id=%016x", self.worker_id)
         if self._subscriber is not None:
             await self._subscriber.close()
             self._subscriber = None
@@ -363,7 +380,7 @@ class SglangEngine:
         try:
             self._engine.tokenizer_manager.abort_request(rid=rid, abort_all=False)
         except Exception:
-            logger.exception("sglang abort failed worker_id=%x request_id=%s", self.worker_id, rid)
+            logger.exception("sglang abort failed worker_id=%016x request_id=%s", self.worker_id, rid)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._active and self._engine is not None:

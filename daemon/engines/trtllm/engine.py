@@ -222,7 +222,7 @@ class TrtllmEngine:
                 asyncio.create_task(self._poll(self._llm.get_kv_cache_events_async, self._on_event), name="trtllm-kv"),
                 asyncio.create_task(self._poll(self._llm.get_stats_async, self._on_stats), name="trtllm-stats"),
             ]
-            logger.info("trtllm engine started worker_id=%x tokens_per_block=%d start_s=%.1f",
+            logger.info("trtllm engine started worker_id=%016x tokens_per_block=%d start_s=%.1f",
                         self.worker_id, self._block, self.start_seconds)
 
     async def _poll(self, source: Any, handle: Any) -> None:
@@ -239,7 +239,7 @@ class TrtllmEngine:
             except asyncio.CancelledError:
                 raise
             except Exception:
-                logger.exception("trtllm poll failed worker_id=%x", self.worker_id)
+                logger.exception("trtllm poll failed worker_id=%016x", self.worker_id)
             delay = _POLL_MIN_S if got else min(_POLL_MAX_S, delay * 1.5)
             await asyncio.sleep(delay)
 
@@ -273,7 +273,7 @@ class TrtllmEngine:
         if llm is not None:
             await asyncio.to_thread(llm.shutdown)
         self._feed.close()
-        logger.info("trtllm engine stopped worker_id=%x", self.worker_id)
+        logger.info("trtllm engine stopped worker_id=%016x", self.worker_id)
 
     def _started(self) -> Any:
         if self._llm is None or self._status != EngineState.READY:

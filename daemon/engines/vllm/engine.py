@@ -222,7 +222,7 @@ class VllmEngine:
             os.environ.setdefault(key, value)
         os.environ.setdefault("VLLM_RPC_BASE_PATH", self._private_dir)
         if flags.prefix_caching_disabled(self._tokens):
-            logger.warning("vllm prefix caching is off worker_id=%x effect=no_kv_events_kv_routing_blind", self.worker_id)
+            logger.warning("vllm prefix caching is off worker_id=%016x effect=no_kv_events_kv_routing_blind", self.worker_id)
         if self.host_tier:
             await asyncio.to_thread(offload.check_platform)
         try:
@@ -256,7 +256,7 @@ class VllmEngine:
             os.environ.update(side_channel)
             logger.info("vllm kv transfer role=%s side_channel=%s:%s", self.role,
                         side_channel[disagg.SIDE_CHANNEL_HOST_ENV], side_channel[disagg.SIDE_CHANNEL_PORT_ENV])
-        logger.info("vllm engine starting worker_id=%x argv=%s", self.worker_id, " ".join(argv))
+        logger.info("vllm engine starting worker_id=%016x argv=%s", self.worker_id, " ".join(argv))
         try:
             self._llm = await asyncio.to_thread(build_async_llm, argv, self._load)
         except (ConfigError, asyncio.CancelledError):
@@ -268,7 +268,7 @@ class VllmEngine:
         self._health_task = asyncio.create_task(self._watch_health(), name=f"vllm-health-{self.worker_id:x}")
         rc = self._info.runtime_config
         logger.info(
-            "vllm engine started worker_id=%x block_size=%d total_kv_blocks=%d context_length=%d max_num_seqs=%d "
+            "vllm engine started worker_id=%016x block_size=%d total_kv_blocks=%d context_length=%d max_num_seqs=%d "
             "dp=%d lora=%s sleep_mode=%s host_tier_bytes=%s start_s=%.1f",
             self.worker_id, self._info.kv_block_size, rc.total_kv_blocks, self._info.context_length,
             rc.max_num_seqs, rc.data_parallel_size, self._lora_enabled(), self._sleep_enabled(),
@@ -282,7 +282,7 @@ class VllmEngine:
         block_size = int(cfg.cache_config.block_size)
         if block_size != self._info.kv_block_size:
             logger.warning(
-                "vllm block size differs from the flags worker_id=%x flags=%d engine=%d "
+                "vllm block size differs from the flags worker_id=%016x flags=%d engine=%d "
                 "effect=a card published before start is stale",
                 self.worker_id, self._info.kv_block_size, block_size,
             )
@@ -315,7 +315,7 @@ class VllmEngine:
                 await self.check_health()
             except UnavailableError:
                 self._status = EngineState.FAILED
-                logger.error("vllm engine died worker_id=%x", self.worker_id)
+                logger.error("vllm engine died worker_id=%016x", self.worker_id)
                 return
             await asyncio.sleep(_HEALTH_POLL_S)
 
@@ -339,9 +339,9 @@ class VllmEngine:
             try:
                 await self._llm.abort(list(self._active))
             except Exception:
-                logger.exception("vllm abort on stop failed worker_id=%x", self.worker_id)
+                logger.exception("vllm abort on stop failed worker_id=%016x", self.worker_id)
         await self._release()
-        logger.info("vllm engine stopped worker_id=%x", self.worker_id)
+        logger.info("vllm engine stopped worker_id=%016x", self.worker_id)
 
     async def _release(self) -> None:
         llm, self._llm = self._llm, None
@@ -356,7 +356,7 @@ class VllmEngine:
                 # Joins the engine core process: seconds, so off the event loop.
                 await asyncio.wait_for(asyncio.to_thread(llm.shutdown, _SHUTDOWN_TIMEOUT_S), _SHUTDOWN_TIMEOUT_S + 5)
             except Exception:
-                logger.exception("vllm shutdown failed worker_id=%x", self.worker_id)
+                logger.exception("vllm shutdown failed worker_id=%016x", self.worker_id)
             # Its __del__ shuts down again, which fails (noisily) when that happens while the
             # interpreter tears modules down: the shutdown is done, make the second one a no-op.
             llm.shutdown = _shutdown_done
@@ -468,7 +468,7 @@ class VllmEngine:
             if not finished:
                 # Closing vLLM's unfinished stream aborts the request in the engine core.
                 await stream.aclose()
-                logger.debug("vllm request aborted worker_id=%x request_id=%s", self.worker_id, rid)
+                logger.debug("vllm request aborted worker_id=%016x request_id=%s", self.worker_id, rid)
 
     def _check_prefill_result(self, out: EngineOutput, rid: str) -> None:
         """A prefill leg that ended without transfer parameters leaves the decode leg nothing to
@@ -532,7 +532,7 @@ class VllmEngine:
         for rank in range(self._dp):
             self._feed.emit(rank, KvCleared(medium=cleared))
         logger.info(
-            "vllm prefix cache reset worker_id=%x medium=%s blocks=%d", self.worker_id, medium or "all", before
+            "vllm prefix cache reset worker_id=%016x medium=%s blocks=%d", self.worker_id, medium or "all", before
         )
         return before
 
@@ -584,7 +584,7 @@ class VllmEngine:
         self.sleep_level = level
         for rank in range(self._dp):
             self._feed.emit(rank, KvCleared())
-        logger.info("vllm asleep worker_id=%x level=%d aborted=%d", self.worker_id, level, aborted)
+        logger.info("vllm asleep worker_id=%016x level=%d aborted=%d", self.worker_id, level, aborted)
 
     async def wake_up(self) -> None:
         llm = self._check_started()
@@ -593,7 +593,7 @@ class VllmEngine:
         await llm.wake_up()
         level, self.sleep_level = self.sleep_level, 0
         self._status = EngineState.READY
-        logger.info("vllm awake worker_id=%x from_level=%d", self.worker_id, level)
+        logger.info("vllm awake worker_id=%016x from_level=%d", self.worker_id, level)
 
     # ---- LoRA ----------------------------------------------------------------------------------
 
@@ -626,7 +626,7 @@ class VllmEngine:
         if not added:
             raise EngineError(f"vLLM refused LoRA adapter {name!r} from {path}")
         self._loras[name] = info
-        logger.info("vllm lora loaded worker_id=%x lora=%s lora_id=%d source=%s", self.worker_id, name, info.lora_id, path)
+        logger.info("vllm lora loaded worker_id=%016x lora=%s lora_id=%d source=%s", self.worker_id, name, info.lora_id, path)
         return info
 
     async def unload_lora(self, name: str) -> None:
@@ -636,7 +636,7 @@ class VllmEngine:
         llm = self._check_started()
         await llm.remove_lora(info.lora_id)
         del self._loras[name]
-        logger.info("vllm lora unloaded worker_id=%x lora=%s lora_id=%d", self.worker_id, name, info.lora_id)
+        logger.info("vllm lora unloaded worker_id=%016x lora=%s lora_id=%d", self.worker_id, name, info.lora_id)
 
     def list_loras(self) -> list[LoraInfo]:
         return list(self._loras.values())

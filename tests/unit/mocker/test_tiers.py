@@ -195,7 +195,7 @@ def test_worker_metrics_export_tier_load_as_counters_and_gauges():
     for onboarded in (3, 5):
         metrics.load(LoadMetrics(worker_id=0xAB, kv_tiers={"CPU": KvTierLoad(
             blocks=2, total_blocks=4, usage=0.5, hit_tokens=onboarded * 4, onboarded_blocks=onboarded, offloaded_blocks=7)}))
-    labels = {"worker_id": "ab", "dp_rank": "0", "medium": "CPU"}
+    labels = {"worker_id": "00000000000000ab", "dp_rank": "0", "medium": "CPU"}
     assert registry.get_sample_value("dynamo_component_kv_tier_usage_percent", labels) == 0.5
     assert registry.get_sample_value("dynamo_component_kv_tier_onboarded_blocks_total", labels) == 5
     assert registry.get_sample_value("dynamo_component_kv_tier_hit_tokens_total", labels) == 20

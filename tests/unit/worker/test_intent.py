@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from dynamod.daemon.engines.mocker.engine import MockerEngine
 from dynamod.daemon.worker.engine import EngineInfo, LoraInfo
+from dynamod.daemon.worker.lora_policy import LoraSourcePolicy
 from dynamod.daemon.worker.main import worker_names
 from dynamod.daemon.worker.metrics import WorkerMetrics
 from dynamod.daemon.worker.service import WorkerService
@@ -25,10 +26,22 @@ from dynamod.shared.protocol.model_card import ModelCard
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from dynamod.shared.runtime.intent import IntentRecorder, clear_intent, list_intents
 from tests.fixtures.discovery_faults import FlakyStore
+from tests.fixtures.lora import make_adapter
 from tests.unit.mocker.factories import make_config
 from tests.unit.runtime.support import until
 
 KEY = intent_key("ns", "backend", "decode-0")
+ADAPTERS: dict[str, str] = {}  # adapter name -> its resolved directory under this test's --lora-root
+
+
+@pytest.fixture(autouse=True)
+def lora_root(tmp_path):
+    """A --lora-root holding adapter ``sql``; ``gone://`` sources pass the check (the engine refuses them)."""
+    root = tmp_path / "adapters"
+    ADAPTERS["sql"] = str(make_adapter(root, "sql").resolve())
+    ADAPTERS["root"] = str(root)
+    yield
+    ADAPTERS.clear()
 
 
 @pytest.fixture
@@ -218,7 +231,9 @@ async def _worker(rt: DistributedRuntime, name: str | None = "decode-0", *, can_
     engine.can_sleep = can_sleep
     component = rt.namespace().component("backend")
     intent = IntentRecorder(rt.store, "ns", "backend", name) if name else None
-    svc = WorkerService(component, engine, _card, lease, role="decode", metrics=WorkerMetrics(CollectorRegistry()), intent=intent)
+    policy = LoraSourcePolicy.create([ADAPTERS["root"]], ["gone"])
+    svc = WorkerService(component, engine, _card, lease, role="decode", metrics=WorkerMetrics(CollectorRegistry()), intent=intent,
+                        lora_policy=policy)
     await svc.start()
     return svc
 
@@ -260,7 +275,7 @@ async def _started_seeing(rt: DistributedRuntime, start) -> tuple[WorkerService,
 
 async def test_restart_reapplies_sleep_level_and_adapters_before_serving(runtime: DistributedRuntime) -> None:
     first = await _worker(runtime)
-    assert (await _call(first._load_lora, {"lora_name": "sql", "source": "file:///a/sql"}))["status"] == "ok"
+    assert (await _call(first._load_lora, {"lora_name": "sql", "source": "file://" + ADAPTERS["sql"]}))["status"] == "ok"
     assert (await _call(first._sleep, {"level": 2}))["state"] == "sleeping"
     await first.stop(grace_s=0)
 
@@ -280,13 +295,14 @@ async def test_restart_reapplies_sleep_level_and_adapters_before_serving(runtime
 
 
 async def test_restart_drops_an_adapter_whose_source_is_gone_and_keeps_draining(runtime: DistributedRuntime) -> None:
-    await runtime.store.put(KEY, encode_intent(WorkerIntent(status="draining", loras={"old": "gone://old", "sql": "file:///sql"})))
+    await runtime.store.put(KEY, encode_intent(WorkerIntent(status="draining", loras={"old": "gone://old", "sql": ADAPTERS["sql"], "etc": "/etc"})))
     svc, seen = await _started_seeing(runtime, lambda: _worker(runtime))
     try:
         assert set(seen) == {"draining"}
         assert [lo.name for lo in svc.engine.list_loras()] == ["sql"]
         stored = decode_intent(await runtime.store.get(KEY))
-        assert stored.loras == {"sql": "file:///sql"} and stored.draining and stored.set_by == "restart"
+        # The engine's refusal and the policy's (outside --lora-root) both drop the adapter.
+        assert stored.loras == {"sql": ADAPTERS["sql"]} and stored.draining and stored.set_by == "restart"
     finally:
         await svc.stop(grace_s=0)
 
@@ -315,7 +331,7 @@ async def test_an_intent_write_discovery_refuses_is_reported_pending_and_lands_l
         await until(lambda: svc._intent is not None and not svc._intent.pending, timeout=10)
         assert decode_intent(await store.get(KEY)).draining
 
-        assert (await _call(svc._load_lora, {"lora_name": "sql", "source": "s"}))["status"] == "ok"
+        assert (await _call(svc._load_lora, {"lora_name": "sql", "source": ADAPTERS["sql"]}))["status"] == "ok"
         store.failures_left = 1  # one failed write: the retry lands within the reply's wait
         reply = await _call(svc._unload_lora, {"lora_name": "sql"})
         assert reply["status"] == "ok" and "discovery_pending" not in reply

@@ -17,6 +17,7 @@ from dynamod.shared.protocol.keys import kv_transfer_key
 from dynamod.shared.protocol.kv_transfer import KvLayout, decode_transfer_metadata
 from dynamod.shared.protocol.llm import EngineOutput, PreprocessedRequest, StopConditions
 from dynamod.shared.protocol.model_card import ModelCard
+from dynamod.shared.protocol.worker_id import worker_id_hex
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from tests.unit.mocker.factories import make_config
 
@@ -71,10 +72,10 @@ async def test_prefill_and_decode_services_move_kv_and_withdraw_on_stop(runtime)
         stop=StopConditions(max_tokens=4, ignore_eos=True)))
     report = outs[-1].disaggregated_params["kv_transfer"]
     assert report["ok"] and report["checksum"] == params["checksum"]
-    wid = f"{decode.worker_id:x}"
+    wid = worker_id_hex(decode.worker_id)
     kv = metrics.kv_transfer
     assert kv.bytes.labels(wid, "pulled", "tcp")._value.get() == 6 * LAYOUT.block_bytes
-    assert kv.held_blocks.labels(f"{prefill.worker_id:x}")._value.get() == 0
+    assert kv.held_blocks.labels(worker_id_hex(prefill.worker_id))._value.get() == 0
 
     await prefill.stop(grace_s=5)
     await decode.stop(grace_s=5)
