@@ -36,6 +36,7 @@ from dynamod.daemon.frontend.responses import ResponsesEndpoint, StoredResponses
 from dynamod.daemon.frontend.responses_store import ResponseStore
 from dynamod.daemon.frontend.state import FrontendState
 from dynamod.shared.errors import NotFoundError
+from dynamod.shared.protocol.worker_id import worker_id_hex
 
 
 def _model_object(model: Any) -> ModelObject:
@@ -91,7 +92,7 @@ class HealthEndpoint:
                 status = inst.status if inst is not None else "registering"
                 if wid in state.dispatcher.quarantine:
                     status = "unreachable"
-                workers.append({"instance_id": f"{wid:x}", "status": status})
+                workers.append({"instance_id": worker_id_hex(wid), "status": status})
             ready = sum(1 for w in workers if w["status"] == "ready")
             entry: dict[str, Any] = {"model": model.name, "lora": model.card.lora, "workers": workers, "ready": ready}
             if model.card.embedding is not None:
@@ -100,7 +101,7 @@ class HealthEndpoint:
                 # Disaggregated: the prefill pool beside the decode workers.
                 prefill = model.prefill.candidates(state.dispatcher.quarantine)
                 entry["prefill_ready"] = len(prefill)
-                entry["prefill_workers"] = sorted(f"{i.instance_id:x}" for i in prefill)
+                entry["prefill_workers"] = sorted(worker_id_hex(i.instance_id) for i in prefill)
             models.append(entry)
         for pool in state.registry.pools():
             for inst in sorted(pool.instances.values(), key=lambda i: i.instance_id):
@@ -108,7 +109,7 @@ class HealthEndpoint:
                     {
                         "component": inst.component,
                         "endpoint": inst.endpoint,
-                        "instance_id": f"{inst.instance_id:x}",
+                        "instance_id": worker_id_hex(inst.instance_id),
                         "status": inst.status,
                         "address": inst.address,
                         "pid": inst.pid,

@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterable
 
 from dynamod.shared.errors import ConfigError
+from dynamod.shared.security.secrets import shown_path
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class ApiKeys:
                 st = os.fstat(f.fileno())
                 text = f.read()
         except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read API keys file {self._file!r}: {exc}") from exc
+            raise ConfigError(f"cannot read API keys file {shown_path(self._file)}: {getattr(exc, 'strerror', None) or type(exc).__name__}") from exc
         self._stamp = (st.st_mtime_ns, st.st_size)
         return parse_keys(text, repr(self._file))
 

@@ -7,6 +7,11 @@ In order, each refusal an OpenAI-shaped error with its status, before the body i
    addresses or pids); ``/metrics`` also takes the cluster token (``member_token``), so the
    cluster's own readers (Prometheus, the console, the planner) need no API key; every other route
    answers 401. Without keys the port is open by the operator's choice, ``/metrics`` included.
+   Failed checks (a wrong key, or none where one is needed) are counted per client address on
+   every route, ``/health`` and ``/metrics`` included (``--auth-failure-rate``/``-burst``): past
+   them, that address gets 429 with ``Retry-After`` for any request that presents a key or needs
+   one, *before* the key is checked, so a guess made while refused tells nothing. ``/live`` and
+   the key-less status of ``/health`` stay open to it.
 2. Rate (``limits.RateLimiter``), when ``--rate-limit`` is set: per API key, else per client
    address, on the API routes (probes and scrapes are not counted); 429 with ``Retry-After``.
    Callers with a wrong key are counted by address, so guessing keys is rate-limited too.
@@ -31,10 +36,14 @@ from dynamod.daemon.frontend.asgi import Scope, send_error
 from dynamod.daemon.frontend.auth import ApiKeys, bearer_key
 from dynamod.daemon.frontend.errors import to_http_error
 from dynamod.daemon.frontend.limits import (
+    DEFAULT_AUTH_FAILURE_BURST,
+    DEFAULT_AUTH_FAILURE_RATE,
     DEFAULT_MAX_BODY_BYTES,
+    RATE_LIMIT_SCOPE_KEY,
     RateLimiter,
     capped_receive,
     declared_length,
+    rate_limited_error,
     too_large,
 )
 from dynamod.daemon.frontend.state import REFUSED_DRAINING, REFUSED_OVERLOADED, FrontendState
@@ -54,6 +63,7 @@ MEMBER_CLIENT = "cluster-member"  # the client name of a /metrics caller holding
 NOT_RATE_LIMITED = frozenset({"/live", "/health", "/metrics"})
 
 REASON_UNAUTHENTICATED = "unauthenticated"
+REASON_AUTH_RATE_LIMITED = "auth_rate_limited"
 REASON_RATE_LIMITED = "rate_limited"
 REASON_BODY_TOO_LARGE = "body_too_large"
 REASON_OVERLOADED = REFUSED_OVERLOADED
@@ -71,6 +81,8 @@ class DoorSettings:
     rate_limit_burst: float = 0.0  # 0: the rate (at least 1)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     member_token: ClusterToken | None = None  # the cluster token, accepted on /metrics like a key
+    auth_failure_rate: float = DEFAULT_AUTH_FAILURE_RATE  # failed key checks per second per address
+    auth_failure_burst: float = DEFAULT_AUTH_FAILURE_BURST
 
 
 class RefusalMetrics:
@@ -85,8 +97,9 @@ class RefusalMetrics:
         if counter is None:
             counter = Counter(
                 "dynamo_frontend_refused_requests",
-                "HTTP requests refused before any work: reason is unauthenticated, rate_limited, body_too_large, "
-                "overloaded or draining",
+                "HTTP requests refused before any work: reason is unauthenticated, auth_rate_limited, rate_limited, "
+                "body_too_large, overloaded, draining, or for connections connection_limit, idle_timeout, "
+                "header_timeout, body_timeout",
                 ("reason",),
                 registry=registry,
             )
@@ -110,6 +123,11 @@ class FrontDoors:
         self.settings = settings
         self.keys = settings.api_keys
         self.limiter = RateLimiter(settings.rate_limit, settings.rate_limit_burst) if settings.rate_limit > 0 else None
+        self.auth_failures = (
+            RateLimiter(settings.auth_failure_rate, settings.auth_failure_burst)
+            if self.keys is not None and settings.auth_failure_rate > 0
+            else None
+        )
         self.max_body = settings.max_body_bytes
         self.admission_paths = admission_paths
         self._refused = RefusalMetrics.counter(state.metrics.registry)
@@ -131,10 +149,24 @@ class FrontDoors:
         client: str | None = None
         if self.keys is not None and path not in OPEN_PATHS:
             presented = bearer_key(_authorization(scope))
+            failures = self.auth_failures
+            address = ""
+            if failures is not None and (presented is not None or path != "/health"):
+                peer = scope.get("client")
+                address = peer[0] if peer else "unknown"
+                wait = failures.waiting(address)
+                if wait > 0.0:
+                    error = RateLimitedError(
+                        f"Too many failed API key checks from {address}; retry in {wait:.2f}s.", retry_after_s=wait
+                    )
+                    await self._refuse(send, REASON_AUTH_RATE_LIMITED, error)
+                    return
             client = self.keys.identify(presented)
             if client is None and path == METRICS_PATH and self._is_member(presented):
                 client = MEMBER_CLIENT
             if client is None:
+                if failures is not None and address:
+                    failures.acquire(address)  # one failed check: a wrong key, or none where one is needed
                 if path == "/health":
                     scope[HEALTH_DETAILS] = False
                 elif presented is None:
@@ -151,13 +183,9 @@ class FrontDoors:
                 client = peer[0] if peer else "unknown"
             wait = limiter.acquire(client)
             if wait > 0.0:
-                error = RateLimitedError(
-                    f"Rate limit reached: {limiter.rate:g} requests/s with bursts of {limiter.burst:g}; "
-                    f"retry in {wait:.2f}s.",
-                    retry_after_s=wait,
-                )
-                await self._refuse(send, REASON_RATE_LIMITED, error)
+                await self._refuse(send, REASON_RATE_LIMITED, rate_limited_error(limiter, wait))
                 return
+            scope[RATE_LIMIT_SCOPE_KEY] = (limiter, client)
         if unauthenticated is not None:
             await self._refuse(send, REASON_UNAUTHENTICATED, unauthenticated)
             return

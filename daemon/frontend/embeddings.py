@@ -50,6 +50,7 @@ from dynamod.shared.errors import (
 )
 from dynamod.shared.protocol.embedding import VECTOR_DTYPE, EmbedRequest, EmbedResponse, resolve_dimensions
 from dynamod.shared.protocol.instance import Instance
+from dynamod.shared.protocol.worker_id import worker_id_hex
 from dynamod.shared.runtime.client import InstanceGoneError
 
 logger = logging.getLogger(__name__)
@@ -189,7 +190,7 @@ class EmbeddingsEndpoint:
                 await send_error(send, to_http_error(exc, request_id=request_id))
                 return STATUS_ERROR
             watch.done()
-            await send_json(send, 200, body, [(WORKER_HEADER, f"{worker_id:x}".encode())])
+            await send_json(send, 200, body, [(WORKER_HEADER, worker_id_hex(worker_id).encode())])
             model.metrics.isl.observe(tokens)
             model.metrics.prompt_tokens.inc(tokens)
             return STATUS_SUCCESS
@@ -247,7 +248,7 @@ class EmbedCall:
                 if self.direct_ids is not None or attempt > self.retries:
                     raise
                 logger.info(
-                    "embedding retried request_id=%s from_worker=%x attempt=%d error=%s",
+                    "embedding retried request_id=%s from_worker=%016x attempt=%d error=%s",
                     self.body.request_id, worker_id, attempt, exc,
                 )
                 continue
@@ -264,7 +265,7 @@ class EmbedCall:
                 found = self.model.live_instance(wid)
                 if found is not None:
                     return found
-            shown = ", ".join(f"{w:x}" for w in self.direct_ids)
+            shown = ", ".join(worker_id_hex(w) for w in self.direct_ids)
             raise NoInstancesError(f"no live worker {shown} serves model {self.model.name!r} (x-dynamo-worker-instance-id)")
         candidates = await self._candidates(exclude)
         router = self.model.router

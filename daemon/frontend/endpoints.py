@@ -35,6 +35,7 @@ from dynamod.daemon.frontend.formatters import (
     CompletionFormatter,
     LogprobCollector,
     make_usage,
+    sse_safe,
 )
 from dynamod.daemon.frontend.generation import IDLE, Delta, TextGeneration
 from dynamod.daemon.frontend.metrics import (
@@ -63,6 +64,7 @@ from dynamod.shared.errors import (
     InvalidRequestError,
 )
 from dynamod.shared.protocol.llm import PreprocessedRequest, SamplingOptions, StopConditions
+from dynamod.shared.protocol.worker_id import worker_id_hex
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +104,7 @@ def plan_max_tokens(prompt_len: int, requested: int | None, context_length: int,
 def _route_headers(request: FrontendRequest, explain: bool) -> list[tuple[bytes, bytes]]:
     """The worker that answered and, when asked for and there is one, the route explanation.
     After a migration both name the last routing, the one that produced the answer."""
-    headers = [(WORKER_HEADER, f"{request.worker_id:x}".encode())]
+    headers = [(WORKER_HEADER, worker_id_hex(request.worker_id).encode())]
     if explain:
         value = request.explain_header()
         if value is not None:
@@ -134,12 +136,13 @@ class _Plan:
 
 async def run_admitted(
     state: FrontendState, model: ServedModel, endpoint: str, stream: bool, request_id: str, start: float,
-    receive: Any, serve: Callable[[DisconnectWatch], Awaitable[str]],
+    receive: Any, serve: Callable[[DisconnectWatch], Awaitable[str]], cost: int = 1,
 ) -> None:
     """Runs one admitted request's ``serve(watch)`` (it returns the request's metrics status) with
     the bookkeeping every endpoint shares: the admission count and in-flight gauge, a client that
-    hangs up (its cancel absorbed, counted and logged), the duration and the request counter."""
-    state.admit()
+    hangs up (its cancel absorbed, counted and logged), the duration and the request counter.
+    ``cost``: the generations it runs (prompts x n), each counted against ``--max-inflight``."""
+    state.admit(cost)
     mm = model.metrics
     mm.inflight.inc()
     status = STATUS_ERROR
@@ -155,7 +158,7 @@ async def run_admitted(
     finally:
         watch.done()
         mm.inflight.dec()
-        state.release()
+        state.release(cost)
         mm.duration.observe(time.perf_counter() - start)
         state.metrics.count_request(model.name, endpoint, stream, status)
 
@@ -199,8 +202,7 @@ class OpenAIEndpoint(ABC):
         try:
             body = await read_body(receive)
             req = self.decode(body)
-            if (refusal := state.admission_refusal()) is not None:
-                raise refusal[1]
+            cost = fanout.check_fanout(scope, req, state)  # prompts x n: capped, rate-charged, admitted
             model = state.registry.get(req.model)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
             error = to_http_error(exc, request_id=request_id)
@@ -209,7 +211,7 @@ class OpenAIEndpoint(ABC):
             return
         await run_admitted(
             state, model, self.endpoint_name, req.stream, request_id, start, receive,
-            lambda watch: self._serve(scope, send, req, model, request_id, start, watch),
+            lambda watch: self._serve(scope, send, req, model, request_id, start, watch), cost,
         )
 
     async def _serve(
@@ -246,7 +248,8 @@ class OpenAIEndpoint(ABC):
                 mm.usage(gen.prompt_tokens, gen.cached_tokens)
                 worker_id = freq.worker_id
                 if worker_id is not None:
-                    self.state.metrics.worker_latency(worker_id, now - start, time.perf_counter() - now, gen.completion_tokens)
+                    self.state.metrics.worker_latency(worker_id, now - start, time.perf_counter() - now, gen.completion_tokens,
+                                                      freq.disagg)
             return status
         finally:
             if gen is not None:
@@ -387,7 +390,7 @@ class OpenAIEndpoint(ABC):
             error = to_http_error(exc, request_id=fmt.id)
             logger.warning("stream failed after start request_id=%s status=%d error=%s", fmt.id, error.status, exc)
             watch.done()
-            payload = b"".join(held) + b"data: " + error.body + b"\n\n" + SSE_DONE
+            payload = b"".join(held) + b"data: " + sse_safe(error.body) + b"\n\n" + SSE_DONE
             await send({"type": "http.response.body", "body": payload, "more_body": False})
             return STATUS_ERROR
 

@@ -15,6 +15,12 @@ Usage counts each prompt once (the first choice of each prompt) and every choice
 tokens, as OpenAI does.
 
 A plain ``n=1`` single-prompt request never comes here (``fans_out`` is the endpoint's only cost).
+
+What one request may start is bounded (``check_fanout``, before any prompt is tokenized): prompts
+x ``n`` at most ``--max-prompts-per-request``; the whole product counts against ``--max-inflight``
+(a 100-choice request holds 100 of its slots) and, with ``--rate-limit``, takes that many tokens
+from the caller's bucket (the doors took one before the body was read). Without this one small
+body with 50,000 prompts started 50,000 generations and starved every other client.
 """
 
 from __future__ import annotations
@@ -29,14 +35,15 @@ import msgspec
 
 from dynamod.daemon.frontend.asgi import DisconnectWatch, Scope, send_error, send_json
 from dynamod.daemon.frontend.errors import to_http_error
-from dynamod.daemon.frontend.formatters import SSE_DONE, LogprobCollector, make_usage
+from dynamod.daemon.frontend.formatters import SSE_DONE, LogprobCollector, make_usage, sse_safe
 from dynamod.daemon.frontend.generation import Delta, TextGeneration
+from dynamod.daemon.frontend.limits import RATE_LIMIT_SCOPE_KEY, rate_limited_error
 from dynamod.daemon.frontend.metrics import STATUS_ERROR, STATUS_SUCCESS
 from dynamod.daemon.frontend.models import ServedModel
 from dynamod.daemon.frontend.protocol import UsageInfo, encoder
 from dynamod.daemon.frontend.request import FrontendRequest
 from dynamod.daemon.frontend.sampling import sampling_options
-from dynamod.shared.errors import EngineError
+from dynamod.shared.errors import EngineError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +55,42 @@ _SSE_HEADERS = [
 _U64 = 2**64
 _I64 = 2**63
 _QUEUE_PER_CHOICE = 8  # chunks a choice may be ahead of the socket before it waits
+
+
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 128
+"""OpenAI's own cap on ``n``; batches of more prompts are split by the client at little cost."""
+
+
+def fanout_cost(req: Any) -> int:
+    """The generations a request starts: its prompts (a completions batch) times ``n``."""
+    prompt = getattr(req, "prompt", None)
+    prompts = len(prompt) if type(prompt) is list and prompt and type(prompt[0]) is not int else 1
+    return prompts * max(1, req.n or 1)
+
+
+def check_fanout(scope: Scope, req: Any, state: Any) -> int:
+    """Caps, rate-charges and admits a decoded request; returns its cost (prompts x ``n``).
+    Raises the error the client gets: 400 over the cap, 429 out of rate, 503 at ``--max-inflight``."""
+    cost = fanout_cost(req)
+    limit = state.config.max_prompts_per_request
+    if cost > limit:
+        n = max(1, req.n or 1)
+        prompts = cost // n
+        raise InvalidRequestError(
+            f"this request asks for {prompts} prompt(s) x n={n} = {cost} generations; this server allows at most "
+            f"{limit} per request (--max-prompts-per-request): split the batch",
+            param="n" if prompts == 1 else "prompt",
+        )
+    charged = scope.get(RATE_LIMIT_SCOPE_KEY)
+    if charged is not None and cost > 1:
+        limiter, client = charged
+        wait = limiter.acquire(client, cost=cost - 1)  # the doors took the first token
+        if wait > 0.0:
+            raise rate_limited_error(limiter, wait, cost)
+    refusal = state.admission_refusal(cost)
+    if refusal is not None:
+        raise refusal[1]
+    return cost
 
 
 def fans_out(req: Any) -> bool:
@@ -159,7 +202,8 @@ async def serve(
                     mm.usage(gen.prompt_tokens, gen.cached_tokens)
                 worker_id = c.freq.worker_id
                 if worker_id is not None:
-                    endpoint.state.metrics.worker_latency(worker_id, now - start, done_at - now, gen.completion_tokens)
+                    endpoint.state.metrics.worker_latency(worker_id, now - start, done_at - now, gen.completion_tokens,
+                                                          c.freq.disagg)
         return status
     finally:
         # Every sibling's engine request ends here, whichever way out (end, error, hang-up).
@@ -369,5 +413,5 @@ async def _stream_error(send: Any, exc: BaseException, response_id: str, watch: 
     error = to_http_error(exc, request_id=response_id)
     logger.warning("fan-out stream failed after start request_id=%s status=%d error=%s", response_id, error.status, exc)
     watch.done()
-    await send({"type": "http.response.body", "body": b"data: " + error.body + b"\n\n" + SSE_DONE, "more_body": False})
+    await send({"type": "http.response.body", "body": b"data: " + sse_safe(error.body) + b"\n\n" + SSE_DONE, "more_body": False})
     return STATUS_ERROR

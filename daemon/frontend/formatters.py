@@ -58,8 +58,24 @@ def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
     )
 
 
+# Characters JSON allows raw inside strings that some line splitters treat as line breaks (JS
+# ``String.split`` on line terminators, Python's ``str.splitlines``): written raw, one would cut an
+# SSE ``data:`` line in two for such a client, and a model's output can contain any of them.
+_LINE_BREAKERS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085"))
+
+
+def sse_safe(payload: bytes) -> bytes:
+    """JSON bytes with U+2028, U+2029 and U+0085 escaped (still the same JSON value). In UTF-8
+    these byte sequences can only be those characters, so a plain replace is exact."""
+    if b"\xe2\x80" not in payload and b"\xc2\x85" not in payload:
+        return payload
+    for raw, escaped in _LINE_BREAKERS:
+        payload = payload.replace(raw, escaped)
+    return payload
+
+
 def sse(obj: object) -> bytes:
-    return SSE_PREFIX + encoder.encode(obj) + SSE_SUFFIX
+    return SSE_PREFIX + sse_safe(encoder.encode(obj)) + SSE_SUFFIX
 
 
 class LogprobCollector:

@@ -3,9 +3,10 @@ and a cap on the request body.
 
 Rate: one token bucket per client (its API key when keys are on, else its address), ``rate``
 tokens a second up to ``burst``; a request takes one token or is refused with how long until the
-next one (sent as ``Retry-After``). The table of buckets is bounded: past ``max_clients`` the
-buckets that have refilled (idle clients, indistinguishable from new ones) are dropped first, so a
-scan from many addresses costs memory only up to the bound.
+next one (sent as ``Retry-After``). A request that starts several generations (prompts x ``n``,
+``fanout.check_fanout``) takes one token per generation; one costing more than the burst may go
+ahead once the bucket is full and leaves it in debt, so its cost is still paid at ``rate``
+(``shared/security/rate_limit``: the buckets, bounded in number).
 
 Body: a declared ``Content-Length`` over the cap is refused before a byte of the body is read; a
 chunked body is counted as it arrives and refused the moment it passes the cap.
@@ -13,62 +14,33 @@ chunked body is counted as it arrives and refused the moment it passes the cap.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from dynamod.daemon.frontend.asgi import BodyTooLargeError
-from dynamod.shared.errors import ConfigError
+from dynamod.shared.errors import RateLimitedError
+
+# The buckets live in shared/security (status servers limit failed auth with them too).
+from dynamod.shared.security.rate_limit import (  # noqa: F401 - re-exported
+    DEFAULT_AUTH_FAILURE_BURST,
+    DEFAULT_AUTH_FAILURE_RATE,
+    DEFAULT_MAX_CLIENTS,
+    RateLimiter,
+)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 """A 128k-token prompt is well under 1 MiB of JSON; a few images in base64 fit too."""
 
-DEFAULT_MAX_CLIENTS = 65536
+RATE_LIMIT_SCOPE_KEY = "dynamod.rate_limit"
+"""Scope key the doors set to (limiter, client) when they charged a request, so an endpoint can
+charge the rest of its cost to the same bucket."""
 
 
-class RateLimiter:
-    """Token buckets per client key (see the module docstring)."""
-
-    __slots__ = ("rate", "burst", "max_clients", "_buckets")
-
-    def __init__(self, rate: float, burst: float | None = None, *, max_clients: int = DEFAULT_MAX_CLIENTS) -> None:
-        if rate <= 0:
-            raise ConfigError(f"--rate-limit must be above 0 requests/s to limit anything, got {rate}")
-        burst = max(1.0, rate) if burst is None or burst <= 0 else burst
-        if burst < 1:
-            raise ConfigError(f"--rate-limit-burst must be at least 1 request, got {burst}")
-        self.rate = float(rate)
-        self.burst = float(burst)
-        self.max_clients = max_clients
-        self._buckets: dict[str, list[float]] = {}  # client -> [tokens, at]
-
-    def acquire(self, client: str, now: float | None = None) -> float:
-        """0.0 when ``client`` may go ahead (a token is taken), else the seconds until it may."""
-        if now is None:
-            now = time.monotonic()
-        bucket = self._buckets.get(client)
-        if bucket is None:
-            if len(self._buckets) >= self.max_clients:
-                self._evict(now)
-            self._buckets[client] = [self.burst - 1.0, now]
-            return 0.0
-        tokens = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
-        bucket[1] = now
-        if tokens >= 1.0:
-            bucket[0] = tokens - 1.0
-            return 0.0
-        bucket[0] = tokens
-        return (1.0 - tokens) / self.rate
-
-    def _evict(self, now: float) -> None:
-        full_after = self.burst / self.rate
-        self._buckets = {k: b for k, b in self._buckets.items() if now - b[1] < full_after}
-        if len(self._buckets) >= self.max_clients:
-            # Every client is active: keep the newer half (dicts keep insertion order).
-            keep = list(self._buckets.items())[self.max_clients // 2 :]
-            self._buckets = dict(keep)
-
-    def __len__(self) -> int:
-        return len(self._buckets)
+def rate_limited_error(limiter: RateLimiter, wait: float, cost: float = 1.0) -> RateLimitedError:
+    what = f"; this request costs {cost:g} (prompts x n)" if cost > 1 else ""
+    return RateLimitedError(
+        f"Rate limit reached: {limiter.rate:g} requests/s with bursts of {limiter.burst:g}{what}; retry in {wait:.2f}s.",
+        retry_after_s=wait,
+    )
 
 
 def declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:

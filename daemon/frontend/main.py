@@ -17,20 +17,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import os
 import signal
 import ssl
 from dataclasses import replace
 
+from dynamod.daemon.frontend import connections as conn
 from dynamod.daemon.frontend.app import build_app
 from dynamod.daemon.frontend.auth import ApiKeys
 from dynamod.daemon.frontend.dispatch import Dispatcher
-from dynamod.daemon.frontend.doors import DoorSettings
+from dynamod.daemon.frontend.doors import DoorSettings, RefusalMetrics
+from dynamod.daemon.frontend.fanout import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from dynamod.daemon.frontend.fleet import FrontendFleet
 from dynamod.daemon.frontend.fleet_metrics import FleetMetrics, fleet_labels
-from dynamod.daemon.frontend.limits import DEFAULT_MAX_BODY_BYTES
+from dynamod.daemon.frontend.limits import (
+    DEFAULT_AUTH_FAILURE_BURST,
+    DEFAULT_AUTH_FAILURE_RATE,
+    DEFAULT_MAX_BODY_BYTES,
+)
 from dynamod.daemon.frontend.metrics import FrontendMetrics
 from dynamod.daemon.frontend.models import ModelRegistry
 from dynamod.daemon.frontend.router_factory import RouterFactoryBuilder, add_kv_router_args
@@ -44,7 +49,7 @@ from dynamod.shared.config import add_runtime_args, env_or, settings_from_args
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from dynamod.shared.security.tls import TlsFiles, server_context
-from dynamod.shared.transport.address import join_host_port
+from dynamod.shared.transport.address import is_loopback_host, join_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +68,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-wait", type=float, default=5.0,
                    help="seconds a request waits for a ready worker before a 503 [default 5]")
     g.add_argument("--max-inflight", type=int, default=4096,
-                   help="requests admitted at once; more get 503 with Retry-After [default 4096]")
+                   help="generations admitted at once (a request with P prompts and n choices counts P x n); more get "
+                        "503 with Retry-After [default 4096]")
+    g.add_argument("--max-prompts-per-request", type=int,
+                   default=int(env_or("DYN_MAX_PROMPTS_PER_REQUEST", str(DEFAULT_MAX_PROMPTS_PER_REQUEST))),
+                   help="batched prompts x n one request may ask for; more get 400 before any prompt is tokenized "
+                        f"[env DYN_MAX_PROMPTS_PER_REQUEST, default {DEFAULT_MAX_PROMPTS_PER_REQUEST}]")
     g.add_argument("--token-coalesce-ms", type=float, default=0.0,
                    help="merge tokens arriving within this many ms into one SSE chunk [default 0: off]")
     g.add_argument("--shutdown-grace", type=float, default=30.0,
@@ -104,6 +114,16 @@ def add_door_args(g: argparse._ArgumentGroup) -> None:
                    default=int(env_or("DYN_HTTP_MAX_BODY_BYTES", str(DEFAULT_MAX_BODY_BYTES))),
                    help="largest request body accepted; a larger one gets 413 before it is read "
                         f"[env DYN_HTTP_MAX_BODY_BYTES, default {DEFAULT_MAX_BODY_BYTES}]")
+    g.add_argument("--auth-failure-rate", type=float,
+                   default=float(env_or("DYN_HTTP_AUTH_FAILURE_RATE", str(DEFAULT_AUTH_FAILURE_RATE))),
+                   help="with API keys: failed key checks per second one client address may make on any route "
+                        "(/health and /metrics included); past it and the burst, 429 before the key is checked; "
+                        f"0 = no limit [env DYN_HTTP_AUTH_FAILURE_RATE, default {DEFAULT_AUTH_FAILURE_RATE:g}]")
+    g.add_argument("--auth-failure-burst", type=float,
+                   default=float(env_or("DYN_HTTP_AUTH_FAILURE_BURST", str(DEFAULT_AUTH_FAILURE_BURST))),
+                   help="failed key checks an address may make at once "
+                        f"[env DYN_HTTP_AUTH_FAILURE_BURST, default {DEFAULT_AUTH_FAILURE_BURST:g}]")
+    add_http_connection_args(g)
     g.add_argument("--http-tls-cert-file", default=env_or("DYN_HTTP_TLS_CERT_FILE", "") or None,
                    help="certificate (PEM) to serve the OpenAI port over HTTPS [env DYN_HTTP_TLS_CERT_FILE, default: "
                         "plain HTTP]")
@@ -111,9 +131,45 @@ def add_door_args(g: argparse._ArgumentGroup) -> None:
                    help="its private key (PEM; may be inside the certificate file) [env DYN_HTTP_TLS_KEY_FILE]")
 
 
+def add_http_connection_args(g: argparse._ArgumentGroup) -> None:
+    """Caps and deadlines of every HTTP connection, applied before its request is read (``connections``)."""
+    g.add_argument("--http-max-connections", type=int,
+                   default=int(env_or("DYN_HTTP_MAX_CONNECTIONS", str(conn.DEFAULT_MAX_CONNECTIONS))),
+                   help="HTTP connections held at once; more get 503 and are closed "
+                        f"[env DYN_HTTP_MAX_CONNECTIONS, default {conn.DEFAULT_MAX_CONNECTIONS}]")
+    g.add_argument("--http-max-connections-per-address", type=int,
+                   default=int(env_or("DYN_HTTP_MAX_CONNECTIONS_PER_ADDRESS", str(conn.DEFAULT_MAX_CONNECTIONS_PER_ADDRESS))),
+                   help="the same from one client address "
+                        f"[env DYN_HTTP_MAX_CONNECTIONS_PER_ADDRESS, default {conn.DEFAULT_MAX_CONNECTIONS_PER_ADDRESS}]")
+    g.add_argument("--http-idle-timeout", type=float,
+                   default=float(env_or("DYN_HTTP_IDLE_TIMEOUT", str(conn.DEFAULT_IDLE_TIMEOUT_S))),
+                   help="seconds a new connection may send nothing before it is closed; 0 = never "
+                        f"[env DYN_HTTP_IDLE_TIMEOUT, default {conn.DEFAULT_IDLE_TIMEOUT_S:g}]")
+    g.add_argument("--http-header-timeout", type=float,
+                   default=float(env_or("DYN_HTTP_HEADER_TIMEOUT", str(conn.DEFAULT_HEADER_TIMEOUT_S))),
+                   help="seconds from a request's first byte to the end of its headers, then 408; 0 = no limit "
+                        f"[env DYN_HTTP_HEADER_TIMEOUT, default {conn.DEFAULT_HEADER_TIMEOUT_S:g}]")
+    g.add_argument("--http-body-timeout", type=float,
+                   default=float(env_or("DYN_HTTP_BODY_TIMEOUT", str(conn.DEFAULT_BODY_TIMEOUT_S))),
+                   help="seconds from the end of the headers to the end of the body, then 408; 0 = no limit "
+                        f"[env DYN_HTTP_BODY_TIMEOUT, default {conn.DEFAULT_BODY_TIMEOUT_S:g}]")
+
+
+def http_connection_limits_from_args(args: argparse.Namespace) -> conn.HttpConnectionLimits:
+    return conn.HttpConnectionLimits(
+        max_connections=args.http_max_connections,
+        max_connections_per_address=args.http_max_connections_per_address,
+        idle_timeout_s=args.http_idle_timeout,
+        header_timeout_s=args.http_header_timeout,
+        body_timeout_s=args.http_body_timeout,
+    ).validate()
+
+
 def door_settings_from_args(args: argparse.Namespace) -> DoorSettings:
     if args.max_body_bytes < 1:
         raise ConfigError("--max-body-bytes must be at least 1")
+    if args.auth_failure_rate < 0 or args.auth_failure_burst < 0:
+        raise ConfigError("--auth-failure-rate and --auth-failure-burst must be 0 (off / default) or more")
     if args.rate_limit < 0 or args.rate_limit_burst < 0:
         raise ConfigError("--rate-limit and --rate-limit-burst must be 0 (off / default) or more")
     return DoorSettings(
@@ -121,6 +177,8 @@ def door_settings_from_args(args: argparse.Namespace) -> DoorSettings:
         rate_limit=args.rate_limit,
         rate_limit_burst=args.rate_limit_burst,
         max_body_bytes=args.max_body_bytes,
+        auth_failure_rate=args.auth_failure_rate,
+        auth_failure_burst=args.auth_failure_burst,
     )
 
 
@@ -133,13 +191,7 @@ def https_context_from_args(args: argparse.Namespace) -> ssl.SSLContext | None:
     return server_context(files, require_client_cert=False, what="HTTPS frontend")
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+is_loopback = is_loopback_host  # one rule for every role (shared/transport/address.py)
 
 
 def add_prefill_timeout_arg(group: argparse._ArgumentGroup) -> None:
@@ -162,6 +214,16 @@ def prefill_stage_from_args(args: argparse.Namespace, metrics: DisaggMetrics) ->
     )
 
 
+def forget_departed_worker(registry: ModelRegistry, metrics: FrontendMetrics):  # noqa: ANN201 - a listener
+    """A model-worker listener that drops a worker's per-worker series once it serves no model."""
+
+    def listener(_model: object, worker_id: int, added: bool) -> None:
+        if not added and not any(worker_id in m.workers for m in registry.models.values()):
+            metrics.forget_worker(worker_id)
+
+    return listener
+
+
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     if args.num_frontends < 1:
         raise ConfigError("--num-frontends must be at least 1")
@@ -169,6 +231,10 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         raise ConfigError("--migration-limit must be 0 or more")
     if args.max_inflight < 1:
         raise ConfigError("--max-inflight must be at least 1")
+    if not 1 <= args.max_prompts_per_request <= args.max_inflight:
+        raise ConfigError(
+            f"--max-prompts-per-request must be 1..--max-inflight ({args.max_inflight}), got {args.max_prompts_per_request}"
+        )
     if args.worker_wait < 0:
         raise ConfigError("--worker-wait must be 0 or more")
     if args.responses_store_size < 0:
@@ -180,6 +246,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         migration_limit=args.migration_limit if args.migration_limit is not None else -1,
         worker_wait_s=args.worker_wait,
         max_inflight=args.max_inflight,
+        max_prompts_per_request=args.max_prompts_per_request,
         coalesce_s=max(0.0, args.token_coalesce_ms) / 1000.0,
         shutdown_grace_s=args.shutdown_grace,
         num_frontends=args.num_frontends,
@@ -209,6 +276,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         routers = RouterFactoryBuilder(config.router_mode, args, runtime, sync)
         registry = ModelRegistry(runtime, metrics, quarantine, routers.build, routers.build_prefill)
         routers.attach(registry)
+        registry.worker_listeners.append(forget_departed_worker(registry, metrics))
         dispatcher = Dispatcher(
             registry, quarantine, migration_limit=config.migration_limit, worker_wait_s=config.worker_wait_s,
             prefill_stage=prefill_stage_from_args(args, metrics.disagg),
@@ -235,7 +303,11 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
                 "frontend listening beyond loopback without API keys host=%s hint=set --api-key-file or DYN_API_KEY",
                 config.http_host,
             )
-        server = HttpServer(build_app(state, doors), sock, graceful_s=config.shutdown_grace_s, ssl_context=https)
+        refused = RefusalMetrics.counter(runtime.registry)
+        server = HttpServer(
+            build_app(state, doors), sock, graceful_s=config.shutdown_grace_s, ssl_context=https,
+            connection_limits=http_connection_limits_from_args(args), on_refused=lambda r: refused.labels(r).inc(),
+        )
         await server.start()
         keys = doors.api_keys
         if keys is not None:

@@ -11,6 +11,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dynamod.daemon.router.prefill_stage import DisaggMetrics
 from dynamod.shared.observability.metrics import LATENCY_BUCKETS
+from dynamod.shared.protocol.routing import DISAGG_REMOTE, DisaggInfo
+from dynamod.shared.protocol.worker_id import worker_id_hex
+
+PREFILL_LOCAL = "local"
+PREFILL_REMOTE = "remote"
+
+
+def prefill_label(disagg: DisaggInfo | None) -> str:
+    """The ``prefill`` label of a request's per-worker latency: where its prompt was prefilled."""
+    return PREFILL_REMOTE if disagg is not None and disagg.mode == DISAGG_REMOTE else PREFILL_LOCAL
+
 
 _TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -99,23 +110,26 @@ class FrontendMetrics:
             registry=registry,
         )
         # Per-worker latency of the last finished request: the console names a slow worker with it.
+        # ``prefill`` keeps two populations apart: ``local`` (the worker prefilled the prompt itself:
+        # aggregated, or a decode worker's conditional or fallback prefill) and ``remote`` (the
+        # prefill pool did): a local prefill's TTFT beside a remote one is no sign of a slow worker.
         self.worker_ttft = Gauge(
             "dynamo_frontend_worker_last_time_to_first_token_seconds",
-            "TTFT of the last request a worker finished",
-            ("worker_id",),
+            "TTFT of the last request a worker finished, by where its prompt was prefilled",
+            ("worker_id", "prefill"),
             registry=registry,
         )
         self.worker_itl = Gauge(
             "dynamo_frontend_worker_last_inter_token_latency_seconds",
-            "Mean inter-token latency of the last request a worker finished",
-            ("worker_id",),
+            "Mean inter-token latency of the last request a worker finished, by where its prompt was prefilled",
+            ("worker_id", "prefill"),
             registry=registry,
         )
         # Disaggregated serving: dynamo_frontend_disagg_decisions_total{model,mode,reason},
         # dynamo_frontend_prefill_duration_seconds{model}, dynamo_frontend_prefill_failures_total{model,reason}.
         self.disagg = DisaggMetrics(registry, "dynamo_frontend")
         self._models: dict[str, ModelMetrics] = {}
-        self._workers: dict[int, tuple[Gauge, Gauge]] = {}
+        self._workers: dict[tuple[int, str], tuple[Gauge, Gauge]] = {}
         self._request_counters: dict[tuple[str, str, bool, str], Counter] = {}
 
     def for_model(self, model: str) -> ModelMetrics:
@@ -124,16 +138,36 @@ class FrontendMetrics:
             m = self._models[model] = ModelMetrics(self, model)
         return m
 
-    def worker_latency(self, worker_id: int, ttft_s: float, decode_s: float, completion_tokens: int) -> None:
-        gauges = self._workers.get(worker_id)
+    def worker_latency(
+        self, worker_id: int, ttft_s: float, decode_s: float, completion_tokens: int, disagg: DisaggInfo | None = None
+    ) -> None:
+        """``disagg``: the request's prefill decision (None: aggregated, prefilled locally)."""
+        prefill = prefill_label(disagg)
+        gauges = self._workers.get((worker_id, prefill))
         if gauges is None:
-            if len(self._workers) > 4096:  # workers come and go; keep the label set bounded
+            if len(self._workers) > 4096:  # a backstop: forget_worker normally keeps the label set small
                 self._workers.clear()
-            label = f"{worker_id:x}"
-            gauges = self._workers[worker_id] = (self.worker_ttft.labels(label), self.worker_itl.labels(label))
+                self.worker_ttft.clear()
+                self.worker_itl.clear()
+            label = worker_id_hex(worker_id)
+            gauges = self._workers[(worker_id, prefill)] = (
+                self.worker_ttft.labels(label, prefill), self.worker_itl.labels(label, prefill))
         gauges[0].set(ttft_s)
         if completion_tokens > 1:
             gauges[1].set(decode_s / (completion_tokens - 1))
+
+    def forget_worker(self, worker_id: int) -> None:
+        """Drops a departed worker's series: without this every worker that ever answered stays
+        exported, and the series grow with churn (scale-ups, restarts under new ids)."""
+        label = worker_id_hex(worker_id)
+        for prefill in (PREFILL_LOCAL, PREFILL_REMOTE):
+            if self._workers.pop((worker_id, prefill), None) is None:
+                continue
+            for gauge in (self.worker_ttft, self.worker_itl):
+                try:
+                    gauge.remove(label, prefill)
+                except KeyError:
+                    pass
 
     def count_request(self, model: str, endpoint: str, stream: bool, status: str) -> None:
         key = (model, endpoint, stream, status)

@@ -314,7 +314,7 @@ class ModelRegistry:
             model.prefill = self.prefill_pools.get(name)
             self.models[name] = model
             logger.info(
-                "model added model=%s lora=%s base_model=%s context_length=%d block_size=%d worker_id=%x",
+                "model added model=%s lora=%s base_model=%s context_length=%d block_size=%d worker_id=%016x",
                 name, card.lora, card.base_model, card.context_length, card.kv_block_size, parsed.instance_id,
             )
             for listener in self.model_listeners:
@@ -325,7 +325,7 @@ class ModelRegistry:
         if inst is not None and inst.role == DECODE_ROLE and name not in self.prefill_pools:
             self._ensure_prefill_pool(name, card, from_prefill_card=False)
         if added:
-            logger.info("model worker added model=%s worker_id=%x workers=%d", name, parsed.instance_id, len(model.workers))
+            logger.info("model worker added model=%s worker_id=%016x workers=%d", name, parsed.instance_id, len(model.workers))
             for wl in self.worker_listeners:
                 wl(model, parsed.instance_id, True)
         self._notify()
@@ -353,12 +353,12 @@ class ModelRegistry:
             model.router = RoundRobinRouter()
             self.embedding_models[name] = model
             logger.info(
-                "embedding model added model=%s dimensions=%d context_length=%d worker_id=%x",
+                "embedding model added model=%s dimensions=%d context_length=%d worker_id=%016x",
                 name, card.embedding.dimensions, card.context_length, worker_id,
             )
         if worker_id not in model.workers:
             model.workers[worker_id] = pool
-            logger.info("model worker added model=%s worker_id=%x workers=%d", name, worker_id, len(model.workers))
+            logger.info("model worker added model=%s worker_id=%016x workers=%d", name, worker_id, len(model.workers))
         self._notify()
 
     # -- prefill pools --------------------------------------------------------------------------
@@ -400,7 +400,7 @@ class ModelRegistry:
         pp = self._ensure_prefill_pool(name, card, from_prefill_card=True)
         if worker_id not in pp.workers:
             pp.workers[worker_id] = pool
-            logger.info("prefill worker added model=%s worker_id=%x prefill_workers=%d", name, worker_id, len(pp.workers))
+            logger.info("prefill worker added model=%s worker_id=%016x prefill_workers=%d", name, worker_id, len(pp.workers))
             for pl in self.prefill_listeners:
                 pl(pp, worker_id, True)
         self._notify()
@@ -413,7 +413,7 @@ class ModelRegistry:
         pp = self.prefill_pools.get(name)
         if pp is not None and entry not in self._prefill_cards.values() and pp.workers.pop(worker_id, None) is not None:
             pp.inflight_tokens.pop(worker_id, None)
-            logger.info("prefill worker removed model=%s worker_id=%x prefill_workers=%d", name, worker_id, len(pp.workers))
+            logger.info("prefill worker removed model=%s worker_id=%016x prefill_workers=%d", name, worker_id, len(pp.workers))
             for pl in self.prefill_listeners:
                 pl(pp, worker_id, False)
         self._notify()
@@ -432,7 +432,7 @@ class ModelRegistry:
             return
         # Another card of the same worker (same model) may still be there; only drop on the last.
         if not any(v == entry for v in self._cards.values()) and model.workers.pop(worker_id, None) is not None:
-            logger.info("model worker removed model=%s worker_id=%x workers=%d", name, worker_id, len(model.workers))
+            logger.info("model worker removed model=%s worker_id=%016x workers=%d", name, worker_id, len(model.workers))
             if table is self.models:
                 for wl in self.worker_listeners:
                     wl(model, worker_id, False)

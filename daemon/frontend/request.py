@@ -14,10 +14,9 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from dynamod.daemon.frontend.routing import RouteChoice
-from dynamod.shared.protocol.routing import HEADER_NAME, DisaggInfo
+from dynamod.shared.protocol.routing import HEADER_NAME, HEADER_SCHEMA_VERSION, DisaggInfo
+from dynamod.shared.protocol.worker_id import worker_id_hex
 
 if TYPE_CHECKING:
     from dynamod.daemon.frontend.models import ServedModel
@@ -56,17 +55,18 @@ class FrontendRequest:
         return None if route is None else route.worker_id
 
     def explain_header(self) -> str | None:
-        """``x-dynamo-route-explain``: the final routing as ``RoutingDecision.to_header()`` (which
+        """``x-dynamo-route-explain``: the final routing as ``RoutingDecision.explain()`` (which
         carries ``stage`` and ``disagg``), plus ``prefill``: the prefill stage's own decision.
         Round-robin and random have no decision: for them the header appears only on a
-        disaggregated model, naming the workers, the stages and the disaggregation decision."""
+        disaggregated model, naming the workers, the stages and the disaggregation decision.
+        Every value is labelled and every worker id is ``worker_id_hex``."""
         route = self.decode_route
         if route is None:
             return None
         if self.disagg is None:
             return route.explain.to_header() if route.explain is not None else None
         body = _route_dict(route)
-        body["disagg"] = msgspec.to_builtins(self.disagg)
+        body["disagg"] = self.disagg.explain()
         if self.prefill_route is not None:
             body["prefill"] = _route_dict(self.prefill_route)
         return json.dumps(body, separators=(",", ":"))
@@ -74,6 +74,9 @@ class FrontendRequest:
 
 def _route_dict(route: RouteChoice) -> dict[str, Any]:
     if route.explain is not None:
-        return json.loads(route.explain.to_header())  # type: ignore[no-any-return]
+        return route.explain.explain()
     # Round-robin and random weigh nothing: the worker and the stage are the whole story.
-    return {"w": route.worker_id, "dp": route.dp_rank or 0, "stage": route.stage, "why": "no_kv_router"}
+    return {
+        "schema": HEADER_SCHEMA_VERSION, "stage": route.stage, "worker_id": worker_id_hex(route.worker_id),
+        "dp_rank": route.dp_rank or 0, "reason": "no_kv_router",
+    }

@@ -149,7 +149,8 @@ class ResponsesEndpoint(ChatCompletionsEndpoint):
             mm.osl.observe(gen.completion_tokens)
             mm.usage(gen.prompt_tokens, gen.cached_tokens)
             if freq.worker_id is not None:
-                self.state.metrics.worker_latency(freq.worker_id, now - start, time.perf_counter() - now, gen.completion_tokens)
+                self.state.metrics.worker_latency(freq.worker_id, now - start, time.perf_counter() - now, gen.completion_tokens,
+                                                  freq.disagg)
             if req.responses.store:
                 self.store.put(
                     builder.id,

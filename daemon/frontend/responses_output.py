@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from dynamod.daemon.frontend.formatters import sse_safe
 from dynamod.daemon.frontend.parsers import OutputParser, ParsedDelta
 
 STATUS_IN_PROGRESS = "in_progress"
@@ -201,7 +202,7 @@ class ResponseBuilder:
         fields["type"] = kind
         fields["sequence_number"] = self._seq
         self._seq += 1
-        out.append(b"event: " + kind.encode() + b"\ndata: " + _encoder.encode(fields) + b"\n\n")
+        out.append(b"event: " + kind.encode() + b"\ndata: " + sse_safe(_encoder.encode(fields)) + b"\n\n")
 
     def start(self) -> bytes:
         """``response.created`` and ``response.in_progress``."""

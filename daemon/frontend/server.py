@@ -12,6 +12,9 @@ was a measurable share of the connection's cost.
 With ``ssl_context`` (``--http-tls-cert-file``) the same socket serves HTTPS: uvicorn wraps each
 accepted connection in that context (``shared/security/tls.server_context``: TLS 1.2 or newer).
 
+Every connection also passes ``connections.HttpConnectionGuard`` (caps in total and per address,
+idle/header/body deadlines), so slow or idle clients cannot hold descriptors forever.
+
 uvicorn's own signal handling is disabled; the role's lifecycle owns signals and calls
 ``stop()`` after the frontend has drained.
 """
@@ -29,6 +32,8 @@ from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from dynamod.daemon.frontend.connections import HttpConnectionGuard, HttpConnectionLimits, guarded_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -112,13 +117,16 @@ class HttpServer:
         keep_alive_s: int = 75,
         graceful_s: float = 5.0,
         ssl_context: ssl.SSLContext | None = None,
+        connection_limits: HttpConnectionLimits | None = None,
+        on_refused: Any = None,
     ) -> None:
+        self.connections = HttpConnectionGuard(connection_limits or HttpConnectionLimits(), on_refused)
         tls: dict[str, Any] = {}
         if ssl_context is not None:
             tls = {"ssl_context_factory": lambda _config, _default: ssl_context}
         config = uvicorn.Config(
             app,
-            http=http_protocol_for(sock),
+            http=guarded_protocol(http_protocol_for(sock), self.connections),
             loop="none",
             lifespan="off",
             access_log=False,

@@ -25,7 +25,8 @@ class FrontendConfig:
     router_mode: str = "round-robin"
     migration_limit: int = 3
     worker_wait_s: float = 5.0
-    max_inflight: int = 4096
+    max_inflight: int = 4096  # generations in flight: a fan-out request counts each of its choices
+    max_prompts_per_request: int = 128  # prompts x n of one request (fanout.check_fanout)
     coalesce_s: float = 0.0
     shutdown_grace_s: float = 30.0
     num_frontends: int = 1
@@ -45,24 +46,26 @@ class FrontendState:
     fleet_metrics: FleetMetrics | None = None  # a --num-frontends member: /metrics adds up the fleet
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def admission_refusal(self) -> tuple[str, DynamoError] | None:
-        """Why a new request may not be admitted now (reason, error), or None: the one rule the
-        front doors (before the body is read) and the endpoints (after it) both apply."""
+    def admission_refusal(self, cost: int = 1) -> tuple[str, DynamoError] | None:
+        """Why a new request of ``cost`` generations (prompts x n) may not be admitted now (reason,
+        error), or None: the one rule the front doors (before the body is read, cost 1) and the
+        endpoints (after it, the real cost) both apply."""
         if self.draining:
             return REFUSED_DRAINING, UnavailableError("the frontend is shutting down; retry on another frontend")
-        if self.inflight >= self.config.max_inflight:
+        if self.inflight + cost > self.config.max_inflight:
             return REFUSED_OVERLOADED, OverloadedError(
-                f"the frontend has {self.inflight} requests in flight (limit {self.config.max_inflight})",
+                f"the frontend has {self.inflight} generations in flight (limit {self.config.max_inflight}); "
+                f"this request needs {cost}",
                 retry_after_s=1.0,
             )
         return None
 
-    def admit(self) -> None:
-        self.inflight += 1
+    def admit(self, cost: int = 1) -> None:
+        self.inflight += cost
         self._idle.clear()
 
-    def release(self) -> None:
-        self.inflight -= 1
+    def release(self, cost: int = 1) -> None:
+        self.inflight -= cost
         if self.inflight == 0:
             self._idle.set()
 

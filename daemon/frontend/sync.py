@@ -102,4 +102,4 @@ class RoutingSync:
                 continue
             if notice.kind == KIND_WORKER_DOWN and notice.worker_id not in self._quarantine:
                 self._quarantine.add(notice.worker_id)
-                logger.info("worker reported unreachable by peer worker_id=%x peer=%x", notice.worker_id, notice.sender)
+                logger.info("worker reported unreachable by peer worker_id=%016x peer=%016x", notice.worker_id, notice.sender)

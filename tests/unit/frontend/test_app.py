@@ -37,6 +37,7 @@ from dynamod.shared.errors import UnavailableError
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.keys import mdc_key
 from dynamod.shared.protocol.model_card import ModelCard, encode_card
+from dynamod.shared.protocol.worker_id import worker_id_hex
 from dynamod.shared.runtime.distributed import DistributedRuntime, ServedInstance
 from dynamod.shared.transport.plane import RequestContext
 
@@ -122,7 +123,7 @@ class Cluster:
             worker.handler, lease=lease, model=model
         )
         self.workers.append(worker)
-        await self.wait(lambda: any(w == f"{lease.id:x}" and s == "ready" for w, s in self.worker_states(model)))
+        await self.wait(lambda: any(w == worker_id_hex(lease.id) and s == "ready" for w, s in self.worker_states(model)))
         return worker
 
     def worker_states(self, model: str) -> list[tuple[str, str]]:
@@ -130,7 +131,7 @@ class Cluster:
         m = self.state.registry.models.get(model)
         if m is None:
             return []
-        return [(f"{wid:x}", (pool.instances.get(wid).status if pool.instances.get(wid) else "none")) for wid, pool in m.workers.items()]
+        return [(worker_id_hex(wid), (pool.instances.get(wid).status if pool.instances.get(wid) else "none")) for wid, pool in m.workers.items()]
 
     async def wait(self, predicate: Any, timeout: float = 5.0) -> None:
         async def poll() -> None:
@@ -260,15 +261,15 @@ async def test_draining_worker_gets_no_new_requests_and_header_names_worker(clus
     async with httpx.AsyncClient(base_url=cluster.url, timeout=10) as raw:
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
         served = {(await raw.post("/v1/completions", json=body)).headers["x-dynamo-worker-instance-id"] for _ in range(4)}
-        assert served == {f"{a.id:x}", f"{b.id:x}"}
+        assert served == {worker_id_hex(a.id), worker_id_hex(b.id)}
         assert b.served is not None
         await b.served.set_status("draining")
-        await cluster.wait(lambda: (f"{b.id:x}", "draining") in cluster.worker_states("tiny"))
+        await cluster.wait(lambda: (worker_id_hex(b.id), "draining") in cluster.worker_states("tiny"))
         served = {(await raw.post("/v1/completions", json=body)).headers["x-dynamo-worker-instance-id"] for _ in range(4)}
-        assert served == {f"{a.id:x}"}
+        assert served == {worker_id_hex(a.id)}
         # Direct routing by header reaches the named worker, in hex or decimal.
         direct = await raw.post("/v1/completions", json=body, headers={"x-dynamo-worker-instance-id": str(a.id)})
-        assert direct.headers["x-dynamo-worker-instance-id"] == f"{a.id:x}"
+        assert direct.headers["x-dynamo-worker-instance-id"] == worker_id_hex(a.id)
 
 
 async def test_models_follow_their_workers(cluster: Cluster) -> None:
@@ -328,7 +329,7 @@ async def test_health_reports_pid_and_workers(cluster: Cluster) -> None:
         body = (await raw.get("/health")).json()
         assert (await raw.get("/live")).status_code == 200
     assert body["status"] == "healthy" and isinstance(body["pid"], int)
-    assert body["models"][0]["workers"] == [{"instance_id": f"{w.id:x}", "status": "ready"}]
+    assert body["models"][0]["workers"] == [{"instance_id": worker_id_hex(w.id), "status": "ready"}]
     assert json.dumps(body)
 
 
@@ -336,7 +337,7 @@ async def test_request_waits_for_a_worker_that_becomes_ready(cluster: Cluster) -
     w = await cluster.add_worker()
     assert w.served is not None and cluster.state is not None
     await w.served.set_status("sleeping")
-    await cluster.wait(lambda: (f"{w.id:x}", "sleeping") in cluster.worker_states("tiny"))
+    await cluster.wait(lambda: (worker_id_hex(w.id), "sleeping") in cluster.worker_states("tiny"))
     api = client(cluster)
     task = asyncio.create_task(api.completions.create(model="tiny", prompt="hi", max_tokens=3))
     # Admitted and held while no worker is ready (worker_wait), not refused.
@@ -347,7 +348,7 @@ async def test_request_waits_for_a_worker_that_becomes_ready(cluster: Cluster) -
     assert reply.usage.completion_tokens == 3
     # Nobody wakes up: after worker_wait the request gets a 503 with a retry hint.
     await w.served.set_status("sleeping")
-    await cluster.wait(lambda: (f"{w.id:x}", "sleeping") in cluster.worker_states("tiny"))
+    await cluster.wait(lambda: (worker_id_hex(w.id), "sleeping") in cluster.worker_states("tiny"))
     with pytest.raises(openai.APIStatusError) as info:
         await api.completions.create(model="tiny", prompt="hi", max_tokens=3)
     assert info.value.status_code == 503

@@ -23,6 +23,7 @@ from dynamod.shared.errors import UnavailableError
 from dynamod.shared.protocol.embedding import EMBED_ENDPOINT, EmbedRequest
 from dynamod.shared.protocol.keys import mdc_key
 from dynamod.shared.protocol.model_card import MODEL_TYPE_EMBEDDING, EmbeddingSpec, ModelCard, encode_card
+from dynamod.shared.protocol.worker_id import worker_id_hex
 from dynamod.shared.transport.plane import RequestContext
 from tests.unit.frontend.test_app import Cluster, client
 
@@ -125,7 +126,7 @@ async def test_every_input_kind_and_both_encodings(cluster: EmbeddingCluster) ->
         resp = await raw.post("/v1/embeddings", json={"model": "tiny-embed", "input": text, "encoding_format": "base64"})
     assert resp.status_code == 200
     assert base64.b64decode(resp.json()["data"][0]["embedding"]) == expected.tobytes()
-    assert resp.headers["x-dynamo-worker-instance-id"] == f"{cluster.embedders[0].id:x}"
+    assert resp.headers["x-dynamo-worker-instance-id"] == worker_id_hex(cluster.embedders[0].id)
 
 
 async def test_dimensions(cluster: EmbeddingCluster) -> None:
@@ -192,7 +193,7 @@ async def test_a_failing_worker_is_replaced(cluster: EmbeddingCluster) -> None:
     api = client(cluster)
     for _ in range(4):  # round-robin reaches the failing worker at least once
         reply = await api.embeddings.with_raw_response.create(model="tiny-embed", input="hello")
-        assert reply.headers["x-dynamo-worker-instance-id"] == f"{good.id:x}"
+        assert reply.headers["x-dynamo-worker-instance-id"] == worker_id_hex(good.id)
     assert bad.requests and len(good.requests) == 4
     with pytest.raises(openai.InternalServerError):  # sent to the failing worker on purpose: no retry
         await api.embeddings.create(model="tiny-embed", input="hello",
