@@ -1,41 +1,40 @@
-"""The load-based planner: reacts to what the workers report now, one replica at a time.
+"""The load-based planner: the fast reactive loop, on what the workers and frontends report now.
 
-Dynamo's "easy mode" load scaling (``planner/core/load_scaling.py``, ``_prefill_easy_decision``,
-``_decode_easy_decision``, ``_agg_easy_decision``), on dynamod's ``kv_metrics`` load reports:
+Every interval (Dynamo's ``load_adjustment_interval_seconds``, 5 s) the shared reactive core
+(``reactive.py``) says what each pool needs: this interval's demand and the queued prompt tokens
+through the capacity model (``capacity.py``: the profile's prefill throughput, the TTFT/ITL
+targets), SLA misses from the frontends' histograms, and Dynamo's "easy mode" per-worker
+thresholds (``planner/core/load_scaling.py``):
 
 - prefill pool: each worker's queued prefill tokens (``active_prefill_tokens``). Targets
   ``throughput``/``latency`` compare ``queued / context_length`` with fixed ratios (up at 1.0/0.1,
   down under 0.1 / at 0); target ``load`` compares the raw tokens with
   ``--prefill-scale-{up,down}-queue-tokens``.
-- decode and agg pools: each worker's KV demand ``(held blocks + queued blocks) / total blocks``,
-  where queued blocks are the waiting requests at the running ones' mean size and, for agg, the
-  queued prompt tokens in blocks (Dynamo: ``(scheduled_kv + queued_kv [+ queued_prefill]) /
-  max_kv``). ``throughput`` scales up above 100% and down under 60%; ``latency`` above 40% and
-  under 10%; ``load`` at ``--decode-scale-{up,down}-kv-rate`` percent.
+- decode and agg pools: each worker's KV demand ``(held blocks + queued blocks) / total blocks``.
+  ``throughput`` scales up above 100% and down under 60%; ``latency`` above 40% and under 10%;
+  ``load`` at ``--decode-scale-{up,down}-kv-rate`` percent. A pool may lose a worker only when
+  the survivors would stay under the up threshold (``max * n / (n - 1) < up``).
 
-Scale up by one when ANY worker is over the up threshold; down by one when EVERY worker is under the
-down threshold and the survivors would not cross the up threshold at once (Dynamo's
-``_consolidation_safe_easy_target``: ``max * n / (n - 1) < up``). After a change the pool is held
-while the new count is not yet ready (Dynamo's "scaling in progress" block), at most
-``grace_period_s``. Then the min/max replicas and the GPU budget clamp the answer.
+The largest need wins; ``scaling.PoolSizer`` then applies the bounds, the start-up hysteresis
+(``hysteresis.py``: up at once, down only after a release window of several start-up times) and
+the GPU budget counted with starting and draining workers.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 
-from dynamod.daemon.planner.policy import Observation, PoolObservation, PoolPlan, WorkerLoad
+from dynamod.daemon.planner.budget import ReplicaBudget, pools_for_mode
+from dynamod.daemon.planner.capacity import CapacityModel
+from dynamod.daemon.planner.perf_profile import PerfProfile, default_profile_path
+from dynamod.daemon.planner.policy import Observation, PoolObservation, PoolPlan
+from dynamod.daemon.planner.reactive import R_QUEUE_HIGH, KvThresholds, Need, ReactiveCore
+from dynamod.daemon.planner.scaling import PoolSizer
 from dynamod.shared.errors import ConfigError
-from dynamod.shared.protocol.planner import (
-    ACTION_HOLD,
-    ACTION_SCALE_DOWN,
-    ACTION_SCALE_UP,
-    POOL_AGG,
-    POOL_DECODE,
-    POOL_PREFILL,
-)
+from dynamod.shared.protocol.planner import ACTION_HOLD, POOL_PREFILL
+
+__all__ = ["OPTIMIZATION_TARGETS", "LoadPolicy", "LoadPolicyConfig", "ReplicaBudget", "pools_for_mode"]
 
 log = logging.getLogger(__name__)
 
@@ -45,78 +44,16 @@ OPTIMIZATION_TARGETS = ("throughput", "latency", "load")
 PREFILL_RATIO_THRESHOLDS = {"throughput": (1.0, 0.1), "latency": (0.1, 0.0)}
 DECODE_UTIL_THRESHOLDS = {"throughput": (1.0, 0.6), "latency": (0.4, 0.1)}
 
+DEFAULT_STARTUP_S = 30.0  # a new worker's launch to ready, when nobody says
+RELEASE_WINDOW_STARTUPS = 6.0  # shrink only after this many start-up times of evidence
 
-def pools_for_mode(mode: str) -> tuple[str, ...]:
-    return (POOL_AGG,) if mode == "agg" else (POOL_PREFILL, POOL_DECODE)
 
-
-@dataclass(frozen=True, slots=True)
-class ReplicaBudget:
-    """Min/max replicas per pool and the GPU budget shared by the planned pools (Dynamo's
-    ``min_endpoint``, ``max_gpu_budget``, ``{prefill,decode}_engine_num_gpu``; ``max_replicas``
-    is dynamod's per-pool cap, 0 for none). The minimum wins over the budget, as in Dynamo,
-    where the endpoint floor is a hard invariant."""
-
-    prefill_min: int = 1
-    decode_min: int = 1
-    max_replicas: int = 0
-    max_gpu_budget: int = 8
-    prefill_engine_num_gpu: int = 1
-    decode_engine_num_gpu: int = 1
-
-    def validate(self) -> ReplicaBudget:
-        if self.prefill_min < 0 or self.decode_min < 0:
-            raise ConfigError("--min-endpoint must be >= 0")
-        if self.max_replicas < 0:
-            raise ConfigError("--max-replicas must be >= 0 (0: no per-pool limit)")
-        if self.max_replicas and self.max_replicas < max(self.prefill_min, self.decode_min):
-            raise ConfigError(f"--max-replicas {self.max_replicas} is below the minimum replicas")
-        if self.prefill_engine_num_gpu < 1 or self.decode_engine_num_gpu < 1:
-            raise ConfigError("--prefill-engine-num-gpu and --decode-engine-num-gpu must be >= 1")
-        return self
-
-    def min_for(self, pool: str) -> int:
-        return self.prefill_min if pool == POOL_PREFILL else self.decode_min
-
-    def gpus_for(self, pool: str) -> int:
-        return self.prefill_engine_num_gpu if pool == POOL_PREFILL else self.decode_engine_num_gpu
-
-    def max_for(self, pool: str) -> int:
-        """The most replicas of ``pool`` alone: the per-pool cap and the whole GPU budget."""
-        cap = self.max_replicas if self.max_replicas > 0 else 1 << 30
-        if self.max_gpu_budget > 0:
-            cap = min(cap, self.max_gpu_budget // self.gpus_for(pool))
-        return max(cap, self.min_for(pool))
-
-    def clamp(self, pool: str, desired: int) -> tuple[int, str]:
-        """``desired`` within [min, max] for one pool, and ``at_min``/``at_max_budget`` when it moved."""
-        lo, hi = self.min_for(pool), self.max_for(pool)
-        if desired < lo:
-            return lo, "at_min"
-        if desired > hi:
-            return hi, "at_max_budget"
-        return desired, ""
-
-    def gpus(self, counts: dict[str, int]) -> int:
-        return sum(n * self.gpus_for(p) for p, n in counts.items())
-
-    def fit_total(self, desired: dict[str, int]) -> dict[str, int]:
-        """Scale the pools down together until they fit the GPU budget: Dynamo's throughput
-        planner rule (``scale = budget / total``; prefill ``floor(p * scale)``, decode gets what is
-        left), floors at the minimums. Single pools and unlimited budgets pass through."""
-        if self.max_gpu_budget <= 0 or self.gpus(desired) <= self.max_gpu_budget:
-            return dict(desired)
-        out = dict(desired)
-        if POOL_PREFILL in out and POOL_DECODE in out:
-            scale = self.max_gpu_budget / self.gpus(desired)
-            p = max(self.prefill_min, math.floor(out[POOL_PREFILL] * scale))
-            left = self.max_gpu_budget - p * self.prefill_engine_num_gpu
-            d = max(self.decode_min, left // self.decode_engine_num_gpu)
-            out[POOL_PREFILL], out[POOL_DECODE] = p, d
-            return out
-        for pool in out:
-            out[pool] = min(out[pool], self.max_for(pool))
-        return out
+def release_window(startup_s: float, window_s: float | None, interval_s: float) -> float:
+    """The scale-down evidence window: ``window_s`` when given, else a multiple of the start-up
+    time (a worker released costs ``startup_s`` to bring back), at least two intervals."""
+    if window_s is not None:
+        return window_s
+    return max(RELEASE_WINDOW_STARTUPS * startup_s, 2 * interval_s)
 
 
 @dataclass(slots=True)
@@ -132,6 +69,10 @@ class LoadPolicyConfig:
     grace_period_s: float = 60.0
     context_length: int | None = None
     kv_block_size: int | None = None
+    ttft_ms: float = 2000.0
+    itl_ms: float = 50.0
+    startup_s: float = DEFAULT_STARTUP_S  # a new worker's launch to ready
+    scale_down_window_s: float | None = None  # none: RELEASE_WINDOW_STARTUPS x startup_s
 
     def validate(self) -> LoadPolicyConfig:
         if self.mode not in ("disagg", "agg"):
@@ -143,6 +84,12 @@ class LoadPolicyConfig:
             raise ConfigError(f"--adjustment-interval must be > 0, got {self.interval_s}")
         if self.grace_period_s < 0:
             raise ConfigError(f"--scale-up-grace-period must be >= 0, got {self.grace_period_s}")
+        if self.ttft_ms <= 0 or self.itl_ms <= 0:
+            raise ConfigError(f"--ttft and --itl must be > 0 ms, got {self.ttft_ms} and {self.itl_ms}")
+        if self.startup_s < 0:
+            raise ConfigError(f"--worker-startup-time must be >= 0, got {self.startup_s}")
+        if self.scale_down_window_s is not None and self.scale_down_window_s < 0:
+            raise ConfigError(f"--scale-down-window must be >= 0, got {self.scale_down_window_s}")
         if self.optimization_target == "load":
             needed = ["--decode-scale-up-kv-rate", "--decode-scale-down-kv-rate"]
             values: list[float | int | None] = [self.decode_scale_up_kv_rate, self.decode_scale_down_kv_rate]
@@ -161,22 +108,40 @@ class LoadPolicyConfig:
         return self
 
 
-@dataclass(slots=True)
-class _Pending:
-    target: int
-    since: float
-
-
 class LoadPolicy:
-    """See the module docstring. Keeps, per pool, the change it is waiting for."""
+    """See the module docstring."""
 
     name = "load"
 
-    def __init__(self, config: LoadPolicyConfig) -> None:
+    def __init__(self, config: LoadPolicyConfig, profile: PerfProfile | None = None) -> None:
         self.config = config.validate()
         self.interval_s = config.interval_s
         self.pools = pools_for_mode(config.mode)
-        self._pending: dict[str, _Pending] = {}
+        self.profile = profile or PerfProfile.load(default_profile_path())
+        b = config.budget
+        self.model = CapacityModel(self.profile, mode=config.mode, ttft_ms=config.ttft_ms, itl_ms=config.itl_ms,
+                                   prefill_gpus=b.prefill_engine_num_gpu, decode_gpus=b.decode_engine_num_gpu)
+        self.core = ReactiveCore(self.model, mode=config.mode, interval_s=config.interval_s,
+                                 kv=self._kv_thresholds(), kv_block_size=config.kv_block_size,
+                                 startup_s=config.startup_s)
+        self.sizer = PoolSizer(b, interval_s=config.interval_s, grace_s=config.grace_period_s,
+                               window_s=release_window(config.startup_s, config.scale_down_window_s, config.interval_s))
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.config.ttft_ms
+
+    @property
+    def itl_ms(self) -> float:
+        return self.config.itl_ms
+
+    def _kv_thresholds(self) -> KvThresholds:
+        cfg = self.config
+        if cfg.optimization_target == "load":
+            assert cfg.decode_scale_up_kv_rate is not None and cfg.decode_scale_down_kv_rate is not None
+            return KvThresholds(cfg.decode_scale_up_kv_rate / 100.0, cfg.decode_scale_down_kv_rate / 100.0, True)
+        up, down = DECODE_UTIL_THRESHOLDS[cfg.optimization_target]
+        return KvThresholds(up, down, False)
 
     def set_model(self, *, context_length: int | None = None, kv_block_size: int | None = None) -> None:
         """What the workers' model card says, for the daemon to pass once it has read it; a flag
@@ -185,147 +150,62 @@ class LoadPolicy:
             self.config.context_length = int(context_length)
         if self.config.kv_block_size is None and kv_block_size:
             self.config.kv_block_size = int(kv_block_size)
+            self.core.kv_block_size = self.config.kv_block_size
 
     # ---- decision ------------------------------------------------------------------------------
 
     def plan(self, observation: Observation) -> dict[str, PoolPlan]:
-        plans: dict[str, PoolPlan] = {}
+        now = observation.now
+        committed: dict[str, int] = {}
+        pending: dict[str, bool] = {}
         for pool in self.pools:
             obs = observation.pools.get(pool) or PoolObservation(pool=pool, ready=0)
-            plans[pool] = self._plan_pool(pool, obs, observation.now)
-        plans = self._fit_budget(plans, observation)
-        for pool, plan in plans.items():
-            ready = (observation.pools.get(pool) or PoolObservation(pool=pool, ready=0)).ready
-            if plan.desired != ready and plan.reason != "grace_period":
-                self._pending[pool] = _Pending(plan.desired, observation.now)
+            committed[pool], pending[pool] = self.sizer.committed(pool, obs, now)
+        silent = [p for p in self.pools if _silent(observation, p)]
+        needs, _demand, _sized = self.core.assess(observation, committed)
+        for pool in self.pools:
+            queue = self._prefill_queue_need(observation, pool)
+            if queue is not None:
+                needs[pool].append(queue)
+        plans = self.sizer.plan(observation, needs, committed, pending)
+        for pool in silent:
+            ready = observation.pools[pool].ready
+            if plans[pool].desired <= ready:
+                plans[pool] = PoolPlan(pool, ready, ACTION_HOLD, "no_load_data",
+                                       f"no load reports from {ready} ready workers and no traffic figures",
+                                       inputs={"ready": float(ready)})
         return plans
 
-    def _plan_pool(self, pool: str, obs: PoolObservation, now: float) -> PoolPlan:
-        budget = self.config.budget
-        ready = obs.ready
-        lo = budget.min_for(pool)
-        pending = self._pending.get(pool)
-        if pending is not None:
-            if ready == pending.target:
-                del self._pending[pool]
-            elif now - pending.since < self.config.grace_period_s:
-                return PoolPlan(
-                    pool, pending.target, ACTION_HOLD, "grace_period",
-                    f"waiting for {pending.target} ready (have {ready}) since {now - pending.since:.0f}s, "
-                    f"grace {self.config.grace_period_s:g}s",
-                    inputs={"ready": float(ready)})
-            else:
-                log.warning("planner=load pool=%s target=%d ready=%d grace expired", pool, pending.target, ready)
-                del self._pending[pool]
-        if ready < lo:
-            return PoolPlan(pool, lo, ACTION_SCALE_UP, "below_min", f"{ready} ready, minimum {lo}",
-                            inputs={"ready": float(ready)})
-        loads = [w for w in obs.loads if w.total_blocks > 0 or pool == POOL_PREFILL]
-        if not loads:
-            return PoolPlan(pool, ready, ACTION_HOLD, "no_load_data", f"no load reports from {ready} ready workers",
-                            inputs={"ready": float(ready)})
-        measured = self._measure(pool, loads)
-        if measured is None:
-            return PoolPlan(pool, ready, ACTION_HOLD, "insufficient_data",
-                            "context length unknown: pass --context-length or let the daemon read the model card",
-                            inputs={"ready": float(ready)})
-        values, up, down, label = measured
-        inputs = self._inputs(loads, ready)
-        inputs[f"{label}_max"] = max(values)
-        worst = max(values)
-        thresholds = f"(up {up:g}, down {down:g}, target {self.config.optimization_target})"
-        up_kind = "queue_high" if pool == POOL_PREFILL else "kv_usage_high"
-        down_kind = "queue_low" if pool == POOL_PREFILL else "kv_usage_low"
-        # Dynamo: prefill and the "load" target compare with >= / <=, decode with > / <.
-        inclusive = pool == POOL_PREFILL or self.config.optimization_target == "load"
-        over = [v >= up if inclusive else v > up for v in values]
-        if any(over):
-            n = sum(over)
-            return PoolPlan(pool, ready + 1, ACTION_SCALE_UP, up_kind,
-                            f"{n}/{len(values)} workers over the scale-up threshold: max {label} {worst:.3f} {thresholds}",
-                            inputs=inputs)
-        under = all((v <= down) if (inclusive or down == 0.0) else (v < down) for v in values)
-        if under and ready > lo:
-            if worst * ready / (ready - 1) >= up:
-                return PoolPlan(pool, ready, ACTION_HOLD, "consolidation_guard",
-                                f"all under {down:g} but {ready - 1} workers would carry {label} "
-                                f"{worst * ready / (ready - 1):.3f} >= {up:g}", inputs=inputs)
-            return PoolPlan(pool, ready - 1, ACTION_SCALE_DOWN, down_kind,
-                            f"all {len(values)} workers under the scale-down threshold: max {label} {worst:.3f} {thresholds}",
-                            inputs=inputs)
-        reason = "at_min" if under else "within_thresholds"
-        return PoolPlan(pool, ready, ACTION_HOLD, reason,
-                        f"max {label} {worst:.3f} {thresholds}, {ready} ready (min {lo})", inputs=inputs)
-
-    def _measure(self, pool: str, loads: list[WorkerLoad]) -> tuple[list[float], float, float, str] | None:
-        """Per-worker signal and the (up, down) thresholds in its unit, or None when a needed model
-        figure (context length) is unknown."""
+    def _prefill_queue_need(self, observation: Observation, pool: str) -> Need | None:
+        """Dynamo's easy-mode prefill rule: any worker's queued prompt tokens over the threshold
+        (a share of the context length, or ``--prefill-scale-up-queue-tokens``) adds one."""
+        if pool != POOL_PREFILL:
+            return None
+        obs = observation.pools.get(pool) or PoolObservation(pool=pool, ready=0)
+        if not obs.loads:
+            return None
         cfg = self.config
-        target = cfg.optimization_target
-        if pool == POOL_PREFILL:
-            tokens = [float(w.active_prefill_tokens) for w in loads]
-            if target == "load":
-                assert cfg.prefill_scale_up_queue_tokens is not None and cfg.prefill_scale_down_queue_tokens is not None
-                return tokens, float(cfg.prefill_scale_up_queue_tokens), float(cfg.prefill_scale_down_queue_tokens), \
-                    "prefill_queue_tokens"
-            if not cfg.context_length:
-                return None
-            up, down = PREFILL_RATIO_THRESHOLDS[target]
-            return [t / cfg.context_length for t in tokens], up, down, "prefill_queue_ratio"
-        values = [self._kv_demand(w, agg=pool == POOL_AGG) for w in loads]
-        if target == "load":
-            assert cfg.decode_scale_up_kv_rate is not None and cfg.decode_scale_down_kv_rate is not None
-            return values, cfg.decode_scale_up_kv_rate / 100.0, cfg.decode_scale_down_kv_rate / 100.0, "kv_demand"
-        up, down = DECODE_UTIL_THRESHOLDS[target]
-        return values, up, down, "kv_demand"
-
-    def _kv_demand(self, w: WorkerLoad, *, agg: bool) -> float:
-        """(held + queued) KV blocks over the worker's total, Dynamo's decode/agg utilisation."""
-        held = max(float(w.active_decode_blocks), w.kv_usage * w.total_blocks)
-        per_request = held / w.num_running if w.num_running else 0.0
-        queued = w.num_waiting * per_request
-        if agg and self.config.kv_block_size:
-            queued += w.active_prefill_tokens / self.config.kv_block_size
-        return (held + queued) / w.total_blocks
-
-    @staticmethod
-    def _inputs(loads: list[WorkerLoad], ready: int) -> dict[str, float]:
-        n = len(loads)
-        return {
-            "ready": float(ready),
-            "kv_usage": sum(w.kv_usage for w in loads) / n,
-            "kv_usage_max": max(w.kv_usage for w in loads),
-            "num_waiting": float(sum(w.num_waiting for w in loads)),
-            "num_running": float(sum(w.num_running for w in loads)),
-            "prefill_queue_tokens": float(sum(w.active_prefill_tokens for w in loads)),
-        }
-
-    # ---- budget --------------------------------------------------------------------------------
-
-    def _fit_budget(self, plans: dict[str, PoolPlan], observation: Observation) -> dict[str, PoolPlan]:
-        """Per-pool min/max, then the shared GPU budget: a scale-up that would exceed it is
-        refused (the pool holds with ``at_max_budget``) rather than taken from another pool."""
-        budget = self.config.budget
-        out: dict[str, PoolPlan] = {}
-        for pool, plan in plans.items():
-            desired, why = budget.clamp(pool, plan.desired)
-            out[pool] = plan if not why or desired == plan.desired else _replace(plan, desired, why, observation)
-        counts = {p: pl.desired for p, pl in out.items()}
-        if budget.max_gpu_budget > 0 and budget.gpus(counts) > budget.max_gpu_budget:
-            for pool, plan in out.items():
-                ready = (observation.pools.get(pool) or PoolObservation(pool=pool, ready=0)).ready
-                if plan.desired > ready and plan.reason != "below_min":
-                    out[pool] = _replace(plan, max(ready, budget.min_for(pool)), "at_max_budget", observation)
-            counts = {p: pl.desired for p, pl in out.items()}
-            fitted = budget.fit_total(counts)
-            for pool, n in fitted.items():
-                if n != counts[pool]:
-                    out[pool] = _replace(out[pool], n, "at_max_budget", observation)
-        return out
+        tokens = [float(w.active_prefill_tokens) for w in obs.loads]
+        if cfg.optimization_target == "load":
+            assert cfg.prefill_scale_up_queue_tokens is not None
+            values, up, label = tokens, float(cfg.prefill_scale_up_queue_tokens), "prefill_queue_tokens"
+        elif cfg.context_length:
+            values = [t / cfg.context_length for t in tokens]
+            up, label = PREFILL_RATIO_THRESHOLDS[cfg.optimization_target][0], "prefill_queue_ratio"
+        else:
+            return None  # the backlog sizing still counts the queue; the ratio needs the context length
+        worst = max(values)
+        if worst < up:
+            return None
+        over = sum(v >= up for v in values)
+        return Need(pool, obs.ready + 1, R_QUEUE_HIGH,
+                    f"{over}/{len(values)} workers over the scale-up threshold: max {label} {worst:.3f} "
+                    f"(up {up:g}, target {cfg.optimization_target})", {label + "_max": worst, "ready": float(obs.ready)})
 
 
-def _replace(plan: PoolPlan, desired: int, reason: str, observation: Observation) -> PoolPlan:
-    ready = (observation.pools.get(plan.pool) or PoolObservation(pool=plan.pool, ready=0)).ready
-    action = ACTION_SCALE_UP if desired > ready else ACTION_SCALE_DOWN if desired < ready else ACTION_HOLD
-    detail = f"{plan.reason} asked {plan.desired}, budget allows {desired}: {plan.detail}"
-    return PoolPlan(plan.pool, desired, action, reason, detail, dict(plan.inputs), dict(plan.predicted))
+def _silent(observation: Observation, pool: str) -> bool:
+    """Ready workers, yet neither load reports nor traffic: the event plane is not reaching the
+    planner, which is no evidence the pool is idle."""
+    obs = observation.pools.get(pool)
+    return obs is not None and obs.ready > 0 and not obs.loads and observation.traffic is None
+

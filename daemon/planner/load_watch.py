@@ -19,7 +19,7 @@ import msgspec
 
 from dynamod.daemon.planner.policy import PoolObservation, WorkerLoad
 from dynamod.shared.events.plane import TOPIC_KV_METRICS, EventSubscriber
-from dynamod.shared.protocol.instance import Instance
+from dynamod.shared.protocol.instance import STATUS_DRAINING, Instance
 from dynamod.shared.protocol.keys import instances_prefix
 from dynamod.shared.protocol.load import LoadMetrics, load_decoder
 from dynamod.shared.protocol.planner import POOL_AGG, POOL_PREFILL, POOLS, pool_of_role
@@ -58,6 +58,9 @@ class LoadWatch:
         self._tasks: list[asyncio.Task[None]] = []
         # (worker_id, dp_rank) -> (report, monotonic receive time)
         self._reports: dict[tuple[int, int], tuple[LoadMetrics, float]] = {}
+        # instance id -> when it was first seen ready (monotonic): a worker's first interval is
+        # cold, and the policies leave it out of capacity and scale-down evidence.
+        self._ready_since: dict[int, float] = {}
 
     async def start(self) -> None:
         for component in self._components:
@@ -109,6 +112,16 @@ class LoadWatch:
                     pools[pool_of(inst, self._prefill_component)].append(inst)
         return pools
 
+    def draining_counts(self) -> dict[str, int]:
+        """Per pool, workers still listed but taking no new work (draining): paid for until they
+        stop, so the GPU budget counts them."""
+        counts = {pool: 0 for pool in POOLS}
+        for s in self._sets:
+            for inst in s.instances:
+                if inst.status == STATUS_DRAINING:
+                    counts[pool_of(inst, self._prefill_component)] += 1
+        return counts
+
     def pools(self, now: float | None = None) -> dict[str, PoolObservation]:
         """Every pool (empty ones too, so a policy can see a pool at zero) with its ready workers
         and their last load reports."""
@@ -120,17 +133,24 @@ class LoadWatch:
         for (worker_id, _rank), (report, _seen) in self._reports.items():
             by_worker.setdefault(worker_id, []).append(report)
         out: dict[str, PoolObservation] = {}
-        for pool, instances in self.ready_instances().items():
+        ready = self.ready_instances()
+        routable = {i.instance_id for instances in ready.values() for i in instances}
+        for gone in [i for i in self._ready_since if i not in routable]:
+            del self._ready_since[gone]
+        draining = self.draining_counts()
+        for pool, instances in ready.items():
+            for inst in instances:
+                self._ready_since.setdefault(inst.instance_id, now)
             loads = tuple(
-                _worker_load(r)
+                _worker_load(r, now - self._ready_since[inst.instance_id])
                 for inst in sorted(instances, key=lambda i: i.instance_id)
                 for r in sorted(by_worker.get(inst.instance_id, ()), key=lambda r: r.dp_rank)
             )
-            out[pool] = PoolObservation(pool=pool, ready=len(instances), loads=loads)
+            out[pool] = PoolObservation(pool=pool, ready=len(instances), loads=loads, draining=draining[pool])
         return out
 
 
-def _worker_load(r: LoadMetrics) -> WorkerLoad:
+def _worker_load(r: LoadMetrics, ready_for_s: float | None = None) -> WorkerLoad:
     return WorkerLoad(
         worker_id=r.worker_id,
         kv_usage=r.kv_usage,
@@ -139,4 +159,6 @@ def _worker_load(r: LoadMetrics) -> WorkerLoad:
         active_prefill_tokens=r.active_prefill_tokens,
         active_decode_blocks=r.active_decode_blocks,
         total_blocks=r.total_blocks,
+        ready_for_s=ready_for_s,
+        prefix_hit_rate=r.prefix_hit_rate,
     )

@@ -26,7 +26,7 @@ import msgspec
 
 from dynamod.daemon.planner.connectors.base import Connector
 from dynamod.daemon.planner.metrics import PlannerMetrics
-from dynamod.daemon.planner.policy import Observation, PlannerPolicy, PoolPlan
+from dynamod.daemon.planner.policy import Observation, PlannerPolicy, PoolObservation, PoolPlan, TrafficSample
 from dynamod.shared.discovery.store import DiscoveryStore, WatchEventKind
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.protocol.keys import planner_override_prefix
@@ -190,6 +190,7 @@ class PlannerLoop:
         self._desired: dict[str, int] = {}  # what the planner last decided, per pool
         self._pool_status: dict[str, PoolStatus] = {}
         self._predicted: dict[str, float] = {}
+        self._observed: dict[str, float] = {}  # the last planned interval's traffic (status only)
         self.last_decisions: list[PlannerDecision] = []
 
     @property
@@ -272,7 +273,7 @@ class PlannerLoop:
         decisions = await self._act(decision_id, decisions)
         for d in decisions:
             await self._tell(d)
-        await self._update_status(decisions)
+        await self._update_status(decisions, obs if plan else None)
         self.last_decisions = decisions
         return decisions
 
@@ -375,13 +376,23 @@ class PlannerLoop:
             last_decision_id=self._next_id - 1,
             ts=self._clock(),
             instance_id=self._settings.instance_id,
+            observed=dict(self._observed),
         )
 
-    async def _update_status(self, decisions: list[PlannerDecision]) -> None:
+    async def _update_status(self, decisions: list[PlannerDecision], obs: Observation | None = None) -> None:
+        """``obs``: the planned interval's observation, whose live figures (traffic, each pool's
+        load) the status carries for the console and ``dynamoctl``; None on an override-only
+        pass, which keeps the last ones."""
+        if obs is not None:
+            self._observed = observed_traffic(obs.traffic)
         for d in decisions:
+            observed = obs.pools.get(d.pool) if obs is not None else None
+            old = self._pool_status.get(d.pool)
             self._pool_status[d.pool] = PoolStatus(
                 component=d.component, current=d.current, desired=d.desired,
                 min_replicas=d.min_replicas, max_replicas=d.max_replicas, override=d.override,
+                load=pool_load(observed) if observed is not None else (dict(old.load) if old is not None else {}),
+                action=d.action, reason=d.reason,
             )
         await self.write_status()
 
@@ -392,6 +403,36 @@ class PlannerLoop:
             raise
         except Exception as exc:  # noqa: BLE001 - discovery briefly away: the next pass writes again
             logger.warning("planner status write failed error=%r", exc)
+
+
+# -- live figures for the status record (what the console and dynamoctl show) --------------------
+
+
+def observed_traffic(sample: TrafficSample | None) -> dict[str, float]:
+    """The interval's traffic as ``PlannerStatus.observed``: arrivals per second and the means
+    that were measured (a figure nothing measured is left out, not shown as 0)."""
+    if sample is None:
+        return {}
+    out: dict[str, float] = {}
+    if sample.duration_s > 0:
+        out["request_rate"] = max(0.0, sample.num_requests) / sample.duration_s
+    for key in ("isl", "osl", "ttft_ms", "itl_ms"):
+        value = getattr(sample, key)
+        if value is not None:
+            out[key] = float(value)
+    return out
+
+
+def pool_load(pool: PoolObservation) -> dict[str, float]:
+    """A pool's load as ``PoolStatus.load``: queued and running requests summed over its workers,
+    the fullest worker's KV share; empty when no worker reported."""
+    if not pool.loads:
+        return {}
+    return {
+        "waiting": float(sum(w.num_waiting for w in pool.loads)),
+        "running": float(sum(w.num_running for w in pool.loads)),
+        "kv_usage": max(w.kv_usage for w in pool.loads),
+    }
 
 
 def _pool_order(pool: str) -> int:

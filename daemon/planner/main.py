@@ -200,7 +200,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
             labels={"planner": policy.name, "connector": loop.connector_name, "dry_run": str(config.dry_run).lower()},
         )
         logger.info(
-            "planner up instance_id=%x planner=%s interval_s=%g connector=%s dry_run=%s traffic=%s status_url=%s",
+            "planner up instance_id=%016x planner=%s interval_s=%g connector=%s dry_run=%s traffic=%s status_url=%s",
             runtime.instance_id, policy.name, policy.interval_s, loop.connector_name or "-", config.dry_run,
             traffic.name if traffic is not None else "off", runtime.status_url or "off",
         )

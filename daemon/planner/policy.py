@@ -6,6 +6,7 @@ acts on what they return. The same policies run in the daemon and inside ``dynam
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,6 +24,11 @@ class WorkerLoad:
     active_prefill_tokens: int
     active_decode_blocks: int
     total_blocks: int
+    # Seconds since the worker became ready (None: unknown). A worker in its first interval is
+    # cold (empty prefix cache, routers only starting to send to it): its load says nothing yet
+    # about what the pool can carry, so capacity and scale-down evidence leave it out.
+    ready_for_s: float | None = None
+    prefix_hit_rate: float = 0.0  # cached prompt tokens / prompt tokens since the worker started
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +42,97 @@ class TrafficSample:
     osl: float | None  # mean output tokens
     ttft_ms: float | None  # mean time to first token
     itl_ms: float | None  # mean inter-token latency
+    # Latency distributions, as the frontends' Prometheus histograms give them: cumulative
+    # ``(upper bound ms, count)`` pairs, the last bound ``inf``. They say how many requests
+    # (TTFT) or token gaps (ITL) missed a target, which a mean hides (``fraction_over``).
+    ttft_buckets: tuple[tuple[float, float], ...] = ()
+    itl_buckets: tuple[tuple[float, float], ...] = ()
+    osl_buckets: tuple[tuple[float, float], ...] = ()  # output tokens of the finished requests
+    inflight: float | None = None  # requests in flight at the end of the interval
+    # Prompt tokens the workers found in their KV cache over the interval's finished requests
+    # (``dynamo_frontend_cached_tokens`` / ``..._prompt_tokens``): the prefill work a prompt
+    # token really costs. None when nothing finished.
+    hit_rate: float | None = None
+
+
+def fraction_over(buckets: tuple[tuple[float, float], ...], threshold: float, *, interpolate: bool = False) -> float | None:
+    """The share of a histogram's observations above ``threshold``; None when empty.
+
+    By default only buckets whose lower bound is at or above the threshold count: a lower bound
+    on the misses, never a phantom one (the frontend's TTFT buckets jump from 1 s to 2.5 s, and
+    a large prompt's honest 1.3 s TTFT must not read as a third of a miss). ``interpolate``
+    spreads a bucket's count linearly instead (Prometheus' ``histogram_quantile`` assumption)."""
+    if not buckets:
+        return None
+    total = buckets[-1][1]
+    if total <= 0:
+        return None
+    lo_bound, lo_count = 0.0, 0.0
+    for bound, count in buckets:
+        if threshold < bound:
+            if not interpolate or bound == float("inf"):
+                below = count if lo_bound < threshold else lo_count
+            else:
+                below = lo_count + (count - lo_count) * (threshold - lo_bound) / (bound - lo_bound)
+            return max(0.0, min(1.0, 1.0 - below / total))
+        lo_bound, lo_count = bound, count
+    return max(0.0, 1.0 - lo_count / total)
+
+
+def _bucket_means(buckets: tuple[tuple[float, float], ...], threshold: float) -> tuple[float, float, float]:
+    """(mean of the observations at or under ``threshold``, mean of those over it, share over),
+    each bucket's observations at its midpoint (the +Inf bucket at twice its lower bound)."""
+    under = over = n_under = n_over = 0.0
+    lo, prev = 0.0, 0.0
+    for bound, count in buckets:
+        n = count - prev
+        mid = 2.0 * lo if bound == float("inf") else (lo + bound) / 2.0
+        if bound <= threshold:
+            under, n_under = under + n * mid, n_under + n
+        else:
+            over, n_over = over + n * max(mid, threshold), n_over + n
+        lo, prev = bound, count
+    total = n_under + n_over
+    return (under / n_under if n_under else 0.0, over / n_over if n_over else threshold,
+            n_over / total if total else 0.0)
+
+
+def request_itl_miss(itl_buckets: tuple[tuple[float, float], ...], osl_buckets: tuple[tuple[float, float], ...],
+                     target_ms: float) -> float | None:
+    """The share of requests whose *mean* ITL misses ``target_ms``, estimated from the gap and
+    output-length histograms (what a frontend exposes; it keeps no per-request mean).
+
+    A gap is long (over the target, mean ``c``) with probability ``p`` and short (mean ``d``)
+    otherwise, independently; a request of ``k`` gaps misses when more than
+    ``k (target - d) / (c - d)`` of them are long: a binomial tail, weighted by how many requests
+    have ``k`` gaps (each output bucket at its midpoint). One long gap spoils a short request,
+    while a long one averages many away: the gap share alone cannot tell 1% from 20% of requests."""
+    if not itl_buckets or not osl_buckets or osl_buckets[-1][1] <= 0:
+        return None
+    d, c, p = _bucket_means(itl_buckets, target_ms)
+    if p <= 0.0:
+        return 0.0
+    if c <= d:
+        return p
+    allowed = (target_ms - d) / (c - d)  # share of a request's gaps that may be long
+    total = osl_buckets[-1][1]
+    missed, lo, prev = 0.0, 0.0, 0.0
+    for bound, count in osl_buckets:
+        n = count - prev
+        lo_b, prev = lo, count
+        lo = bound
+        if n <= 0:
+            continue
+        tokens = 2.0 * lo_b if bound == float("inf") else (lo_b + bound) / 2.0
+        k = min(int(round(tokens)) - 1, 400)
+        if k < 1:
+            continue
+        j = math.floor(k * allowed) + 1  # this many long gaps or more: a miss
+        if j > k:
+            continue
+        tail = sum(math.comb(k, i) * p**i * (1.0 - p) ** (k - i) for i in range(j, min(k, j + 60) + 1))
+        missed += n * min(1.0, tail)
+    return missed / total
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +142,10 @@ class PoolObservation:
     pool: str  # POOL_*
     ready: int
     loads: tuple[WorkerLoad, ...] = ()
+    # Workers launched but not ready yet, and workers draining (no new work, still running and
+    # paid for): both hold GPUs, so a budget check that ignores them overshoots while they last.
+    starting: int = 0
+    draining: int = 0
 
 
 @dataclass(frozen=True, slots=True)

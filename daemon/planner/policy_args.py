@@ -16,11 +16,13 @@ import argparse
 from typing import Any
 
 from dynamod.daemon.planner.load_policy import (
+    DEFAULT_STARTUP_S,
     OPTIMIZATION_TARGETS,
     LoadPolicy,
     LoadPolicyConfig,
     ReplicaBudget,
 )
+from dynamod.daemon.planner.perf_profile import PerfProfile, default_profile_path
 from dynamod.daemon.planner.policy import PlannerPolicy
 from dynamod.shared.config import env_or
 from dynamod.shared.errors import ConfigError
@@ -32,6 +34,8 @@ PREDICTORS = ("constant", "moving-average", "kalman", "arima")
 # Dynamo: load_adjustment_interval_seconds = 5, throughput_adjustment_interval_seconds = 180.
 DEFAULT_LOAD_INTERVAL_S = 5.0
 DEFAULT_SLA_INTERVAL_S = 180.0
+DEFAULT_TTFT_MS = 500.0  # Dynamo SLAPlannerDefaults
+DEFAULT_ITL_MS = 50.0
 
 
 def _env_default(env: str, default: object, kind: type) -> Any:
@@ -103,15 +107,23 @@ def add_policy_args(parser: argparse.ArgumentParser | Any) -> None:
     _add(ld, "--scale-up-grace-period", env="DYN_PLANNER_SCALE_UP_GRACE_PERIOD", default=60.0, kind=float,
          metavar="SECONDS",
          help="after a change, hold the pool until its new count is ready, for at most this long")
+    _add(ld, "--worker-startup-time", env="DYN_PLANNER_WORKER_STARTUP_TIME", default=None, kind=float,
+         metavar="SECONDS",
+         help="a new worker's launch to ready; the scale-down hysteresis is a multiple of it (none: 30, "
+              "or --startup-delay in a replay)")
+    _add(ld, "--scale-down-window", env="DYN_PLANNER_SCALE_DOWN_WINDOW", default=None, kind=float, metavar="SECONDS",
+         help="shrink a pool only when the smaller fleet would have sufficed for this long (none: 6 x the "
+              "worker start-up time)")
     _add(ld, "--context-length", env="DYN_PLANNER_CONTEXT_LENGTH", default=None, kind=int,
          help="model context length for the prefill queue ratio (none: the workers' model card)")
     _add(ld, "--kv-block-size", env="DYN_PLANNER_KV_BLOCK_SIZE", default=None, kind=int,
          help="tokens per KV block, to count queued prompts as KV demand (none: the model card)")
-    s = mk("SLA planner (--planner sla)")
-    _add(s, "--ttft", env="DYN_PLANNER_TTFT", default=500.0, kind=float, metavar="MS", help="TTFT target in ms")
-    _add(s, "--itl", env="DYN_PLANNER_ITL", default=50.0, kind=float, metavar="MS", help="ITL target in ms")
+    s = mk("SLA targets and the SLA planner (--planner sla; both planners scale on TTFT/ITL misses)")
+    _add(s, "--ttft", env="DYN_PLANNER_TTFT", default=DEFAULT_TTFT_MS, kind=float, metavar="MS", help="TTFT target in ms")
+    _add(s, "--itl", env="DYN_PLANNER_ITL", default=DEFAULT_ITL_MS, kind=float, metavar="MS", help="ITL target in ms")
     _add(s, "--profile", env="DYN_PLANNER_PROFILE", default=None, kind=str, metavar="PATH",
-         help="performance profile JSON from `dynamod profile` (none: the shipped mocker profile)")
+         help="performance profile JSON from `dynamod profile`, both planners' capacity model "
+              "(none: the shipped mocker profile)")
     _add(s, "--load-predictor", env="DYN_PLANNER_LOAD_PREDICTOR", default="arima", kind=str, choices=PREDICTORS,
          help="how the next interval's request count, ISL and OSL are predicted")
     _add(s, "--load-predictor-log1p", env="DYN_PLANNER_LOAD_PREDICTOR_LOG1P", default=False, kind=bool,
@@ -127,6 +139,9 @@ def add_policy_args(parser: argparse.ArgumentParser | Any) -> None:
          help="points before the Kalman filter predicts (the last value until then)")
     _add(s, "--no-correction", env="DYN_PLANNER_NO_CORRECTION", default=False, kind=bool,
          help="do not correct the profile by observed TTFT/ITL")
+    _add(s, "--reactive-interval", env="DYN_PLANNER_REACTIVE_INTERVAL", default=5.0, kind=float, metavar="SECONDS",
+         help="the SLA planner's fast loop: seconds between reactive decisions on live load and SLA misses "
+              "(--adjustment-interval is its slow, predictive loop); 0: the slow loop only")
     _add(s, "--max-throughput-scaling-replicas", env="DYN_PLANNER_MAX_THROUGHPUT_SCALING_REPLICAS", default=8,
          kind=int, help="largest change of one pool in one SLA decision")
 
@@ -135,6 +150,10 @@ def _get(args: argparse.Namespace, name: str, default: Any) -> Any:
     """Attribute or default: a caller may build ``args`` by hand with only the flags it cares for."""
     value = getattr(args, name, None)
     return default if value is None else value
+
+
+def _profile(args: argparse.Namespace) -> PerfProfile:
+    return PerfProfile.load(_get(args, "profile", default_profile_path()))
 
 
 def budget_from_args(args: argparse.Namespace) -> ReplicaBudget:
@@ -173,13 +192,16 @@ def build_policy(args: argparse.Namespace) -> PlannerPolicy:
             grace_period_s=float(_get(args, "scale_up_grace_period", 60.0)),
             context_length=getattr(args, "context_length", None),
             kv_block_size=getattr(args, "kv_block_size", None),
-        ).validate())
-    from dynamod.daemon.planner.perf_profile import PerfProfile, default_profile_path
+            ttft_ms=float(_get(args, "ttft", DEFAULT_TTFT_MS)),
+            itl_ms=float(_get(args, "itl", DEFAULT_ITL_MS)),
+            startup_s=float(_get(args, "worker_startup_time", DEFAULT_STARTUP_S)),
+            scale_down_window_s=getattr(args, "scale_down_window", None),
+        ).validate(), _profile(args))
     from dynamod.daemon.planner.predictors import PredictorConfig
     from dynamod.daemon.planner.sla_policy import SlaPolicy, SlaPolicyConfig
 
     interval = float(_get(args, "adjustment_interval", DEFAULT_SLA_INTERVAL_S))
-    profile = PerfProfile.load(_get(args, "profile", default_profile_path()))
+    profile = _profile(args)
     predictor = PredictorConfig(
         kind=_get(args, "load_predictor", "arima"),
         log1p=bool(_get(args, "load_predictor_log1p", False)),
@@ -193,9 +215,13 @@ def build_policy(args: argparse.Namespace) -> PlannerPolicy:
         mode=mode,
         interval_s=interval,
         budget=budget,
-        ttft_ms=float(_get(args, "ttft", 500.0)),
-        itl_ms=float(_get(args, "itl", 50.0)),
+        ttft_ms=float(_get(args, "ttft", DEFAULT_TTFT_MS)),
+        itl_ms=float(_get(args, "itl", DEFAULT_ITL_MS)),
         predictor=predictor,
         correction=not bool(_get(args, "no_correction", False)),
         max_scaling_step=int(_get(args, "max_throughput_scaling_replicas", 8)),
+        reactive_interval_s=float(_get(args, "reactive_interval", 5.0)),
+        startup_s=float(_get(args, "worker_startup_time", DEFAULT_STARTUP_S)),
+        scale_down_window_s=getattr(args, "scale_down_window", None),
+        grace_period_s=float(_get(args, "scale_up_grace_period", 60.0)),
     ).validate(), profile)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import httpx
@@ -47,6 +47,8 @@ TTFT = "dynamo_frontend_time_to_first_token_seconds"
 ITL = "dynamo_frontend_inter_token_latency_seconds"
 ISL = "dynamo_frontend_input_sequence_tokens"
 OSL = "dynamo_frontend_output_sequence_tokens"
+PROMPT_TOKENS = "dynamo_frontend_prompt_tokens_total"
+CACHED_TOKENS = "dynamo_frontend_cached_tokens_total"
 
 _SERIES = {
     REQUESTS: "requests",
@@ -55,7 +57,12 @@ _SERIES = {
     f"{ITL}_sum": "itl_sum", f"{ITL}_count": "itl_count",
     f"{ISL}_sum": "isl_sum", f"{ISL}_count": "isl_count",
     f"{OSL}_sum": "osl_sum", f"{OSL}_count": "osl_count",
+    PROMPT_TOKENS: "prompt_tokens", CACHED_TOKENS: "cached_tokens",
 }
+# Histogram buckets kept per upper bound: how many requests (TTFT) and token gaps (ITL) missed
+# a target, which the means cannot say.
+_BUCKETS = {f"{TTFT}_bucket": "ttft_le", f"{ITL}_bucket": "itl_le", f"{OSL}_bucket": "osl_le"}
+_DICTS = ("ttft_le", "itl_le", "osl_le")
 
 
 class TrafficSource(Protocol):
@@ -88,14 +95,21 @@ class FrontendTotals:
     osl_sum: float = 0.0
     osl_count: float = 0.0
     inflight: float = 0.0
+    prompt_tokens: float = 0.0
+    cached_tokens: float = 0.0
+    ttft_le: dict[float, float] = field(default_factory=dict)  # upper bound (s) -> cumulative count
+    itl_le: dict[float, float] = field(default_factory=dict)
+    osl_le: dict[float, float] = field(default_factory=dict)  # upper bound (tokens) -> cumulative count
 
     def minus(self, earlier: FrontendTotals) -> FrontendTotals:
         """The increase since ``earlier``; from zero when any counter went down (a restart, which
         also started the in-flight count from zero)."""
-        names = [f.name for f in fields(self)]
+        names = [f.name for f in fields(self) if f.name not in _DICTS]
         if any(getattr(self, n) < getattr(earlier, n) for n in names if n != "inflight"):
-            return FrontendTotals(**{n: getattr(self, n) for n in names})
-        return FrontendTotals(**{n: getattr(self, n) - getattr(earlier, n) for n in names})
+            return FrontendTotals(**{n: getattr(self, n) for n in names},
+                                  **{d: dict(getattr(self, d)) for d in _DICTS})
+        return FrontendTotals(**{n: getattr(self, n) - getattr(earlier, n) for n in names},
+                              **{d: _combine(getattr(self, d), getattr(earlier, d), -1.0) for d in _DICTS})
 
     @property
     def arrivals(self) -> float:
@@ -103,7 +117,18 @@ class FrontendTotals:
         return max(0.0, self.requests + self.inflight)
 
     def plus(self, other: FrontendTotals) -> FrontendTotals:
-        return FrontendTotals(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+        return FrontendTotals(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                                 for f in fields(self) if f.name not in _DICTS},
+                              **{d: _combine(getattr(self, d), getattr(other, d), 1.0) for d in _DICTS})
+
+
+def _combine(a: dict[float, float], b: dict[float, float], sign: float) -> dict[float, float]:
+    return {k: max(0.0, a.get(k, 0.0) + sign * b.get(k, 0.0)) for k in set(a) | set(b)}
+
+
+def _buckets_ms(le: dict[float, float], scale: float = 1000.0) -> tuple[tuple[float, float], ...]:
+    """``TrafficSample`` histogram pairs (upper bound in ms, or x ``scale``; cumulative count), sorted."""
+    return tuple((k * scale, v) for k, v in sorted(le.items())) if le and max(le.values()) > 0 else ()
 
 
 def parse_totals(text: str, model: str | None = None) -> FrontendTotals:
@@ -114,10 +139,17 @@ def parse_totals(text: str, model: str | None = None) -> FrontendTotals:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             attr = _SERIES.get(s.name)
-            if attr is None:
+            bucket = _BUCKETS.get(s.name)
+            if attr is None and bucket is None:
                 continue
             if wanted is not None and s.labels.get("model", "").lower() != wanted:
                 continue
+            if bucket is not None:
+                le = float(s.labels.get("le", "inf"))
+                counts = getattr(totals, bucket)
+                counts[le] = counts.get(le, 0.0) + s.value
+                continue
+            assert attr is not None
             setattr(totals, attr, getattr(totals, attr) + s.value)
     return totals
 
@@ -133,6 +165,10 @@ def sample_from(delta: FrontendTotals, duration_s: float) -> TrafficSample:
         osl=mean(delta.osl_sum, delta.osl_count),
         ttft_ms=mean(delta.ttft_sum, delta.ttft_count, 1000.0),
         itl_ms=mean(delta.itl_sum, delta.itl_count, 1000.0),
+        ttft_buckets=_buckets_ms(delta.ttft_le),
+        itl_buckets=_buckets_ms(delta.itl_le),
+        osl_buckets=_buckets_ms(delta.osl_le, 1.0),
+        hit_rate=mean(delta.cached_tokens, delta.prompt_tokens),
     )
 
 

@@ -131,6 +131,8 @@ def _planner(args: argparse.Namespace, topology: tuple[int, int] | None, mocker:
         raise ConfigError("a replay needs at least one worker per pool: --min-endpoint >= 1")
     if args.startup_delay < 0:
         raise ConfigError(f"--startup-delay must be >= 0, got {args.startup_delay}")
+    if getattr(args, "worker_startup_time", None) is None:
+        args.worker_startup_time = args.startup_delay  # the policy's hysteresis follows the replay's start-up
     policy = build_policy(args)
     set_model = getattr(policy, "set_model", None)
     if set_model is not None:

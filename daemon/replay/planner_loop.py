@@ -6,7 +6,14 @@ requests that finished in the interval as the traffic sample), asks the policy, 
 answer out as a connector would: a scale-up launches a core that takes no work until
 ``startup_s`` has passed (it is paid for from launch), a scale-down first cancels cores still
 starting, then drains the least-loaded ready cores (no new requests; they stop when their
-in-flight work is done, so no request is lost).
+in-flight work is done, so no request is lost). Every GPU held (starting, ready or draining
+workers) counts against ``--max-gpu-budget``: a launch that would pass it waits for a drain to end,
+so a P/D rebalance never exceeds the budget, even for a moment.
+
+The observation carries what the live planner reads: per worker its load report, how long it has
+been ready and its prefix hit rate; per pool the workers starting and draining; and the traffic
+sample with the frontends' TTFT (requests whose first token came in the interval) and ITL (the
+token gaps of requests that finished in it) histograms, on the frontend's own buckets.
 
 ``compare_static`` replays the same requests on every static allocation the budget allows, to say
 what the planner bought: see ``StaticComparison``.
@@ -14,12 +21,15 @@ what the planner bought: see ``StaticComparison``.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dynamod.daemon.planner.load_policy import ReplicaBudget
+from dynamod.daemon.frontend.metrics import _ITL_BUCKETS as ITL_BUCKETS_S
+from dynamod.daemon.frontend.metrics import _TOKEN_BUCKETS as TOKEN_BUCKETS
+from dynamod.daemon.planner.budget import ReplicaBudget
 from dynamod.daemon.planner.policy import (
     Observation,
     PlannerPolicy,
@@ -28,12 +38,16 @@ from dynamod.daemon.planner.policy import (
     WorkerLoad,
 )
 from dynamod.daemon.replay.report import RequestStats
+from dynamod.shared.observability.metrics import LATENCY_BUCKETS
 from dynamod.shared.protocol.planner import ACTION_HOLD, POOL_AGG, POOL_DECODE, POOL_PREFILL
 
 if TYPE_CHECKING:
     from dynamod.daemon.replay.simulator import _Pool, _Simulation
 
 DEFAULT_STARTUP_S = 30.0  # a worker's launch to ready: engine start, weights loaded, registered
+TTFT_BOUNDS_MS = tuple(b * 1000.0 for b in LATENCY_BUCKETS)  # the frontend's histogram buckets
+ITL_BOUNDS_MS = tuple(b * 1000.0 for b in ITL_BUCKETS_S)
+OSL_BOUNDS = tuple(float(b) for b in TOKEN_BUCKETS)
 
 
 @dataclass(slots=True)
@@ -47,6 +61,11 @@ class ReplayPlanner:
     reasons: dict[str, int] = field(default_factory=dict)
     _window: list[RequestStats] = field(default_factory=list)
     _open_before: int = 0  # requests in flight at the previous tick
+    _seen: int = 0  # requests (in arrival order) already watched for their first token
+    _awaiting: list[RequestStats] = field(default_factory=list)  # arrived, no first token yet
+    _streaming: list[RequestStats] = field(default_factory=list)  # first token seen, not finished at the last tick
+    _last_tick_ms: float = 0.0
+    max_gpus_held: int = 0  # the most GPUs held at once (starting + ready + draining)
 
     @property
     def interval_ms(self) -> float:
@@ -68,7 +87,13 @@ class ReplayPlanner:
         plans = self.policy.plan(observation)
         self.decisions += 1
         pools = self.pools(sim)
-        for name, plan in plans.items():
+        budget = _budget_of(self.policy)
+        # Shrink first: a rebalance frees GPUs (once the drains end) before the other pool grows.
+        def grows(name: str) -> bool:
+            pool = pools.get(name)
+            return pool is None or plans[name].desired >= len(pool.ids(STARTING)) + len(pool.ids(READY))
+
+        for name, plan in sorted(plans.items(), key=lambda kv: grows(kv[0])):
             pool = pools.get(name)
             if pool is None:
                 continue
@@ -76,8 +101,13 @@ class ReplayPlanner:
             starting, ready = pool.ids(STARTING), pool.ids(READY)
             have = len(starting) + len(ready)
             if plan.desired > have:
-                self.scale_ups += 1
-                for _ in range(plan.desired - have):
+                launch = plan.desired - have
+                if budget is not None and budget.max_gpu_budget > 0:
+                    per = budget.gpus_for(name)
+                    launch = min(launch, max(0, budget.max_gpu_budget - gpus_held(pools, budget)) // per)
+                if launch:
+                    self.scale_ups += 1
+                for _ in range(launch):
                     sim.launch_core(pool, self.startup_s * 1000.0)
             elif plan.desired < have:
                 self.scale_downs += 1
@@ -92,29 +122,67 @@ class ReplayPlanner:
                     "t_s": round(sim.now / 1000.0, 1), "pool": name, "ready": len(ready), "desired": plan.desired,
                     "action": plan.action, "reason": plan.reason,
                 })
+        if budget is not None:
+            self.max_gpus_held = max(self.max_gpus_held, gpus_held(pools, budget))
 
     def observe(self, sim: _Simulation) -> Observation:
-        from dynamod.daemon.replay.simulator import READY
+        from dynamod.daemon.replay.simulator import DRAINING, READY, STARTING
 
+        now_ms = sim.now
+        startup_ms = self.startup_s * 1000.0
         pools: dict[str, PoolObservation] = {}
         for name, pool in self.pools(sim).items():
             loads = []
             for w in pool.ids(READY):
                 load = pool.cores[w].load()
+                # cores of the starting fleet are ready from 0; launched ones startup_s after launch
+                ready_at = pool.launched_ms[w] + (startup_ms if pool.launched_ms[w] > 0 else 0.0)
                 loads.append(WorkerLoad(
                     worker_id=w, kv_usage=load.kv_usage, num_waiting=load.num_waiting, num_running=load.num_running,
                     # as a live worker reports it: the batch being computed is still queued
                     active_prefill_tokens=load.active_prefill_tokens + pool.inflight_prefill[w],
                     active_decode_blocks=load.active_blocks, total_blocks=load.total_blocks,
+                    ready_for_s=max(0.0, (now_ms - ready_at) / 1000.0), prefix_hit_rate=load.prefix_hit_rate,
                 ))
-            pools[name] = PoolObservation(pool=name, ready=len(loads), loads=tuple(loads))
+            pools[name] = PoolObservation(pool=name, ready=len(loads), loads=tuple(loads),
+                                          starting=len(pool.ids(STARTING)), draining=len(pool.ids(DRAINING)))
         window, self._window = self._window, []
         # Arrivals, as the live planner counts them: finished plus the growth of in-flight.
         open_now = sim.open_requests
         arrivals = len(window) + open_now - self._open_before
         self._open_before = open_now
-        traffic = traffic_sample(window, self.policy.interval_s, arrivals=arrivals)
+        firsts = self._first_tokens(sim)
+        traffic = traffic_sample(window, self.policy.interval_s, arrivals=arrivals, first_tokens=firsts,
+                                 inflight=open_now, gaps=self._gaps(firsts, sim.now))
         return Observation(now=sim.now / 1000.0, pools=pools, traffic=traffic)
+
+    def _gaps(self, firsts: list[RequestStats], now_ms: float) -> list[float]:
+        """Token gaps that ended in this interval, of every streaming request: the frontend
+        observes each gap as the token goes out, not when the request ends."""
+        since = self._last_tick_ms
+        self._last_tick_ms = now_ms
+        self._streaming.extend(firsts)
+        out: list[float] = []
+        still = []
+        for st in self._streaming:
+            times = st.token_times
+            i = max(1, bisect.bisect_right(times, since))
+            out.extend(times[j] - times[j - 1] for j in range(i, len(times)))
+            if st.finish_ms < 0:
+                still.append(st)
+        self._streaming = still
+        return out
+
+    def _first_tokens(self, sim: _Simulation) -> list[RequestStats]:
+        """Requests whose first token came since the last tick (the frontend observes TTFT then)."""
+        stats = sim.stats
+        if len(stats) > self._seen:
+            self._awaiting.extend(itertools.islice(stats.values(), self._seen, None))
+            self._seen = len(stats)
+        got = [s for s in self._awaiting if s.token_times]
+        if got:
+            self._awaiting = [s for s in self._awaiting if not s.token_times]
+        return got
 
     def report(self, sim: _Simulation, done: list[RequestStats], end_ms: float) -> dict[str, Any]:
         pools = self.pools(sim)
@@ -129,28 +197,66 @@ class ReplayPlanner:
             "launched": {name: len(pool.cores) for name, pool in pools.items()},
             "peak_workers": {name: peak_workers(pool, end_ms) for name, pool in pools.items()},
             "worker_seconds": {name: round(pool.worker_seconds(end_ms), 3) for name, pool in pools.items()},
+            "max_gpus_held": self.max_gpus_held,
             "timeline": self.timeline,
         }
 
 
-def traffic_sample(window: list[RequestStats], duration_s: float, arrivals: int | None = None) -> TrafficSample:
+def _budget_of(policy: PlannerPolicy) -> ReplicaBudget | None:
+    budget = getattr(getattr(policy, "config", None), "budget", None)
+    return budget if isinstance(budget, ReplicaBudget) else None
+
+
+def gpus_held(pools: dict[str, _Pool], budget: ReplicaBudget) -> int:
+    """GPUs held now: every core launched and not stopped (starting, ready or draining)."""
+    from dynamod.daemon.replay.simulator import STOPPED
+
+    return sum(sum(1 for st in pool.state if st != STOPPED) * budget.gpus_for(name) for name, pool in pools.items())
+
+
+def _histogram(values: Iterable[float], bounds: tuple[float, ...]) -> tuple[tuple[float, float], ...]:
+    """Cumulative ``(upper bound, count)`` pairs, as a Prometheus histogram exposes them."""
+    counts = [0] * (len(bounds) + 1)
+    for v in values:
+        counts[bisect.bisect_left(bounds, v)] += 1
+    out, total = [], 0
+    for bound, c in zip((*bounds, float("inf")), counts, strict=True):
+        total += c
+        out.append((bound, float(total)))
+    return tuple(out) if total else ()
+
+
+def traffic_sample(window: list[RequestStats], duration_s: float, arrivals: int | None = None,
+                   first_tokens: list[RequestStats] | None = None, inflight: int | None = None,
+                   gaps: list[float] | None = None) -> TrafficSample:
     """What a frontend's metrics say about one interval: the requests that arrived (``arrivals``;
-    by default the ones that finished) and the finished ones' mean ISL, OSL, TTFT and ITL
-    (token-weighted, as a Prometheus histogram's mean)."""
+    by default the ones that finished), the finished ones' mean ISL, OSL and ITL (token-weighted,
+    as a Prometheus histogram's mean), the histogram of the token gaps that ended in the interval
+    (``gaps``; by default the finished requests' gaps), and the TTFT and ISL of the requests whose
+    first token came in it (``first_tokens``; by default the finished ones), as the frontend
+    observes them."""
     count = float(len(window) if arrivals is None else max(0, arrivals))
-    if not window:
-        return TrafficSample(duration_s=duration_s, num_requests=count, isl=None, osl=None, ttft_ms=None, itl_ms=None)
+    firsts = window if first_tokens is None else first_tokens
+    ttfts = [s.token_times[0] - s.arrival_ms for s in firsts if s.token_times]
+    if gaps is None:
+        gaps = [b - a for s in window for a, b in itertools.pairwise(s.token_times)]
     n = len(window)
-    ttfts = [s.token_times[0] - s.arrival_ms for s in window if s.token_times]
-    gaps = sum(s.token_times[-1] - s.token_times[0] for s in window if len(s.token_times) > 1)
+    gap_total = sum(s.token_times[-1] - s.token_times[0] for s in window if len(s.token_times) > 1)
     gap_count = sum(len(s.token_times) - 1 for s in window if len(s.token_times) > 1)
+    prompt = sum(s.prompt_tokens for s in window)
+    isl_from = [s for s in firsts if s.token_times]
     return TrafficSample(
         duration_s=duration_s,
         num_requests=count,
-        isl=sum(s.prompt_tokens for s in window) / n,
-        osl=sum(max(1, s.output_tokens) for s in window) / n,
+        isl=sum(s.prompt_tokens for s in isl_from) / len(isl_from) if isl_from else None,
+        osl=sum(max(1, s.output_tokens) for s in window) / n if n else None,
         ttft_ms=sum(ttfts) / len(ttfts) if ttfts else None,
-        itl_ms=gaps / gap_count if gap_count else None,
+        itl_ms=gap_total / gap_count if gap_count else None,
+        ttft_buckets=_histogram(ttfts, TTFT_BOUNDS_MS),
+        itl_buckets=_histogram(gaps, ITL_BOUNDS_MS),
+        osl_buckets=_histogram((max(1, s.output_tokens) for s in window), OSL_BOUNDS),
+        inflight=None if inflight is None else float(inflight),
+        hit_rate=sum(s.cached_tokens for s in window) / prompt if prompt else None,
     )
 
 

@@ -50,7 +50,9 @@ def page(requests: float, ttft: tuple[float, float], itl: tuple[float, float], i
 
 def test_parse_totals_filters_the_model_case_insensitively() -> None:
     text = page(10, (1.0, 10), (0.5, 100), (1000, 10), (200, 10))
-    assert parse_totals(text, "TINY") == FrontendTotals(10, 1.0, 10, 0.5, 100, 1000, 10, 200, 10)
+    assert parse_totals(text, "TINY") == FrontendTotals(10, 1.0, 10, 0.5, 100, 1000, 10, 200, 10,
+                                                        ttft_le={float("inf"): 10}, itl_le={float("inf"): 100},
+                                                        osl_le={float("inf"): 10})
     assert parse_totals(text).requests == 1010
     assert parse_totals(page(1, (0, 0), (0, 0), (0, 0), (0, 0), inflight=3), "tiny").inflight == 3
 
@@ -217,6 +219,10 @@ async def test_pools_count_ready_workers_by_role_and_keep_their_last_load(runtim
         assert {p: o.ready for p, o in pools.items()} == {"prefill": 1, "decode": 2, "agg": 1}
         assert [w.worker_id for w in pools["decode"].loads] == [2, 3]  # the draining worker's load is not capacity
         assert pools["decode"].loads[0].kv_usage == pytest.approx(0.2)
+        assert pools["decode"].draining == 1  # still paid for: the GPU budget counts it
+        # how long each worker has been ready, for the policies' cold-start rule
+        later = watch.pools(now=time.monotonic() + 60.0)
+        assert all(w.ready_for_s is not None and w.ready_for_s >= 59.0 for w in later["decode"].loads)
 
         # A worker that leaves discovery takes its report with it.
         await store.delete(gone)

@@ -38,10 +38,18 @@ def test_exactly_at_throughput_threshold_holds() -> None:
     assert plan.action == ACTION_HOLD
 
 
-def test_scale_down_when_all_under_and_survivors_fit() -> None:
-    plan = policy().plan(agg(0, worker(0, blocks=20, running=2), worker(1, blocks=10, running=1),
-                             worker(2, blocks=0)))["agg"]
-    assert (plan.desired, plan.action, plan.reason) == (2, ACTION_SCALE_DOWN, "kv_usage_low")
+def test_scale_down_when_all_under_and_survivors_fit_after_the_release_window() -> None:
+    # Was: down at the first low reading. A worker costs a start-up to bring back, so the pool
+    # shrinks only after evidence that the smaller fleet sufficed: a window of 6 x 10 s start-up,
+    # of which a planner just started needs a third.
+    p = policy(startup_s=10.0)
+    low = (worker(0, blocks=20, running=2), worker(1, blocks=10, running=1), worker(2, blocks=0))
+    plan = p.plan(agg(0, *low))["agg"]
+    assert (plan.desired, plan.action, plan.reason) == (3, ACTION_HOLD, "release_window")
+    for t in range(5, 15, 5):
+        assert p.plan(agg(t, *low))["agg"].action == ACTION_HOLD
+    plan = p.plan(agg(15, *low))["agg"]
+    assert plan.action == ACTION_SCALE_DOWN and plan.desired < 3
 
 
 def test_consolidation_guard_keeps_a_worker_the_survivor_could_not_carry() -> None:
@@ -84,7 +92,10 @@ def test_prefill_queue_ratio_needs_context_length() -> None:
         "prefill": PoolObservation("prefill", 1, (worker(0, prefill=150),)),
         "decode": PoolObservation("decode", 1, (worker(1, blocks=20, running=2),)),
     })
-    assert p.plan(obs)["prefill"].reason == "insufficient_data"
+    # Without the context length the queue ratio cannot be read, but the queued tokens still
+    # count (was: the pool held with "insufficient_data", and queued requests never counted).
+    assert p.plan(obs)["prefill"].reason != "queue_high"
+    p = LoadPolicy(LoadPolicyConfig(mode="disagg", optimization_target="latency"))
     p.set_model(context_length=1000, kv_block_size=16)
     plans = p.plan(obs)
     assert (plans["prefill"].desired, plans["prefill"].reason) == (2, "queue_high")  # 150 / 1000 >= 0.1

@@ -25,7 +25,10 @@ def test_defaults_are_dynamos() -> None:
     assert policy.config.budget.max_gpu_budget == 8 and policy.config.budget.decode_min == 1
     sla = build_policy(parse("--planner", "sla", "--load-predictor", "constant"))
     assert isinstance(sla, SlaPolicy)
-    assert (sla.interval_s, sla.config.ttft_ms, sla.config.itl_ms) == (180.0, 500.0, 50.0)
+    # Two loops: the slow (predictive) one every 180 s as Dynamo's, the fast (reactive) one every
+    # 5 s, which is how often the policy is asked (was 180 s: misses waited three minutes).
+    assert (sla.config.interval_s, sla.config.ttft_ms, sla.config.itl_ms) == (180.0, 500.0, 50.0)
+    assert sla.interval_s == 5.0
     assert sla.profile.engine == "mocker"
 
 

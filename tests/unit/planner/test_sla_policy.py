@@ -65,21 +65,31 @@ def test_gpu_budget_scales_both_pools_dynamo_style() -> None:
     obs = Observation(now=30, pools={"prefill": PoolObservation("prefill", 1), "decode": PoolObservation("decode", 1)},
                       traffic=TrafficSample(duration_s=30, num_requests=300, isl=3000, osl=600, ttft_ms=None, itl_ms=None))
     plans = p.plan(obs)
-    # raw: prefill 3, decode 10 x 600 / 3660 = 2 -> 5 GPUs > 4: scale 0.8, prefill floor(2.4) = 2, decode 4 - 2 = 2
-    assert plans["prefill"].inputs["raw_replicas"] == 3 and plans["decode"].inputs["raw_replicas"] == 2
+    # Prefill: 30,000 tok/s / 10,000 at the utilisation whose M/D/1 wait fits TTFT 500 ms with a
+    # 300 ms prompt (2 x 200 / (300 + 2 x 200) = 0.571) -> 5.25 -> 6 (ceil(share) said 3);
+    # decode 10 x 600 / 3660 -> 2. 6 is over the 4 GPUs alone -> 4; 4 + 2 > 4: scale 4/6,
+    # prefill floor(2.67) = 2, decode 4 - 2 = 2.
+    assert plans["prefill"].inputs["predicted_floor"] == 6 and plans["prefill"].inputs["dynamo_replicas"] == 3
+    assert plans["decode"].inputs["predicted_floor"] == 2
     assert (plans["prefill"].desired, plans["decode"].desired) == (2, 2)
     assert plans["prefill"].reason == "at_max_budget"
     assert plans["prefill"].action == ACTION_SCALE_UP
     assert plans["decode"].predicted == {"request_rate": 10.0, "isl": 3000.0, "osl": 600.0}
 
 
-def test_agg_sizes_one_pool_by_time_sharing() -> None:
-    p = sla("agg")
-    # 30,000 / 10,000 + 2,000 / 3,660 = 3.55 -> 4
+def test_agg_sizes_one_pool_by_the_prefill_share_itl_allows() -> None:
+    p = sla("agg", budget=ReplicaBudget(max_gpu_budget=32))
+    # Dynamo's time sharing: 30,000 / 10,000 + 2,000 / 3,660 = 3.55 -> 4 (every engine 100% busy)
     assert p.size(10, 3000, 200, 1.0, 1.0).decode_replicas == 4
+    # Was the plan. But a chunk step (300 ms) among 10 ms decode steps keeps a request's mean ITL
+    # within 50 ms only while (50 - 10) / (300 - 10) = 0.138 of the steps carry one: 3 workers'
+    # worth of prefill at that share -> 21.75 -> 22.
     obs = Observation(now=30, pools={"agg": PoolObservation("agg", 1)},
                       traffic=TrafficSample(duration_s=30, num_requests=300, isl=3000, osl=200, ttft_ms=None, itl_ms=None))
-    assert p.plan(obs)["agg"].desired == 4
+    plan = p.plan(obs)["agg"]
+    assert plan.desired == 9 and plan.reason == "max_scaling_step"  # the step cap (8 per decision) from 1
+    assert plan.inputs["predicted_floor"] == 22 and plan.inputs["dynamo_replicas"] == 4
+    assert plan.inputs["prefill_cap"] == pytest.approx(0.138, abs=1e-3)
 
 
 def test_no_traffic_holds_and_step_cap_applies() -> None:

@@ -32,7 +32,7 @@ def burst_rows() -> list[tuple[float, list[int], int]]:
 
 def load_planner(mode: str = "agg", **budget: int) -> ReplayPlanner:
     policy = LoadPolicy(LoadPolicyConfig(mode=mode, interval_s=2.0, optimization_target="latency",
-                                         grace_period_s=10.0, context_length=2048,
+                                         grace_period_s=10.0, context_length=2048, startup_s=2.0,
                                          budget=ReplicaBudget(max_gpu_budget=4, **budget)))
     return ReplayPlanner(policy, startup_s=2.0)
 
