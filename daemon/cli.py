@@ -20,6 +20,7 @@ import sys
 
 from dynamod import __version__
 from dynamod.daemon.lifecycle import run_role
+from dynamod.shared.cli_parser import ArgumentParser, unrecognized_message
 from dynamod.shared.errors import DynamoError
 from dynamod.shared.observability.logging import configure_logging
 
@@ -55,7 +56,7 @@ def _available(mapping: dict[str, str]) -> dict[str, str]:
 
 
 def _top_parser(roles: dict[str, str], subcommands: dict[str, str]) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="dynamod",
         description="dynamod: distributed LLM serving. Run one role per process, or `dynamod up` for a local cluster.",
         epilog="subcommands: " + ", ".join(sorted(subcommands)) + "  (see `dynamod SUBCOMMAND --help`)",
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                 top.print_usage(sys.stderr)
                 print(f"dynamod: error: unknown subcommand {argv[0]!r}; choose from {', '.join(sorted(subcommands))}", file=sys.stderr)
                 return 2
+            if rest and not known.help:  # `--rol agg`: say so, as the role parsers do (values not shown)
+                top.error(unrecognized_message(rest))
             top.print_help()
             return 0 if known.help else 2
         if known.help:
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         name, module_name = known.role, roles[known.role]
         prog = f"dynamod --role {name}"
     module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=prog, description=(module.__doc__ or "").strip().split("\n\n")[0])
+    parser = ArgumentParser(prog=prog, description=(module.__doc__ or "").strip().split("\n\n")[0])
     module.add_args(parser)
     # A role may parse in two passes (the worker adds its chosen engine's flags first).
     args = module.parse_args(parser, rest) if hasattr(module, "parse_args") else parser.parse_args(rest)

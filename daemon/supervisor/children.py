@@ -11,8 +11,12 @@ wrote to its log in that run, so an import error or a bad flag is on the operato
 only in a file. A child's output reaches its log through a pipe the supervisor reads
 (``logfile.py``: the log rotates by size without losing lines, and the run's last lines are kept in
 memory for that report). A child that keeps dying (``CrashLoopPolicy``: 5 deaths within 60 s by default) is
-not restarted again: the supervisor records a ``CrashLoop`` and sets ``gave_up``, and its owner
-stops the rest and exits with one message naming the child and its log.
+not restarted again. If it is a pool worker (``ChildSpec.pool``) and another worker of its pool is
+still supervised, only it is given up on (``Child.failed``; ``restart`` starts it again on request)
+and the pool serves on; otherwise the supervisor records a ``CrashLoop`` and sets ``gave_up``, and
+its owner stops the rest and exits with one message naming the child and its log. A child that
+exits with status 2 (argparse's usage error: a bad flag, the same on every restart) is a
+``CrashLoop`` at once, with the child's own error line.
 
 Children can come and go while the supervisor runs (the planner's scaler, ``scaler.py``):
 ``add_child`` starts one under the same restart and crash-loop rules as the first ones, and
@@ -29,11 +33,13 @@ import ctypes
 import logging
 import os
 import signal
+import ssl
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -48,6 +54,7 @@ _STABLE_AFTER_S = 30.0  # a child that ran this long resets its backoff
 _PROBE_INTERVAL_S = 2.0
 LOG_TAIL_LINES = 20
 _DRAIN_WAIT_S = 2.0  # how long a crash report waits for the dead child's last output
+USAGE_EXIT_CODE = 2  # argparse's exit status: a bad flag, which no restart fixes
 
 
 def _child_setup() -> None:
@@ -64,8 +71,12 @@ class ChildSpec:
     name: str
     argv: list[str]
     live_url: str | None = None  # GET must answer 200 while the child is healthy
+    live_ssl: ssl.SSLContext | None = None  # for an https:// live_url (probe.py: the child's own certificate)
     hang_after_s: float = 30.0
     env: dict[str, str] | None = None
+    # Workers of one pool (agg, prefill, decode): a crash loop gives up on this child alone while
+    # another child of its pool is still supervised, instead of stopping everything.
+    pool: str | None = None
 
 
 @dataclass(frozen=True)
@@ -86,9 +97,15 @@ class CrashLoop:
     window_s: float
     last_reason: str
     log_path: Path | None
+    usage_error: str | None = None  # the child's own error line when it exited with status 2
 
     def message(self) -> str:
         where = f"its log: {self.log_path}" if self.log_path is not None else "its output is above"
+        if self.usage_error is not None:
+            return (
+                f"{self.child} refused its flags (exit code {USAGE_EXIT_CODE}): {self.usage_error}; "
+                f"the same flags would fail again, so the cluster is stopped. See {where}"
+            )
         return (
             f"{self.child} died {self.crashes} times within {self.window_s:g}s (last: {self.last_reason}); "
             f"not restarting it, so the cluster is stopped. See {where}"
@@ -110,6 +127,7 @@ class Child:
     _pump: LogPump | None = field(default=None, repr=False)  # the current run's output reader
     _old_pumps: list[LogPump] = field(default_factory=list, repr=False)
     retiring: bool = False  # being stopped for good: its deaths are not crashes, it is not restarted
+    failed: CrashLoop | None = None  # given up on alone (its pool serves on); ``Supervisor.restart`` retries
     _retire: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _retire_grace_s: float = 30.0
 
@@ -128,9 +146,18 @@ def exit_reason(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
-def _probe(url: str) -> bool:
+def _error_line(tail: list[str]) -> str:
+    """The line of a dead child's output that says what was wrong (argparse's ``...: error: ...``),
+    else its last line."""
+    for line in reversed(tail):
+        if ": error: " in line:
+            return line.strip()
+    return tail[-1].strip() if tail else "(its output is above)"
+
+
+def _probe(url: str, context: ssl.SSLContext | None = None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2.0) as resp:
+        with urllib.request.urlopen(url, timeout=2.0, context=context) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -153,6 +180,7 @@ class Supervisor:
         prog: str = "dynamod up",
         log_max_bytes: int = DEFAULT_MAX_BYTES,
         log_backups: int = DEFAULT_BACKUPS,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
         self.children = [Child(spec, (log_dir / f"{spec.name}.log") if log_dir else None) for spec in specs]
         self._log_dir = log_dir
@@ -165,6 +193,43 @@ class Supervisor:
         self._prog = prog
         self.gave_up = asyncio.Event()
         self.crash_loop: CrashLoop | None = None
+        self.on_change = on_change  # called when a child is given up on alone or restarted by request
+
+    def _pool_serves_without(self, child: Child) -> bool:
+        """True when ``child`` is a pool worker and another worker of its pool is supervised
+        (not given up on, not being retired): the pool serves on without it."""
+        pool = child.spec.pool
+        return pool is not None and any(
+            c is not child and c.spec.pool == pool and c.failed is None and not c.retiring for c in self.children
+        )
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change()
+            except Exception:  # a listener's bug must not stop the supervision
+                logger.exception("supervisor change listener failed")
+
+    @property
+    def failed(self) -> list[Child]:
+        """The children given up on alone, whose pools serve on without them."""
+        return [c for c in self.children if c.failed is not None]
+
+    async def restart(self, name: str) -> Child:
+        """Starts a child given up on (``failed``) again, with a fresh crash count: the operator
+        fixed what made it crash, or wants to see it fail once more."""
+        if self._stopping:
+            raise DynamoError(f"cannot restart {name}: the supervisor is stopping")
+        child = self.child(name)
+        if child.failed is None:
+            raise DynamoError(f"{name} is not failed: it is supervised and restarted when it dies")
+        child.failed = None
+        child.restarts += 1
+        await self._spawn(child)
+        self._tasks[name] = asyncio.create_task(self._watch(child), name=f"supervise-{name}")
+        logger.info("child restarted by request name=%s pid=%s", name, child.pid)
+        self._changed()
+        return child
 
     async def start(self) -> None:
         if self._log_dir is not None:
@@ -274,8 +339,31 @@ class Supervisor:
             while deaths and now - deaths[0] > policy.window_s:
                 deaths.popleft()
             tail = await self._log_tail(child)
+            if proc.returncode == USAGE_EXIT_CODE:
+                # A usage error is the same on every restart: stop at once, with the child's words.
+                self.crash_loop = CrashLoop(
+                    child.spec.name, len(deaths), policy.window_s, reason, child.log_path, usage_error=_error_line(tail)
+                )
+                logger.error("child usage error name=%s pid=%d action=give_up log=%s", child.spec.name, proc.pid,
+                             child.log_path)
+                self._report(child, reason, ran_s, "not restarting it (a usage error)", tail, repeated=False)
+                self.gave_up.set()
+                return
             if policy.max_crashes and len(deaths) >= policy.max_crashes:
-                self.crash_loop = CrashLoop(child.spec.name, len(deaths), policy.window_s, reason, child.log_path)
+                loop = CrashLoop(child.spec.name, len(deaths), policy.window_s, reason, child.log_path)
+                if self._pool_serves_without(child):
+                    child.failed = loop
+                    logger.error(
+                        "child crash loop name=%s pid=%d reason=%s deaths=%d window_s=%g action=give_up_alone "
+                        "pool=%s log=%s", child.spec.name, proc.pid, reason, len(deaths), policy.window_s,
+                        child.spec.pool, child.log_path,
+                    )
+                    self._report(child, reason, ran_s, f"not restarting it (crash loop); the other {child.spec.pool} "
+                                 f"workers serve on. `dynamoctl restart {child.spec.name}` tries it again", tail,
+                                 repeated=False)
+                    self._changed()
+                    return
+                self.crash_loop = loop
                 logger.error(
                     "child crash loop name=%s pid=%d reason=%s deaths=%d window_s=%g action=give_up log=%s",
                     child.spec.name, proc.pid, reason, len(deaths), policy.window_s, child.log_path,
@@ -371,7 +459,7 @@ class Supervisor:
                 done, _ = await asyncio.wait([wait], timeout=_PROBE_INTERVAL_S)
                 if done:
                     return exit_reason(wait.result())
-                if await asyncio.to_thread(_probe, url):
+                if await asyncio.to_thread(_probe, url, child.spec.live_ssl):
                     last_ok = time.monotonic()
                 elif time.monotonic() - last_ok > child.spec.hang_after_s:
                     logger.warning("child not answering name=%s pid=%d url=%s action=kill", child.spec.name, proc.pid, url)

@@ -11,6 +11,7 @@ peers), which run ``sys.executable -m`` themselves.
 from __future__ import annotations
 
 import os
+import ssl
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -34,7 +35,8 @@ def daemon_env(overrides: Mapping[str, str] | None = None, *, drop: Sequence[str
 
 
 def daemon_child(
-    name: str, args: Sequence[str], *, env: Mapping[str, str], live_url: str | None = None
+    name: str, args: Sequence[str], *, env: Mapping[str, str], live_url: str | None = None,
+    live_ssl: ssl.SSLContext | None = None,
 ) -> ChildSpec:
     """A supervised ``dynamod`` child: every child of ``dynamod up`` is built here."""
-    return ChildSpec(name, daemon_argv(args), live_url=live_url, env=dict(env))
+    return ChildSpec(name, daemon_argv(args), live_url=live_url, live_ssl=live_ssl, env=dict(env))

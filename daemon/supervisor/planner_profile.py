@@ -30,7 +30,7 @@ def mocker_config(worker_argv: Sequence[str]) -> MockerConfig:
     """The mocker config a worker started with ``worker_argv`` runs: its mocker flags; its other
     flags are not ours to read. A malformed mocker flag is a ``ConfigError`` (the worker would
     refuse it too), not an argparse exit."""
-    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False, exit_on_error=False)
     add_mocker_flags(parser)
     try:
         known, _ = parser.parse_known_args(list(worker_argv))

@@ -254,7 +254,8 @@ class Scaler:
         for (pool, index, child), inflight in zip(found, loads, strict=True):
             out[pool].append(RunningWorker(
                 child.spec.name, pool, index, child.started_at, inflight,
-                retiring=child.retiring or child.spec.name in self._retiring,
+                # A worker given up on (crash loop) serves nobody: not counted, its name still taken.
+                retiring=child.retiring or child.failed is not None or child.spec.name in self._retiring,
             ))
         return out
 

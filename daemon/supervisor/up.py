@@ -18,9 +18,14 @@ workers could serve nothing and is refused.
 
 Discovery is the file backend in the default directory (so ``dynamoctl`` and ``dynamo-console``
 find the cluster without flags), events go over ZMQ, and every part is a real ``dynamod`` process
-that is restarted if it crashes or hangs; a crashed child's last log lines are printed here. A child
-that dies ``--crash-limit`` times within ``--crash-window`` seconds (a bad flag, an import error) is
-not restarted again: `up` stops the cluster and exits non-zero naming the child and its log. Every
+that is restarted if it crashes or hangs (probed as it serves: ``probe.py``); a crashed child's last
+log lines are printed here. A child that exits with a usage error (status 2, a bad flag) stops `up` at
+once with its error line: no restart fixes it. A worker that dies ``--crash-limit`` times within
+``--crash-window`` seconds is not restarted again, but while its pool has other workers the cluster
+serves on without it (``failed.py``: it is listed in discovery, ``dynamoctl restart NAME`` tries it
+again); any other child in a crash loop, or a pool's last worker, stops the cluster and `up` exits
+non-zero naming the child and its log. Flags `up` sets are refused in the pass-through flags
+(``passthrough.py``), and one `up` runs per discovery directory (``cluster_lock.py``). Every
 child runs ``python -P`` (see ``launcher.py``), so a folder named ``dynamod`` in the directory `up`
 is started from cannot shadow the package. A child's log rotates when it would pass
 ``--log-max-bytes`` (``worker-0.log`` -> ``worker-0.log.1`` ... ``.<--log-backups>``): the
@@ -40,17 +45,20 @@ import shlex
 import socket
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from dynamod.daemon.frontend.routing import ROUTER_MODES
 from dynamod.daemon.supervisor.children import ChildSpec, CrashLoopError, CrashLoopPolicy, Supervisor
+from dynamod.daemon.supervisor.cluster_lock import ClusterLock
+from dynamod.daemon.supervisor.failed import FailedWorkers
 from dynamod.daemon.supervisor.launcher import daemon_child, daemon_env
 from dynamod.daemon.supervisor.logfile import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, parse_size
+from dynamod.daemon.supervisor.passthrough import check_owned, flag_value, join_passthrough_values
 from dynamod.daemon.supervisor.planner_profile import write_profile
+from dynamod.daemon.supervisor.probe import HttpTarget, frontend_target, probe_host
+from dynamod.daemon.supervisor.prometheus_sd import PrometheusSdWriter
 from dynamod.daemon.supervisor.scaler import DEFAULT_DRAIN_TIMEOUT_S, PoolBudget, PoolTemplate, Scaler
 from dynamod.daemon.worker.main import COMPONENT_BY_ROLE
 from dynamod.shared.config import DEFAULT_NAMESPACE, RuntimeSettings
@@ -83,7 +91,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="tiny", help="model directory, or 'tiny' [default tiny]")
     g.add_argument("--http-host", default="127.0.0.1", help="frontend address [default 127.0.0.1]")
     g.add_argument("--http-port", type=int, default=8000, help="frontend port [default 8000]")
-    g.add_argument("--router-mode", choices=ROUTER_MODES, default="round-robin", help="[default round-robin]")
+    g.add_argument("--router-mode", choices=ROUTER_MODES, default=None,
+                   help="how the frontend picks a worker [default kv with --planner/--accept-scaling, "
+                        "else round-robin]")
     g.add_argument("--num-frontends", type=int, default=1, help="frontend processes on the port [default 1]")
     g.add_argument("--namespace", default=None, help=f"namespace [env DYN_NAMESPACE, default {DEFAULT_NAMESPACE}]")
     g.add_argument("--file-kv", default=None, help="file discovery directory [env DYN_FILE_KV, default per user]")
@@ -95,15 +105,33 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-backups", type=int, default=DEFAULT_BACKUPS,
                    help="rotated logs kept per child (name.log.1 is the newest); 0 keeps none, the log starts "
                         f"over [default {DEFAULT_BACKUPS}]")
-    g.add_argument("--worker-args", default="", help='extra flags for every worker, e.g. "--max-num-seqs 64"')
-    g.add_argument("--prefill-args", default="", help="extra flags for prefill workers only (after --worker-args)")
-    g.add_argument("--decode-args", default="", help="extra flags for decode workers only (after --worker-args)")
-    g.add_argument("--frontend-args", default="", help="extra flags for the frontend")
+    # The word after each *-args flag is its value even when it starts with "-" (parse_args).
+    g.add_argument("--worker-args", default="", metavar="FLAGS",
+                   help='extra flags for every worker, quoted as one argument, e.g. "--max-num-seqs 64"; the '
+                        "argument after each *-args flag is its value even when it starts with -- "
+                        "(--worker-args --enforce-eager); not the flags `up` sets: --engine, --model, --worker-name, "
+                        "--system-port, --namespace, --file-kv")
+    g.add_argument("--prefill-args", default="", metavar="FLAGS",
+                   help="extra flags for prefill workers only (after --worker-args)")
+    g.add_argument("--decode-args", default="", metavar="FLAGS",
+                   help="extra flags for decode workers only (after --worker-args)")
+    g.add_argument("--frontend-args", default="", metavar="FLAGS",
+                   help='extra flags for the frontend, e.g. "--router-conditional-disagg" or "--http-tls-cert-file C '
+                        '--http-tls-key-file K" (the supervisor then probes it over HTTPS); not --http-host, '
+                        "--http-port, --router-mode, --num-frontends: use up's own")
+    g.add_argument("--prometheus-sd", type=Path, default=None, metavar="PATH",
+                   help="keep a Prometheus file_sd JSON file of this cluster's /metrics at PATH (what `dynamoctl "
+                        "targets --prometheus` prints; a crashed worker stays listed so its `up` is 0) [default off]")
     g.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for the cluster [default 120]")
     g.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds children get to stop [default 30]")
     g.add_argument("--crash-limit", type=int, default=CrashLoopPolicy.max_crashes,
-                   help="a child that dies this many times within --crash-window is not restarted and `up` exits "
-                        f"non-zero; 0 restarts for ever [default {CrashLoopPolicy.max_crashes}]")
+                   help="a child that dies this many times within --crash-window is not restarted: a worker whose "
+                        "pool has others is left failed (`dynamoctl restart NAME` retries it), any other child stops "
+                        "`up` with a non-zero exit; 0 restarts for ever. A child that exits with a usage error "
+                        f"(status 2: a bad flag) stops `up` at once [default {CrashLoopPolicy.max_crashes}]")
+    g.add_argument("--hang-timeout", type=float, default=ChildSpec.hang_after_s, metavar="S",
+                   help="seconds a child may leave its liveness probe (/live) unanswered before it is killed and "
+                        f"restarted [default {ChildSpec.hang_after_s:g}]")
     g.add_argument("--crash-window", type=float, default=CrashLoopPolicy.window_s,
                    help=f"seconds over which --crash-limit counts a child's deaths [default {CrashLoopPolicy.window_s:g}]")
     m = parser.add_argument_group("mocker flags passed to every worker")
@@ -119,7 +147,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--min-workers", type=int, default=1, help="fewest workers per pool the planner keeps [default 1]")
     s.add_argument("--max-workers", type=int, default=4,
                    help="most workers per pool the planner may start; the supervisor clamps to it too [default 4]")
-    s.add_argument("--planner-args", default="",
+    s.add_argument("--planner-args", default="", metavar="FLAGS",
                    help='extra flags for the planner, e.g. "--adjustment-interval 5 --ttft 200" [default none]')
     s.add_argument("--accept-scaling", action="store_true",
                    help="let a planner started elsewhere on this host (`--connector local`, same discovery "
@@ -129,6 +157,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         f"stopped [default {DEFAULT_DRAIN_TIMEOUT_S:g}]")
     # The same security flags as every role; children inherit them as DYN_* variables.
     add_security_args(parser)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """argparse, after gluing each pass-through flag to its value (``passthrough.py``), so
+    ``--frontend-args "--router-conditional-disagg"`` is a value and not a flag."""
+    return parser.parse_args(join_passthrough_values(argv))
 
 
 def _size(text: str) -> int:
@@ -202,6 +236,8 @@ def resolve_pools(args: argparse.Namespace) -> Pools:
 def crash_policy(args: argparse.Namespace) -> CrashLoopPolicy:
     if args.crash_limit < 0:
         raise ConfigError("--crash-limit must be 0 (never give up) or more")
+    if args.hang_timeout <= 0:
+        raise ConfigError("--hang-timeout must be more than 0 seconds")
     if args.crash_window <= 0:
         raise ConfigError("--crash-window must be more than 0 seconds")
     return CrashLoopPolicy(max_crashes=args.crash_limit, window_s=args.crash_window)
@@ -241,8 +277,13 @@ class WorkerFactory:
             "--worker-name", child_name(role, index),
             "--system-port", str(status_port), *self.engine_flags(role),
         ]
-        live = f"http://127.0.0.1:{status_port}/live"
-        return daemon_child(child_name(role, index), worker, live_url=live, env=self._env)
+        # Probed where it binds: --system-host in the worker's flags or environment, a wildcard on loopback.
+        host = flag_value(self.engine_flags(role), "--system-host") or self._env.get("DYN_SYSTEM_HOST") or "127.0.0.1"
+        live = HttpTarget(f"http://{probe_host(host)}:{status_port}").url("/live")
+        spec = daemon_child(child_name(role, index), worker, live_url=live, env=self._env)
+        spec.hang_after_s = args.hang_timeout
+        spec.pool = role  # a crash loop gives up on it alone while its pool has other workers
+        return spec
 
 
 def runtime_flags(file_kv: str, namespace: str) -> tuple[list[str], dict[str, str]]:
@@ -251,6 +292,22 @@ def runtime_flags(file_kv: str, namespace: str) -> tuple[list[str], dict[str, st
     # A pinned request-plane port is one process's: every child asking for it would collide.
     env = daemon_env({"DYN_FILE_KV": file_kv}, drop=("DYN_DISCOVERY_BACKEND", "DYN_EVENT_PLANE", "DYN_REQUEST_PLANE_PORT"))
     return runtime, env
+
+
+def router_mode(args: argparse.Namespace) -> str:
+    """``--router-mode``, else ``kv`` when workers come and go (a planner), else ``round-robin``.
+
+    Round-robin hands a worker that just joined 1/N of the *new* requests and nothing of the
+    backlog queued on the old ones, so under the queued load that made the planner scale up the
+    old worker stays saturated while the new one idles (issue 22: RUN 4 / WAIT 5 / 94% KV beside
+    idle workers). The KV router costs each worker by its active prefill tokens and decode blocks:
+    an empty new worker is the cheapest candidate, so it takes new requests from its first
+    interval until the pool is even. Without a planner the fleet is fixed and round-robin's
+    equal shares are as good, at no bookkeeping cost.
+    """
+    if args.router_mode:
+        return str(args.router_mode)
+    return "kv" if getattr(args, "planner", None) or getattr(args, "accept_scaling", False) else "round-robin"
 
 
 def frontend_names(count: int) -> list[str]:
@@ -267,13 +324,18 @@ def build_specs(
     frontend = [
         "--role", "frontend", *runtime,
         "--http-host", args.http_host, "--http-port", str(args.http_port),
-        "--router-mode", args.router_mode, "--num-frontends", "1",
+        "--router-mode", router_mode(args), "--num-frontends", "1",
         *(["--reuse-port"] if args.num_frontends > 1 else []),
         *shlex.split(args.frontend_args),
     ]
-    host = "127.0.0.1" if args.http_host in ("0.0.0.0", "::") else args.http_host
-    live = f"http://{host}:{args.http_port}/live"
-    specs = [daemon_child(name, frontend, live_url=live, env=env) for name in frontend_names(args.num_frontends)]
+    # Probed as it serves: HTTPS with --http-tls-cert-file (probe.py).
+    target = frontend_target(args.http_host, args.http_port, shlex.split(args.frontend_args), env)
+    specs = [
+        daemon_child(name, frontend, live_url=target.url("/live"), live_ssl=target.ssl_context, env=env)
+        for name in frontend_names(args.num_frontends)
+    ]
+    for spec in specs:
+        spec.hang_after_s = args.hang_timeout
     workers = workers or WorkerFactory(args, runtime, env)
     pools = resolve_pools(args)
     for role, count in pools.by_role():
@@ -292,9 +354,28 @@ def planner_spec(
         "--role", "planner", *runtime, "--connector", "local",
         "--planner", args.planner, "--mode", "disagg" if pools.disaggregated else "agg",
         "--min-workers", str(args.min_workers), "--max-workers", str(args.max_workers),
-        *extra, *shlex.split(args.planner_args),
+        *mocker_startup_flags(args), *extra, *shlex.split(args.planner_args),
     ]
+    if getattr(args, "prometheus_sd", None) is not None:
+        # Its /metrics (desired vs current replicas) for the file_sd file: a status server on a free port.
+        planner += ["--system-port", str(_free_port("127.0.0.1"))]
     return daemon_child(PLANNER, planner, env=env)
+
+
+MOCKER_STARTUP_S = 5.0  # a mocker worker's launch to ready here: a process start, no weights to load
+
+
+def mocker_startup_flags(args: argparse.Namespace) -> list[str]:
+    """``--worker-startup-time`` for a planner over mocker workers, unless the operator set one.
+
+    The planner waits for a smaller fleet to have sufficed over a multiple of a worker's start-up
+    before it shrinks a pool (a worker given up costs a start-up to get back). Its default, 30 s,
+    is a GPU engine's; mocker workers start in seconds, and on their default an idle `dynamod up`
+    took three minutes to return to its minimum."""
+    named = "--worker-startup-time" in shlex.split(args.planner_args) or os.environ.get("DYN_PLANNER_WORKER_STARTUP_TIME")
+    if args.engine != "mocker" or named:
+        return []
+    return ["--worker-startup-time", f"{MOCKER_STARTUP_S:g}"]
 
 
 def planner_profile_flags(args: argparse.Namespace, pools: Pools, workers: WorkerFactory, file_kv: str) -> list[str]:
@@ -365,17 +446,29 @@ async def start_scaler(
     return scaler, runtime
 
 
+async def start_failed_workers(
+    args: argparse.Namespace, supervisor: Supervisor, file_kv: str, namespace: str
+) -> tuple[FailedWorkers, DistributedRuntime]:
+    """The failed-worker records and restart requests (``failed.py``), on their own runtime
+    (file discovery, no event plane, no listener: it only reads and writes keys)."""
+    settings = RuntimeSettings(
+        namespace=namespace, discovery_backend="file", file_kv=file_kv, event_plane="zmq",
+        security=security_from_args(args),
+    )
+    runtime = await DistributedRuntime.create(settings, events=False)
+    failed = FailedWorkers(supervisor, runtime)
+    try:
+        await failed.start()
+    except BaseException:
+        await runtime.shutdown(grace_s=0)
+        raise
+    supervisor.on_change = failed.changed
+    return failed, runtime
+
+
 def child_name(role: str, index: int) -> str:
     """``worker-0`` for agg workers (as before pools existed), ``prefill-0``/``decode-0`` otherwise."""
     return f"worker-{index}" if role == ROLE_AGG else f"{role}-{index}"
-
-
-def _health(url: str) -> dict | None:
-    try:
-        with urllib.request.urlopen(url, timeout=2.0) as resp:
-            return json.loads(resp.read())
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
 
 
 def ready_models(body: dict, pools: Pools) -> list[str] | None:
@@ -392,11 +485,11 @@ def ready_models(body: dict, pools: Pools) -> list[str] | None:
     return [m["model"] for m in models]
 
 
-async def _wait_ready(base_url: str, pools: Pools, timeout_s: float, stop: asyncio.Event) -> list[str] | None:
+async def _wait_ready(target: HttpTarget, pools: Pools, timeout_s: float, stop: asyncio.Event) -> list[str] | None:
     """The served model names once the frontend sees every pool ready; None on timeout."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not stop.is_set():
-        body = await asyncio.to_thread(_health, f"{base_url}/health")
+        body = await asyncio.to_thread(target.health)
         if body is not None:
             models = ready_models(body, pools)
             if models:
@@ -408,7 +501,7 @@ async def _wait_ready(base_url: str, pools: Pools, timeout_s: float, stop: async
     return None
 
 
-def _banner(base_url: str, model: str, log_dir: Path | None, file_kv: str, pools: Pools) -> str:
+def _banner(base_url: str, model: str, log_dir: Path | None, file_kv: str, pools: Pools, auth: str = "") -> str:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
     lines = [f"dynamod is up: {pools.describe()} serving {model!r}"]
     if pools.disaggregated:
@@ -417,7 +510,7 @@ def _banner(base_url: str, model: str, log_dir: Path | None, file_kv: str, pools
         lines.append(f"  decode:     {pools.decode} worker(s), component {DECODE_COMPONENT!r}")
     lines += [
         f"  OpenAI API: {base_url}/v1",
-        f"  try:        curl -s {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+        f"  try:        curl -s {base_url}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d '{body}'",
         f"  discovery:  {file_kv}",
     ]
     if log_dir is not None:
@@ -426,13 +519,47 @@ def _banner(base_url: str, model: str, log_dir: Path | None, file_kv: str, pools
     return "\n".join(lines)
 
 
+def _curl_auth(target: HttpTarget) -> str:
+    """The banner's curl header for a frontend that asks for a key (never the key itself)."""
+    if target.api_key_env:
+        return " -H \"Authorization: Bearer ${DYN_API_KEY%%,*}\""
+    return " -H 'Authorization: Bearer YOUR_KEY'" if target.api_key_file else ""
+
+
 async def _set_when(source: asyncio.Event, target: asyncio.Event) -> None:
     await source.wait()
     target.set()
 
 
 async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    """Runs the cluster until ``stop`` (or a crash loop); holds this run's directory locks
+    (``cluster_lock.py``) until the end, so a second ``up`` on them is refused, not merged."""
+    locks: list[ClusterLock] = []
+    try:
+        return await _run(args, stop, locks)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def acquire_locks(args: argparse.Namespace, file_kv: str, log_dir: Path | None, locks: list[ClusterLock]) -> None:
+    """The discovery directory's lock, and the log directory's when ``--log-dir`` names one
+    (the default sits beside the discovery directory, so its lock covers it)."""
+    host = probe_host(args.http_host)
+    owner = {"url": f"{host}:{args.http_port}", "file_kv": file_kv, "log_dir": str(log_dir) if log_dir else None}
+    wanted = [ClusterLock(Path(file_kv), "--file-kv")]
+    if args.log_dir and log_dir is not None:
+        wanted.append(ClusterLock(log_dir, "--log-dir"))
+    for lock in wanted:
+        lock.acquire(owner)
+        locks.append(lock)
+
+
+async def _run(args: argparse.Namespace, stop: asyncio.Event, locks: list[ClusterLock]) -> int:
     security_from_args(args)  # a bad security flag is one error line now, not a crash loop of children
+    check_owned({"--worker-args": args.worker_args, "--prefill-args": args.prefill_args,
+                 "--decode-args": args.decode_args, "--frontend-args": args.frontend_args,
+                 "--planner-args": args.planner_args})
     os.environ.update(security_env(args))  # children inherit the flags (paths and switches, no secrets)
     resolve_scaling(args)
     pools = resolve_pools(args)
@@ -440,11 +567,12 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     file_kv = args.file_kv or default_file_kv_dir()
     namespace = args.namespace or os.environ.get("DYN_NAMESPACE") or DEFAULT_NAMESPACE
     await asyncio.to_thread(Path(file_kv).mkdir, parents=True, exist_ok=True)
+    log_dir = None if args.log_to_console else Path(args.log_dir or Path(file_kv).parent / "logs")
+    acquire_locks(args, file_kv, log_dir, locks)  # before the port: a second `up` hears which one runs
     if not _port_free(args.http_host, args.http_port):
         raise ConfigError(
             f"port {args.http_port} on {args.http_host} is in use (another `dynamod up`?); pick one with --http-port"
         )
-    log_dir = None if args.log_to_console else Path(args.log_dir or Path(file_kv).parent / "logs")
     workers = WorkerFactory(args, *runtime_flags(file_kv, namespace))
     # In a thread: with `--planner sla` it measures the workers' mocker first (a few seconds).
     specs = await asyncio.to_thread(build_specs, args, file_kv, namespace, workers)
@@ -454,8 +582,8 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         specs, log_dir, crash_policy=policy, report=sys.stderr,
         log_max_bytes=args.log_max_bytes, log_backups=args.log_backups,
     )
-    host = "127.0.0.1" if args.http_host in ("0.0.0.0", "::") else args.http_host
-    base_url = f"http://{host}:{args.http_port}"
+    target = frontend_target(args.http_host, args.http_port, shlex.split(args.frontend_args))
+    base_url = target.base_url
     # Either Ctrl-C/SIGTERM or a child in a crash loop ends the cluster.
     halt = asyncio.Event()
     watchers = [asyncio.create_task(_set_when(stop, halt)), asyncio.create_task(_set_when(supervisor.gave_up, halt))]
@@ -463,13 +591,19 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     if args.planner or args.accept_scaling:
         # Before the children: the planner's local connector waits for the scaler's record.
         scaling = await start_scaler(args, supervisor, pools, workers, file_kv, namespace)
+    failed: tuple[FailedWorkers, DistributedRuntime] | None = None
+    sd_writer: PrometheusSdWriter | None = None
     try:
+        failed = await start_failed_workers(args, supervisor, file_kv, namespace)
+        if args.prometheus_sd is not None:
+            sd_writer = PrometheusSdWriter(supervisor, args.prometheus_sd, file_kv, namespace)
+            await sd_writer.start()
         await supervisor.start()
         for child in supervisor.children:
             logger.info("cluster child name=%s pid=%s", child.spec.name, child.pid)
-        models = await _wait_ready(base_url, pools, args.ready_timeout, halt)
+        models = await _wait_ready(target, pools, args.ready_timeout, halt)
         if models:
-            print(_banner(base_url, models[0], log_dir, file_kv, pools), flush=True)
+            print(_banner(base_url, models[0], log_dir, file_kv, pools, _curl_auth(target)), flush=True)
         elif not halt.is_set():
             print(
                 f"dynamod up: the cluster is not ready after {args.ready_timeout:.0f}s; still trying. "
@@ -483,10 +617,15 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     finally:
         for task in watchers:
             task.cancel()
+        if sd_writer is not None:
+            await sd_writer.close()  # empty before the children stop: a stopped cluster is not "down"
         if scaling is not None:
             # No more workers come or go once stopping; the record goes with the scaler's lease.
             await scaling[0].close()
             await scaling[1].shutdown(grace_s=0)
+        if failed is not None:
+            await failed[0].close()
+            await failed[1].shutdown(grace_s=0)  # the failed-worker records go with its lease
         # Frontend first (it finishes its streams), then the workers that serve them, and the
         # prefill pool last: decode workers may still be reading KV blocks from it.
         # The planner goes first of all: it must not ask for workers while they are stopping.

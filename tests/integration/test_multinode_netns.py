@@ -304,3 +304,27 @@ def test_link_down_mid_stream_migrates_and_the_worker_comes_back(deployment: Dep
 
     wait_until(serves_again, 45, interval=0.5, what=f"{cut} serving again after its link came back")
     assert deployment.workers[cut].alive()
+
+
+def test_a_worker_advertising_loopback_with_remote_discovery_is_warned(infra: Infra) -> None:
+    """Issue 24 item 9: a worker pointed at etcd on another host but left on the default --host
+    advertises 127.0.0.1, which a frontend elsewhere dials on itself. It says so at start; a worker
+    given its own address (the README's recipe) does not."""
+    logs = infra.root / "loopback-warning"
+    logs.mkdir()
+    common = ["--role", "agg", "--engine", "mocker", "--model", "tiny", "--namespace", "mnwarn",
+              "--discovery-backend", "etcd", "--etcd-endpoints", infra.etcd, "--event-plane", "zmq"]
+    host = infra.hosts["w2"]
+    loopback = Proc("default-host", host.exec_argv([*CLI, *common]), _env(), logs)
+    reachable = Proc("own-host", host.exec_argv([*CLI, *common, "--host", host.address]), _env(), logs)
+    try:
+        for proc in (loopback, reachable):
+            wait_until(lambda p=proc: "request plane serving" in p.log() or not p.alive(), 60, what=f"{proc.name} serving")
+            assert proc.alive(), proc.log()
+        warning = [line for line in loopback.log().splitlines() if "request plane unreachable from other hosts" in line]
+        assert len(warning) == 1, loopback.log()
+        assert "address=127.0.0.1:" in warning[0] and infra.etcd in warning[0] and "--host" in warning[0]
+        assert "unreachable from other hosts" not in reachable.log()
+    finally:
+        loopback.stop()
+        reachable.stop()
