@@ -22,6 +22,7 @@ from dynamod.console.collectors.connection import ClusterConnection
 from dynamod.console.settings import add_connection_args, settings_from_args
 from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.recording import RecordingSink, read_records, replay
+from dynamod.shared.cli_parser import ArgumentParser
 from dynamod.shared.errors import DynamoError
 
 
@@ -30,7 +31,7 @@ def default_log_file() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dynamo-console", description=(__doc__ or "").strip().split("\n\n")[0])
+    p = ArgumentParser(prog="dynamo-console", description=(__doc__ or "").strip().split("\n\n")[0])
     add_connection_args(p)
     g = p.add_argument_group("console")
     g.add_argument("--read-only", action="store_true", help="hide and refuse every action (view only)")

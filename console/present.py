@@ -14,12 +14,14 @@ from typing import Any
 import msgspec
 
 from dynamod.console.state.cluster import ClusterState
+from dynamod.console.state.failed import STATUS_FAILED, FailedEntry
 from dynamod.console.state.pools import PoolSummary
 from dynamod.console.state.records import STATUS_GONE, Worker, fmt_id
 from dynamod.console.state.scaling import GlobalRouterPools, PoolScaling, describe_decision
 from dynamod.console.state.tiers import TierFigures
 from dynamod.console.state.transfers import TransferFigures
 from dynamod.shared.protocol.planner import PlannerDecision
+from dynamod.shared.security.printable import printable
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 
@@ -188,12 +190,47 @@ def worker_record(
     }
 
 
+def failed_record(entry: FailedEntry, now: float) -> dict[str, Any]:
+    """A worker ``dynamod up`` gave up on, with ``worker_record``'s keys (no id: it has no process)
+    plus ``name`` and ``failed``: why it died, how often, where its log is."""
+    r = entry.record
+    return {
+        "id": None,
+        "name": r.name,
+        "namespace": entry.namespace,
+        "component": "",
+        "endpoint": "",
+        "endpoints": [],
+        "role": entry.pool,
+        "status": STATUS_FAILED,
+        "model": "",
+        "loras": [],
+        "node": "",
+        "pid": 0,
+        "age_s": None,
+        "load": None,
+        "kv_transfer": None,
+        "kv_tiers": None,
+        "failed": {
+            "reason": r.reason,
+            "crashes": r.crashes,
+            "window_s": r.window_s,
+            "log": r.log,
+            "supervisor_pid": r.supervisor_pid,
+            "since_s": round(now - r.ts, 1) if r.ts else None,
+            "restart": f"dynamoctl restart {r.name}",
+        },
+    }
+
+
 def status_records(state: ClusterState, *, include_gone: bool = False) -> list[dict[str, Any]]:
+    """Every instance, then every failed worker (``failed_record``)."""
     now = state.clock()
-    return [
+    out = [
         worker_record(w, now, state.transfers.figures(w.instance_id), state.tiers.figures(w.instance_id))
         for w in state.worker_list(workers_only=False, include_gone=include_gone)
     ]
+    return out + [failed_record(e, now) for e in state.failed()]
 
 
 POOL_COLUMNS = ("POOL", "READY", "RUN", "WAIT", "KV", "KV USED", "XFER/S", "XFER50", "XFER99", "FAIL", "HELD")
@@ -284,7 +321,10 @@ def status_table(state: ClusterState, *, include_gone: bool = False) -> tuple[tu
 
 
 def format_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Plain aligned columns for terminals and pipes (no colour, no box drawing)."""
+    """Plain aligned columns for terminals and pipes (no colour, no box drawing). Every cell goes
+    through ``printable``: names, messages and labels come from the network, and an escape
+    sequence in one must show as text, not act on the operator's terminal."""
+    rows = [[printable(cell) for cell in row] for row in rows]
     widths = [len(c) for c in columns]
     for row in rows:
         for i, cell in enumerate(row):
@@ -305,7 +345,8 @@ def connection_summary(state: ClusterState) -> str:
 
 
 def cluster_counts(state: ClusterState) -> dict[str, int]:
-    counts = {"workers": 0, "ready": 0, "draining": 0, "sleeping": 0, "gone": 0, "others": 0}
+    counts = {"workers": 0, "ready": 0, "draining": 0, "sleeping": 0, "gone": 0, "others": 0,
+              "failed": len(state.failed())}
     for w in state.workers.values():
         if w.is_worker:
             counts["workers"] += w.status != STATUS_GONE
@@ -322,7 +363,10 @@ def short_id(instance_id: int) -> str:
 
 # -- scaling ---------------------------------------------------------------------------------------
 
-SCALING_COLUMNS = ("POOL", "PLANNER", "READY", "WANT", "OVERRIDE", "BUDGET", "REQ/S", "ISL", "OSL", "TTFT", "ITL", "LAST")
+# REQ/S, QUEUE, ISL, OSL, TTFT and ITL are live: the planner's last interval, from its status record
+# (``PoolScaling.observed``/``load``); its prediction for the next one is in the JSON and the view's facts.
+SCALING_COLUMNS = ("POOL", "PLANNER", "READY", "WANT", "OVERRIDE", "BUDGET", "REQ/S", "QUEUE", "ISL", "OSL", "TTFT",
+                   "ITL", "LAST")
 
 
 def fmt_value(value: float | None) -> str:
@@ -361,12 +405,14 @@ def scaling_row(p: PoolScaling) -> tuple[str, ...]:
         str(p.desired) if p.desired is not None else "-",
         str(p.override.replicas) if p.override is not None else "-",
         fmt_budget(p),
-        fmt_rate(p.predicted.get("request_rate")),
-        fmt_value(p.predicted.get("isl")),
-        fmt_value(p.predicted.get("osl")),
+        fmt_rate(p.observed.get("request_rate")),
+        fmt_count(p.load.get("waiting")),
+        fmt_value(p.observed.get("isl")),
+        fmt_value(p.observed.get("osl")),
         fmt_sla(p.ttft_ms, p.targets.get("ttft_ms")),
         fmt_sla(p.itl_ms, p.targets.get("itl_ms")),
-        f"{last.action} {last.reason}" if last is not None else "-",
+        f"{last.action} {last.reason}" if last is not None else (f"{p.last_action} {p.last_reason}"
+                                                                  if p.last_action else "-"),
     )
 
 
@@ -389,6 +435,8 @@ def scaling_record(p: PoolScaling) -> dict[str, Any]:
         "max_replicas": p.max_replicas,
         "scaled": p.scaled,
         "predicted": p.predicted,
+        "observed": p.observed,
+        "load": p.load,
         "targets": p.targets,
         "measured": {"ttft_ms": p.ttft_ms, "itl_ms": p.itl_ms, "ttft_p99_ms": p.measured.ttft_p99,
                      "itl_p99_ms": p.measured.itl_p99},

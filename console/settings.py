@@ -5,6 +5,11 @@ With no flags they find a ``dynamod up`` cluster on this machine: file discovery
 ``--namespace`` limits the view to one namespace; without it every namespace is shown. The security
 flags (cluster token, request-plane TLS, etcd and NATS TLS and credentials) are the daemons' own
 (``shared.security.settings``), with the same ``DYN_*`` variables, so one environment file serves both.
+
+A frontend with API keys refuses ``/metrics`` without one (it takes the cluster token too): the
+console and dynamoctl present the key the frontend's own variables name (``DYN_API_KEY``, else the
+first key of ``--api-key-file`` / ``DYN_API_KEY_FILE``), so REQ/S, TTFT and ITL are not ``-``. An
+HTTPS frontend with a private CA is read with ``--frontend-ca-file``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass, field
 
 from dynamod.shared.config import DEFAULT_ETCD, DEFAULT_NAMESPACE, DEFAULT_NATS, RuntimeSettings
 from dynamod.shared.errors import ConfigError
+from dynamod.shared.security.secrets import read_secret_file
 from dynamod.shared.security.settings import SecuritySettings, add_security_args, security_from_args
 
 DISCOVERY_CHOICES = ("file", "etcd")
@@ -37,10 +43,14 @@ class ConsoleSettings:
     namespace: str | None = None  # None: every namespace
     event_plane: str | None = None  # None: nats with etcd, zmq with file
     frontend_urls: list[str] = field(default_factory=list)
+    guessed_frontend_urls: list[str] = field(default_factory=list)  # tried without being asked: no answer is no news
     scrape_interval_s: float = 2.0
     probe_interval_s: float = 2.0
     retry_max_s: float = 5.0
     security: SecuritySettings = field(default_factory=SecuritySettings)
+    api_key: str | None = field(default=None, repr=False)  # presented to frontends' /metrics
+    api_key_source: str = ""  # where it came from, for "refused" messages (never the key)
+    frontend_ca_file: str | None = None  # verifies https:// frontends
 
     @property
     def resolved_event_plane(self) -> str:
@@ -97,7 +107,35 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="also scrape this frontend's /metrics (repeatable); registered frontends are found on their own",
     )
+    g.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="a frontend API keys file: its first key is presented to frontends' /metrics when they have API keys "
+        "[env DYN_API_KEY_FILE; or the key itself in DYN_API_KEY]",
+    )
+    g.add_argument("--frontend-ca-file", metavar="PATH",
+                   help="CA (PEM) that verifies https:// frontends' /metrics [env DYN_FRONTEND_CA_FILE, default system CAs]")
     add_security_args(parser)
+
+
+def first_api_key(path: str) -> str:
+    """The first key of a frontend keys file (one per line; ``#`` comments and blanks skipped)."""
+    for line in read_secret_file(path, "API keys file").splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            return line
+    raise ConfigError("API keys file holds no key")
+
+
+def api_key_from(ns: argparse.Namespace) -> tuple[str | None, str]:
+    """(key, where it came from): ``DYN_API_KEY``'s first key, else the keys file's first key."""
+    for key in (_env("DYN_API_KEY") or "").split(","):
+        if key.strip():
+            return key.strip(), "DYN_API_KEY"
+    path = getattr(ns, "api_key_file", None) or _env("DYN_API_KEY_FILE")
+    if path:
+        return first_api_key(path), "--api-key-file"
+    return None, ""
 
 
 def settings_from_args(ns: argparse.Namespace) -> ConsoleSettings:
@@ -116,7 +154,10 @@ def settings_from_args(ns: argparse.Namespace) -> ConsoleSettings:
     s.frontend_urls = [u.rstrip("/") for u in getattr(ns, "frontend_url", None) or []]
     if not s.frontend_urls and s.discovery == "file":
         s.frontend_urls = [LOCAL_FRONTEND_URL]
+        s.guessed_frontend_urls = [f"{LOCAL_FRONTEND_URL}/metrics"]
     if s.namespace is not None and ("/" in s.namespace or "." in s.namespace):
         raise ConfigError(f"namespace must be a name without '/' or '.', got {s.namespace!r}")
     s.security = security_from_args(ns)
+    s.api_key, s.api_key_source = api_key_from(ns)
+    s.frontend_ca_file = getattr(ns, "frontend_ca_file", None) or _env("DYN_FRONTEND_CA_FILE")
     return s

@@ -19,6 +19,7 @@ from dynamod.shared.protocol import control
 from dynamod.shared.protocol.instance import Instance, decode_instance
 from dynamod.shared.protocol.keys import instances_prefix
 from dynamod.shared.protocol.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU
+from dynamod.shared.protocol.worker_id import worker_id_hex
 from dynamod.shared.runtime.client import EndpointClient
 
 if TYPE_CHECKING:
@@ -50,15 +51,16 @@ def resolve_instance_id(text: str, known: list[int]) -> int:
         int(needle, 16)
     except ValueError:
         raise NotFoundError(f"{text!r} is not an instance id (hex, as `dynamoctl status` prints it)") from None
-    exact = [i for i in known if f"{i:x}" == needle]
+    # Ids print zero-padded to 16 digits (``worker_id_hex``); an unpadded one is the same id.
+    exact = [i for i in known if needle in (f"{i:x}", worker_id_hex(i))]
     if exact:
         return exact[0]
-    matches = sorted({i for i in known if f"{i:x}".startswith(needle)})
+    matches = sorted({i for i in known if f"{i:x}".startswith(needle) or worker_id_hex(i).startswith(needle)})
     if len(matches) == 1:
         return matches[0]
     if not matches:
         raise NotFoundError(f"no instance {needle} in discovery")
-    shown = ", ".join(f"{i:x}" for i in matches[:5])
+    shown = ", ".join(worker_id_hex(i) for i in matches[:5])
     raise NotFoundError(f"instance id {needle} is ambiguous: matches {shown}")
 
 
@@ -94,12 +96,12 @@ class ControlClient:
         iid = target if isinstance(target, int) else resolve_instance_id(target, sorted({r.instance_id for r in records}))
         mine = [r for r in records if r.instance_id == iid]
         if not mine:
-            raise NotFoundError(f"no instance {iid:x} in discovery")
+            raise NotFoundError(f"no instance {worker_id_hex(iid)} in discovery")
         for r in mine:
             if r.endpoint == endpoint:
                 return r
         comps = ", ".join(sorted({f"{r.namespace}/{r.component}" for r in mine}))
-        raise NotFoundError(f"instance {iid:x} ({comps}) does not serve the {endpoint} control endpoint")
+        raise NotFoundError(f"instance {worker_id_hex(iid)} ({comps}) does not serve the {endpoint} control endpoint")
 
     async def _client(self, rec: Instance) -> EndpointClient:
         key = (rec.namespace, rec.component, rec.endpoint)
@@ -116,10 +118,10 @@ class ControlClient:
         self, action: str, target: str | int, endpoint: str, body: dict[str, Any], *, timeout_s: float = DEFAULT_TIMEOUT_S
     ) -> ActionResult:
         """Never raises for cluster-side failures: they come back as ``ok=False`` with the reason."""
-        label = target if isinstance(target, str) else f"{target:x}"
+        label = target if isinstance(target, str) else worker_id_hex(target)
         try:
             rec = await self.resolve(target, endpoint)
-            label = f"{rec.instance_id:x}"
+            label = worker_id_hex(rec.instance_id)
             client = await self._client(rec)
             replies = await client.call(body, instance_id=rec.instance_id, timeout_s=timeout_s)
         except DynamoError as exc:

@@ -1,6 +1,9 @@
 """The operator actions, declared once: the TUI binds keys and palette entries from this registry,
 and ``dynamoctl`` maps its subcommands onto the same control endpoints (worker actions) or the same
 override keys (pool actions, ``scaling.py``).
+
+One meaning per key across every view (``check_unique_keys``): ``s`` is Sleep wherever a worker is
+selected, so scaling a pool is ``r`` (replicas), not a second ``s`` that meant Scale in one view.
 """
 
 from __future__ import annotations
@@ -44,9 +47,24 @@ class PoolActionSpec:
 
 
 POOL_ACTIONS: tuple[PoolActionSpec, ...] = (
-    PoolActionSpec("scale", "s", "Scale pool", "Scale",
+    PoolActionSpec("scale", "r", "Scale pool", "Replicas",
                    "hold the pool at N replicas (an override the planner respects; asks to confirm when it lowers capacity)"),
     PoolActionSpec("clear_override", "x", "Clear override", "Clear",
                    "delete the pool's override: the planner sizes it again (asks to confirm)"),
 )
 POOL_ACTIONS_BY_NAME = {a.name: a for a in POOL_ACTIONS}
+
+# Keys the app binds for navigation (``console/tui/app.py``): no action may take one of them.
+NAVIGATION_KEYS = frozenset({"colon", "slash", "question_mark", "escape", "enter", "q", *map(str, range(1, 10))})
+
+
+def check_unique_keys() -> None:
+    """Raises if two actions (worker or pool) share a key, or one takes a navigation key."""
+    seen: dict[str, str] = {}
+    for name, key in [(a.name, a.key) for a in ACTIONS] + [(p.name, p.key) for p in POOL_ACTIONS]:
+        if key in seen or key in NAVIGATION_KEYS:
+            raise ValueError(f"key {key!r} of action {name} is already {seen.get(key, 'a navigation key')}")
+        seen[key] = name
+
+
+check_unique_keys()

@@ -2,7 +2,7 @@
 
 ``ClusterConnection.run()`` keeps the picture live for as long as the console runs: it creates the
 runtime (retrying with capped backoff while discovery is unreachable), starts the discovery, event
-and frontend collectors, probes discovery and the event plane every couple of seconds and reports
+and frontend collectors and the KV seeder (``kv_dump``), probes discovery and the event plane every couple of seconds and reports
 each as a connection state (``connecting``, ``ok``, ``lost``) in the ``ClusterState``. A collector
 that fails is restarted on its own; nothing here needs the console to be restarted.
 """
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from dynamod.console.collectors.discovery import DiscoveryCollector
 from dynamod.console.collectors.events import EventCollector
+from dynamod.console.collectors.kv_seed import KvSeeder
 from dynamod.console.collectors.scraper import FrontendScraper, frontend_metric_urls
 from dynamod.console.settings import ConsoleSettings
 from dynamod.console.state.cluster import ClusterState
@@ -50,6 +51,7 @@ class ClusterConnection:
         runtime_factory: RuntimeFactory = create_runtime,
         scrape: bool = True,
         tick: bool = True,
+        seed_kv: bool = True,
     ) -> None:
         self.settings = settings
         self.state = state
@@ -57,8 +59,11 @@ class ClusterConnection:
         self._factory = runtime_factory
         self._scrape = scrape
         self._tick = tick
+        self._seed_kv = seed_kv
+        self.kv_seeder: KvSeeder | None = None
         self.runtime: DistributedRuntime | None = None
         self.events: EventCollector | None = None
+        self.scraper: FrontendScraper | None = None
         self._ready = asyncio.Event()
         self._synced = asyncio.Event()
 
@@ -110,15 +115,36 @@ class ClusterConnection:
             tg.create_task(self._supervise("discovery", discovery.run))
             tg.create_task(self._probe(rt, events_target))
             if self._scrape:
-                scraper = FrontendScraper(
+                self.scraper = FrontendScraper(
                     self.sink,
                     lambda: frontend_metric_urls(self.state, self.settings.frontend_urls),
                     interval_s=self.settings.scrape_interval_s,
                     token=self.settings.security.request_plane.token,  # members' /metrics need it
+                    api_key=self.settings.api_key,  # a frontend with API keys takes one of them too
+                    api_key_source=self.settings.api_key_source,
+                    ca_file=self.settings.frontend_ca_file,
+                    guessed=self.settings.guessed_frontend_urls,
                 )
-                tg.create_task(self._supervise("scraper", scraper.run))
+                tg.create_task(self._scrape_after_sync(self.scraper))
+            if self._seed_kv:
+                self.kv_seeder = KvSeeder(rt, self.state, self.sink)
+                tg.create_task(self._seed_after_sync(self.kv_seeder))
             if self._tick:
                 tg.create_task(self._ticker())
+
+    async def _scrape_after_sync(self, scraper: FrontendScraper) -> None:
+        """Scrapes once discovery is listed: a round before it knows no registered frontend, and
+        ``dynamoctl status`` takes the first round's figures (or reasons) as the answer."""
+        await self._synced.wait()
+        await self._supervise("scraper", scraper.run)
+
+    async def _seed_after_sync(self, seeder: KvSeeder) -> None:
+        """Seeds cached-block counts from ``kv_dump`` once the workers are listed."""
+        await self._synced.wait()
+        try:
+            await self._supervise("kv-seed", seeder.run)
+        finally:
+            await seeder.close()
 
     async def _supervise(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
         """Runs a collector forever: a failure is shown and the collector is started again."""

@@ -1,5 +1,5 @@
-"""Discovery collector: instances, model cards and the planner's records, from a listing then a
-prefix watch.
+"""Discovery collector: instances, model cards, the planner's records and the failed workers of
+``dynamod up`` supervisors, from a listing then a prefix watch.
 
 The listing first (``get_prefix``) lets the state drop records that vanished while the console was
 disconnected; the watch then streams changes (the store resumes it across outages on its own).
@@ -13,12 +13,14 @@ from collections.abc import Callable
 
 import msgspec
 
+from dynamod.console.state.failed import parse_failed_key
 from dynamod.console.state.recording import StateSink
 from dynamod.console.state.scaling import PlannerRecord, decode_planner_record
 from dynamod.shared.discovery.store import DiscoveryStore, WatchEventKind
 from dynamod.shared.protocol.instance import Instance, decode_instance
 from dynamod.shared.protocol.keys import PLANNER_ROOT, instances_prefix, mdc_prefix
 from dynamod.shared.protocol.model_card import ModelCard, decode_card
+from dynamod.shared.protocol.supervisor import SUPERVISOR_ROOT, FailedWorker, failed_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,16 @@ def _decode_card(key: str, value: bytes, sink: StateSink) -> ModelCard | None:
         return decode_card(value)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         sink.note_decode_error("model card", f"{key}: {exc}")
+        return None
+
+
+def _decode_failed(key: str, value: bytes, sink: StateSink) -> FailedWorker | None:
+    if parse_failed_key(key) is None:
+        return None  # a restart request: the supervisor's business, not the picture's
+    try:
+        return msgspec.json.decode(value, type=FailedWorker)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        sink.note_decode_error("failed-worker record", f"{key}: {exc}")
         return None
 
 
@@ -67,6 +79,7 @@ class DiscoveryCollector:
         self._instances_prefix = instances_prefix(namespace)
         self._mdc_prefix = mdc_prefix(namespace)
         self._planner_prefix = f"{PLANNER_ROOT}{namespace}/" if namespace else PLANNER_ROOT
+        self._failed_prefix = failed_prefix(namespace) if namespace else SUPERVISOR_ROOT
         self._on_namespace = on_namespace
         self._seen_namespaces: set[str] = set()
         self._on_synced = on_synced
@@ -94,25 +107,33 @@ class DiscoveryCollector:
             record = _decode_planner(key, value, self._sink)
             if record is not None:
                 planner[key] = record
+        failed: dict[str, FailedWorker] = {}
+        for key, value in (await self._store.get_prefix(self._failed_prefix)).items():
+            gave_up = _decode_failed(key, value, self._sink)
+            if gave_up is not None:
+                failed[key] = gave_up
         self._sink.reconcile_instances(live)
         self._sink.reconcile_cards(cards)
         self._sink.reconcile_planner(planner)
+        self._sink.reconcile_failed(failed)
         logger.info("discovery synced instances=%d cards=%d planner_records=%d", len(live), len(cards), len(planner))
         if self._on_synced is not None:
             self._on_synced()
 
     async def run(self) -> None:
-        """Syncs, then watches the three prefixes until cancelled."""
+        """Syncs, then watches the four prefixes until cancelled."""
         await self.sync()
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._watch(self._instances_prefix, "instances"), name="console-watch-instances")
             tg.create_task(self._watch(self._mdc_prefix, "cards"), name="console-watch-cards")
             tg.create_task(self._watch(self._planner_prefix, "planner"), name="console-watch-planner")
+            tg.create_task(self._watch(self._failed_prefix, "failed"), name="console-watch-failed")
 
     async def _watch(self, prefix: str, what: str) -> None:
         async for ev in self._store.watch_prefix(prefix):
             if ev.kind is WatchEventKind.DELETE or ev.value is None:
-                self._sink.apply_discovery(ev.key, None)
+                if what != "failed" or parse_failed_key(ev.key) is not None:
+                    self._sink.apply_discovery(ev.key, None)
                 continue
             if what == "instances":
                 inst = _decode_instance(ev.key, ev.value, self._sink)
@@ -123,6 +144,10 @@ class DiscoveryCollector:
                 card = _decode_card(ev.key, ev.value, self._sink)
                 if card is not None:
                     self._sink.apply_discovery(ev.key, card)
+            elif what == "failed":
+                failed = _decode_failed(ev.key, ev.value, self._sink)
+                if failed is not None:
+                    self._sink.apply_discovery(ev.key, failed)
             else:
                 record = _decode_planner(ev.key, ev.value, self._sink)
                 if record is not None:

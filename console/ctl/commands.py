@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from dynamod.console.actions.control import ActionResult, ControlClient
 from dynamod.console.collectors.connection import ClusterConnection
+from dynamod.console.ctl.restart import FAILED_COLUMNS, failed_rows
 from dynamod.console.present import (
     POOL_COLUMNS,
     format_table,
@@ -26,9 +27,10 @@ from dynamod.console.settings import ConsoleSettings, settings_from_args
 from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.pools import is_disaggregated
 from dynamod.console.state.recording import RecordingSink
-from dynamod.console.state.records import ClusterEvent
+from dynamod.console.state.records import ClusterEvent, fmt_id
 from dynamod.shared.errors import DiscoveryError, DynamoError
 from dynamod.shared.protocol import control
+from dynamod.shared.security.printable import printable
 
 if TYPE_CHECKING:
     from dynamod.shared.runtime.distributed import DistributedRuntime
@@ -89,14 +91,22 @@ async def _collecting(args: argparse.Namespace, state: ClusterState, sink: Any =
 
 async def status(args: argparse.Namespace) -> int:
     state = ClusterState()
-    async with _collecting(args, state):
+    async with _collecting(args, state) as conn:
         deadline = time.monotonic() + max(0.0, args.wait)
-        # Load arrives at least once a second per worker; stop early once every worker reported.
+        # Load arrives at least once a second per worker; stop early once every worker reported,
+        # its cached blocks were read (kv_dump) and the frontends were read once (their TTFT/ITL,
+        # or why there are none).
         while time.monotonic() < deadline:
             workers = state.worker_list(include_gone=False)
-            if workers and all(w.stats.loads for w in workers):
+            scraped = conn.scraper is None or conn.scraper.rounds > 0
+            seeded = all(w.stats.kv_seeded for w in workers if control.KV_DUMP in w.endpoints)
+            if workers and scraped and seeded and all(w.stats.loads for w in workers):
                 break
             await asyncio.sleep(0.05)
+    for reason in state.metric_problems():
+        # A latency figure is missing for a reason the operator can fix: say so (stderr keeps
+        # --json output clean for scripts).
+        print(f"dynamoctl: warning: no TTFT/ITL figures: {printable(reason)}", file=sys.stderr)
     pools = state.pools()
     if args.pools:
         if args.json:
@@ -110,10 +120,16 @@ async def status(args: argparse.Namespace) -> int:
         _dump(status_records(state, include_gone=args.all))
         return EXIT_OK
     columns, rows = status_table(state, include_gone=args.all)
-    if not rows:
+    # Workers `dynamod up` gave up on: no instance, still the operator's (from the same listing).
+    failed = [e.record for e in state.failed()]
+    if not rows and not failed:
         print(f"no instances ({_settings(args).describe()})")
         return EXIT_OK
-    print(format_table(columns, rows))
+    if rows:
+        print(format_table(columns, rows))
+    if failed:
+        print(("\n" if rows else "") + format_table(FAILED_COLUMNS, failed_rows(failed)))
+        print("not restarted after a crash loop; `dynamoctl restart NAME` tries again")
     if is_disaggregated(pools):
         # Which pool is short is the first question about a disaggregated cluster.
         print()
@@ -129,12 +145,14 @@ def _dump(value: Any) -> None:
 
 
 def _report(result: ActionResult, as_json: bool) -> int:
+    """The worker's reply in one line. Its message is the worker's text: printed through
+    ``printable`` so an escape sequence in it cannot act on the terminal (JSON escapes on its own)."""
     if as_json:
         _dump(result.to_dict())
     elif result.ok:
-        print(f"{result.action} {result.target}: {result.message}")
+        print(f"{result.action} {printable(result.target)}: {printable(result.message)}")
     else:
-        print(f"dynamoctl: error: {result.action} {result.target}: {result.message}", file=sys.stderr)
+        print(f"dynamoctl: error: {result.action} {printable(result.target)}: {printable(result.message)}", file=sys.stderr)
     return EXIT_OK if result.ok else EXIT_FAILED
 
 
@@ -186,7 +204,7 @@ async def _lora_list(client: ControlClient, args: argparse.Namespace) -> int:
     else:
         print("no LoRA adapters loaded" if results else "no worker serves list_loras")
     for r in failed:
-        print(f"dynamoctl: error: lora list {r.target}: {r.message}", file=sys.stderr)
+        print(f"dynamoctl: error: lora list {printable(r.target)}: {printable(r.message)}", file=sys.stderr)
     return EXIT_FAILED if failed else EXIT_OK
 
 
@@ -195,8 +213,8 @@ async def _lora_list(client: ControlClient, args: argparse.Namespace) -> int:
 
 def _event_line(ev: ClusterEvent) -> str:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(ev.ts))
-    who = f" {ev.instance_id:x}" if ev.instance_id is not None else ""
-    return f"{stamp} {ev.severity:<7} {ev.kind:<10}{who} {ev.message}"
+    who = f" {fmt_id(ev.instance_id)}" if ev.instance_id is not None else ""
+    return f"{stamp} {ev.severity:<7} {ev.kind:<10}{who} {printable(ev.message)}"
 
 
 async def watch(args: argparse.Namespace) -> int:
@@ -246,11 +264,11 @@ async def cluster(args: argparse.Namespace) -> int:
         _dump([r.to_dict() for r in results])
     else:
         cols = ("HOST", "NAME", "ROLE", "MODE", "STATE", "PID", "HEALTH", "DETAIL")
-        rows = [(r.host, r.name, r.role, r.mode, r.state, str(r.pid or "-"), r.health, r.detail.replace("\n", " ")[:80]) for r in results]
+        rows = [r.row() for r in results]
         print(format_table(cols, rows))
     bad = [r for r in results if not r.ok]
     if args.cluster_command == "status":
         bad += [r for r in results if r.state not in ("running",) and r not in bad]
     for r in bad:
-        print(f"dynamoctl: error: {r.host}/{r.name}: {r.state} {r.health} {r.detail}".rstrip(), file=sys.stderr)
+        print(printable(f"dynamoctl: error: {r.host}/{r.name}: {r.state} {r.health} {r.detail}".rstrip()), file=sys.stderr)
     return EXIT_FAILED if bad else EXIT_OK

@@ -20,9 +20,11 @@ from typing import Any
 import msgspec
 
 from dynamod.console.ctl.store import command_store
+from dynamod.console.present import format_table
 from dynamod.console.settings import settings_from_args
 from dynamod.shared.errors import InvalidRequestError
 from dynamod.shared.runtime.intent import StoredIntent, clear_intent, list_intents
+from dynamod.shared.security.printable import printable
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -57,15 +59,16 @@ async def intent(args: argparse.Namespace) -> int:
     if not items:
         print("no intent kept")
         return EXIT_OK
-    print(f"{'NAMESPACE':<12} {'COMPONENT':<10} {'WORKER':<20} {'STATUS':<9} {'SLEEP':<5} {'LORAS':<24} SET BY")
+    # Names, LoRAs and set-by come from discovery: printed through ``printable`` (format_table).
+    rows = []
     for i in items:
         if i.intent is None:
-            print(f"{i.namespace:<12} {i.component:<10} {i.worker_name:<20} unreadable: {i.error}")
+            rows.append((i.namespace, i.component, i.worker_name, f"unreadable: {i.error}", "", "", ""))
             continue
         w = i.intent
-        loras = ",".join(sorted(w.loras)) or "-"
-        print(f"{i.namespace:<12} {i.component:<10} {i.worker_name:<20} {w.status:<9} {w.sleep_level or '-':<5} "
-              f"{loras:<24} {w.set_by or '-'}")
+        rows.append((i.namespace, i.component, i.worker_name, w.status, str(w.sleep_level or "-"),
+                     ",".join(sorted(w.loras)) or "-", w.set_by or "-"))
+    print(format_table(("NAMESPACE", "COMPONENT", "WORKER", "STATUS", "SLEEP", "LORAS", "SET BY"), rows))
     return EXIT_OK
 
 
@@ -74,14 +77,14 @@ async def clear(args: argparse.Namespace) -> int:
         matches = [i for i in await list_intents(store, settings_from_args(args).namespace)
                    if i.worker_name == args.worker_name and (args.component is None or i.component == args.component)]
         if not matches:
-            print(f"dynamoctl: no intent kept for worker {args.worker_name!r}", file=sys.stderr)
+            print(f"dynamoctl: no intent kept for worker {printable(args.worker_name)!r}", file=sys.stderr)
             return EXIT_FAILED
         if len(matches) > 1:
-            where = ", ".join(f"{m.namespace}/{m.component}" for m in matches)
+            where = printable(", ".join(f"{m.namespace}/{m.component}" for m in matches))
             raise InvalidRequestError(
                 f"worker name {args.worker_name!r} has intent under {where}: pick one with --component/--namespace"
             )
         m = matches[0]
         await clear_intent(store, m.namespace, m.component, m.worker_name)
-    print(f"cleared intent of {m.namespace}/{m.component}/{m.worker_name}")
+    print(printable(f"cleared intent of {m.namespace}/{m.component}/{m.worker_name}"))
     return EXIT_OK

@@ -1,7 +1,9 @@
 """``dynamoctl``: the console's actions as commands for scripts and SSH sessions.
 
     dynamoctl status [--json] [--pools]            every instance: id, component, role, status, model, LoRAs, node, pid, load
-                                                   (and, with prefill/decode pools, a per-pool summary)
+                                                   (and, with prefill/decode pools, a per-pool summary; the
+                                                   workers `dynamod up` gave up on, as failed)
+    dynamoctl restart NAME                         start again a worker `dynamod up` gave up on (crash loop)
     dynamoctl drain|sleep|wake|clear-kv INSTANCE   one worker (id in hex, or a unique prefix of it);
                                                    clear-kv --tier gpu|host|disk clears one KV tier
     dynamoctl lora load INSTANCE NAME SOURCE       load a LoRA adapter from a path or URI
@@ -12,10 +14,12 @@
     dynamoctl planner decisions [--follow]         the planner's decisions and their reasons
     dynamoctl scale POOL N | POOL --clear          hold a pool at N replicas (override), or release it
     dynamoctl intent list | clear NAME             drain/sleep/LoRAs kept per worker name; forget a gone one's
+    dynamoctl targets [--prometheus [-o PATH]]     the cluster's /metrics addresses (Prometheus file_sd JSON)
     dynamoctl cluster up|down|status|logs --inventory FILE
 
 Connection flags (``--discovery``, ``--etcd``, ``--nats``, ``--namespace``) default to finding a
-``dynamod up`` cluster on this machine. Failures print one line and exit non-zero.
+``dynamod up`` cluster on this machine; a frontend with API keys is read with ``DYN_API_KEY`` or
+``--api-key-file``. Failures print one line and exit non-zero.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from dynamod.console.settings import add_connection_args
+from dynamod.shared.cli_parser import ArgumentParser
 from dynamod.shared.errors import DynamoError
+from dynamod.shared.security.printable import printable
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -38,14 +44,14 @@ EXIT_USAGE = 2
 def _connection_parent() -> argparse.ArgumentParser:
     """Connection flags accepted before or after the subcommand; SUPPRESS keeps a value given
     before the subcommand from being reset by the subparser's default."""
-    parent = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    parent = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS, allow_abbrev=False)
     add_connection_args(parent)
     return parent
 
 
 def build_parser() -> argparse.ArgumentParser:
     conn = _connection_parent()
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="dynamoctl",
         description="Operate a dynamod cluster from the shell: status, worker actions, events, SSH cluster admin.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -100,10 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--kind", action="append", default=[], help="only these event kinds (repeatable)")
     w.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
 
-    from dynamod.console.ctl import intent, planner
+    from dynamod.console.ctl import intent, planner, restart, targets
 
+    targets.add_commands(sub, conn)
     planner.add_commands(sub, conn)
     intent.add_commands(sub, conn)
+    restart.add_commands(sub, conn)
 
     c = sub.add_parser("cluster", help="start, stop, check and read logs of roles on hosts over SSH")
     csub = c.add_subparsers(dest="cluster_command", metavar="up|down|status|logs")
@@ -149,15 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except DynamoError as exc:
-        print(f"dynamoctl: error: {exc}", file=sys.stderr)
+        # Errors quote what the cluster said (names, replies): shown, never obeyed, by the terminal.
+        print(f"dynamoctl: error: {printable(exc)}", file=sys.stderr)
         return EXIT_FAILED
     except (OSError, TimeoutError) as exc:
-        print(f"dynamoctl: error: {exc or type(exc).__name__}", file=sys.stderr)
+        print(f"dynamoctl: error: {printable(exc or type(exc).__name__)}", file=sys.stderr)
         return EXIT_FAILED
 
 
 def _dispatch(args: argparse.Namespace) -> Callable[[], Awaitable[int]]:
-    from dynamod.console.ctl import commands, intent, planner
+    from dynamod.console.ctl import commands, intent, planner, restart, targets
 
     if args.command == "cluster":
         return lambda: commands.cluster(args)
@@ -172,6 +181,8 @@ def _dispatch(args: argparse.Namespace) -> Callable[[], Awaitable[int]]:
         "planner": planner.planner,
         "scale": planner.scale,
         "intent": intent.intent,
+        "restart": restart.restart,
+        "targets": targets.targets,
     }
     fn = table[args.command]
     return lambda: fn(args)

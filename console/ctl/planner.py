@@ -1,12 +1,15 @@
 """``dynamoctl planner status|decisions`` and ``dynamoctl scale``: the Scaling view as commands.
 
     dynamoctl planner status [--json]                        per pool: ready vs desired, override, budget,
-                                                             predicted load, SLA vs measured, last decision
+                                                             live load (REQ/S, QUEUE, ISL, OSL), TTFT/ITL vs
+                                                             the SLA, last decision
     dynamoctl planner decisions [--follow] [--limit N] [--json]
     dynamoctl scale POOL N [--namespace NS] [--reason TEXT]  hold POOL at N replicas (an override)
     dynamoctl scale POOL --clear [--namespace NS]            hand POOL back to the planner
 
-``status`` and ``scale`` need discovery only (a store opened for the command, no lease: an override
+``status`` reads the live figures from the planner's status record (what it measured over its last
+interval), the same record and the same formatter as the console's Scaling view, so the two never
+disagree and ``status`` needs no scrape of its own. ``status`` and ``scale`` need discovery only (a store opened for the command, no lease: an override
 must outlive the command). ``decisions`` subscribes to the event plane, where decisions are
 published live and not kept: without ``--follow`` it waits for the planner's next interval.
 """
@@ -39,6 +42,7 @@ from dynamod.shared.config import DEFAULT_NAMESPACE
 from dynamod.shared.errors import DiscoveryError, InvalidRequestError
 from dynamod.shared.events.plane import TOPIC_PLANNER_DECISIONS
 from dynamod.shared.protocol.planner import PLANNER_COMPONENT, POOLS, PlannerDecision, decision_decoder
+from dynamod.shared.security.printable import printable
 
 if TYPE_CHECKING:
     from dynamod.shared.discovery.store import DiscoveryStore
@@ -52,7 +56,7 @@ def add_commands(sub: Any, conn: argparse.ArgumentParser) -> None:
     """Adds ``planner`` and ``scale`` to dynamoctl's subcommands (``conn``: the connection flags)."""
     pl = sub.add_parser("planner", help="the planner: its status per pool and its decisions")
     psub = pl.add_subparsers(dest="planner_command", metavar="status|decisions")
-    st = psub.add_parser("status", parents=[conn], help="per pool: ready vs desired, override, predicted load, SLA")
+    st = psub.add_parser("status", parents=[conn], help="per pool: ready vs desired, override, live load and TTFT/ITL vs the SLA")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     de = psub.add_parser("decisions", parents=[conn], help="the planner's decisions with their reasons, as they come")
     de.add_argument("--follow", "-f", action="store_true", help="keep printing until interrupted")
@@ -124,14 +128,14 @@ async def status(args: argparse.Namespace) -> int:
             assert o is not None
             who = f" by {o.set_by}" if o.set_by else ""
             why = f": {o.reason}" if o.reason else ""
-            print(f"override {p.key} = {o.replicas}{who}{why}")
+            print(printable(f"override {p.key} = {o.replicas}{who}{why}"))  # set_by and reason: anyone's text
     unplanned = sorted({p.namespace for p in pools if not p.planner})
     if unplanned:
         print(f"\nno planner running in: {', '.join(unplanned)}")
     if routers:
         print()
         for g in routers:
-            print(global_router_line(g))
+            print(printable(global_router_line(g)))
     return EXIT_OK
 
 
@@ -205,7 +209,7 @@ async def _print_decisions(queue: asyncio.Queue[PlannerDecision], *, limit: int 
             d = await asyncio.wait_for(queue.get(), timeout)
         except TimeoutError:
             break
-        sys.stdout.write((msgspec.json.encode(d).decode() if as_json else decision_line(d)) + "\n")
+        sys.stdout.write((msgspec.json.encode(d).decode() if as_json else printable(decision_line(d))) + "\n")
         sys.stdout.flush()
         printed += 1
     if printed == 0:
@@ -244,7 +248,7 @@ async def scale(args: argparse.Namespace) -> int:
     if args.json:
         _dump({"action": result.action, "pool": result.target, "ok": result.ok, "message": result.message, **result.data})
     elif result.ok:
-        print(result.message)
+        print(printable(result.message))
     else:
-        print(f"dynamoctl: error: {result.action} {result.target}: {result.message}", file=sys.stderr)
+        print(printable(f"dynamoctl: error: {result.action} {result.target}: {result.message}"), file=sys.stderr)
     return EXIT_OK if result.ok else EXIT_FAILED

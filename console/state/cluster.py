@@ -16,7 +16,8 @@ collectors keep talking to ``ClusterState`` alone:
 - ``ConnectionTracker`` (``connections.py``), ``ImbalanceWatch`` (``imbalance.py``),
   ``DecisionLog`` (``decisions.py``) and the per-pool summary (``pools.py``);
 - ``ScalingBoard`` (``scaling.py``): planner decisions, status and operator overrides, joined per
-  pool with the workers that run and the latencies the frontends measure.
+  pool with the workers that run and the latencies the frontends measure;
+- ``FailedWorkers`` (``failed.py``): workers ``dynamod up`` gave up on after a crash loop.
 
 What is left here is the wiring between them: a router decision is logged and counted against its
 worker, a frontend scrape feeds both the model figures and the workers' latencies, and the
@@ -38,6 +39,7 @@ import msgspec
 from dynamod.console.state.connections import ConnectionTracker
 from dynamod.console.state.decisions import DecisionLog, decode_decision
 from dynamod.console.state.event_log import EventListener, EventLog
+from dynamod.console.state.failed import FailedEntry, FailedWorkers
 from dynamod.console.state.frontends import FrontendScrapes
 from dynamod.console.state.imbalance import ImbalanceWatch
 from dynamod.console.state.load import LoadTally
@@ -68,6 +70,7 @@ from dynamod.shared.protocol.kv_events import RouterEvent
 from dynamod.shared.protocol.load import LoadMetrics
 from dynamod.shared.protocol.model_card import ModelCard
 from dynamod.shared.protocol.planner import PlannerDecision
+from dynamod.shared.protocol.supervisor import SUPERVISOR_ROOT, FailedWorker
 
 HISTORY_STEP_S = 1.0
 MAX_DECISIONS = 500
@@ -88,6 +91,7 @@ class ClusterState:
         self.imbalance_watch = ImbalanceWatch(self.event_log)
         self.decision_log = DecisionLog(MAX_DECISIONS)
         self.scaling = ScalingBoard(self.versions, self.event_log, self.topology, self.model_catalog)
+        self.failed_workers = FailedWorkers(self.versions, self.event_log)
         self._last_history_at = 0.0
         self._pools_cache: tuple[tuple[int, int], dict[str, PoolSummary]] | None = None
 
@@ -170,12 +174,17 @@ class ClusterState:
 
     # -- discovery --------------------------------------------------------------------------------
 
-    def apply_discovery(self, key: str, value: Instance | ModelCard | PlannerRecord | None) -> None:
+    def apply_discovery(self, key: str, value: Instance | ModelCard | PlannerRecord | FailedWorker | None) -> None:
         """One discovery watch event: a put (decoded record) or a delete (None)."""
-        if key.startswith(PLANNER_ROOT):
+        if key.startswith(SUPERVISOR_ROOT):
+            if value is None:
+                self.failed_workers.delete(key)
+            elif isinstance(value, FailedWorker):
+                self.failed_workers.put(key, value)
+        elif key.startswith(PLANNER_ROOT):
             if value is None or isinstance(value, PlannerRecord):
                 self.scaling.apply_record(key, value)
-        elif not isinstance(value, PlannerRecord):
+        elif not isinstance(value, PlannerRecord | FailedWorker):
             self.topology.apply_discovery(key, value)
 
     def put_instance(self, key: str, inst: Instance) -> None:
@@ -192,6 +201,14 @@ class ClusterState:
     def reconcile_planner(self, live: Mapping[str, PlannerRecord]) -> None:
         """Like ``reconcile_instances`` for the ``v1/planner/`` records (status, overrides...)."""
         self.scaling.reconcile(live)
+
+    def reconcile_failed(self, live: Mapping[str, FailedWorker]) -> None:
+        """Like ``reconcile_instances`` for the supervisors' failed-worker records."""
+        self.failed_workers.reconcile(live)
+
+    def failed(self, namespace: str | None = None) -> list[FailedEntry]:
+        """Workers ``dynamod up`` gave up on (no process, so no instance record), by name."""
+        return self.failed_workers.listed(namespace)
 
     def put_card(self, key: str, card: ModelCard) -> None:
         self.topology.put_card(key, card)
@@ -220,6 +237,10 @@ class ClusterState:
                 component=worker.component if worker else "",
                 instance_id=ev.worker_id,
             )
+
+    def apply_kv_seed(self, worker_id: int, blocks: int, event_id: int) -> None:
+        """A worker's cached blocks read from its ``kv_dump`` (``collectors/kv_seed.py``)."""
+        self.load.apply_kv_seed(worker_id, blocks, event_id)
 
     def apply_router_decision(self, namespace: str, data: Mapping[str, Any]) -> RouterDecision | None:
         """A ``router_decisions`` message (``RoutingDecision.to_dict()`` plus ``ts``/``model``)."""
@@ -254,10 +275,20 @@ class ClusterState:
     def apply_scrape(self, source: str, scrape: FrontendScrape) -> None:
         """A scrape feeds the model figures and, with its per-worker gauges, the workers' latencies."""
         self.frontends.add(source, scrape, self.clock())
-        self.load.apply_latencies(scrape.worker_ttft, scrape.worker_itl)
+        self.load.apply_latencies(scrape.worker_ttft, scrape.worker_itl, scrape.worker_ttft_by, scrape.worker_itl_by,
+                                  self.clock())
 
     def forget_source(self, source: str) -> None:
         self.frontends.forget(source)
+
+    def scrape_failed(self, source: str, reason: str) -> None:
+        """A frontend's ``/metrics`` gave nothing (a 401 without a key, no answer, bad TLS)."""
+        self.frontends.failed(source, reason)
+        self.versions.load += 1  # the Workers view shows it where TTFT/ITL would be
+
+    def metric_problems(self) -> list[str]:
+        """Why some frontend gives no figures, one reason per source (empty when all answer)."""
+        return [self.frontends.problems[s] for s in sorted(self.frontends.problems)]
 
     def model_stats(self) -> dict[str, ModelStats]:
         """Per model over the recent window, summed across frontends."""

@@ -26,18 +26,28 @@ class FrontendScrapes:
     def __init__(self, versions: Versions) -> None:
         self._versions = versions
         self._rings: dict[str, deque[tuple[float, FrontendScrape]]] = {}
+        self.problems: dict[str, str] = {}  # source -> why its last scrape gave nothing
 
     def add(self, source: str, scrape: FrontendScrape, now: float) -> None:
         ring = self._rings.setdefault(source, deque(maxlen=MAX_SCRAPES_PER_SOURCE))
         ring.append((now, scrape))
+        self.problems.pop(source, None)
         while len(ring) > 2 and now - ring[1][0] > LATENCY_WINDOW_S:
             ring.popleft()
         self._versions.models += 1
 
     def forget(self, source: str) -> None:
         """The source is no longer scraped: its figures stop counting."""
-        if self._rings.pop(source, None) is not None:
+        had_problem = self.problems.pop(source, None) is not None
+        if self._rings.pop(source, None) is not None or had_problem:
             self._versions.models += 1
+
+    def failed(self, source: str, reason: str) -> None:
+        """The source answered with no figures (refused, unreachable): they stop counting, and the
+        reason is kept for the views to show where a figure would be."""
+        self._rings.pop(source, None)
+        self.problems[source] = reason
+        self._versions.models += 1
 
     @property
     def sources(self) -> list[str]:

@@ -54,6 +54,7 @@ class LoadTally:
         st = self.stats_for(ev.worker_id)
         if st.last_event_id >= 0 and ev.event_id > st.last_event_id + 1:
             st.kv_gaps += 1
+            st.kv_seeded = False  # events were lost: the count drifts until a fresh kv_dump
         st.last_event_id = max(st.last_event_id, ev.event_id)
         st.kv_events += 1
         self.kv_events += 1
@@ -61,24 +62,64 @@ class LoadTally:
         event = ev.event
         if isinstance(event, KvStored):
             st.cached_blocks += len(event.blocks)
+            delta: int | None = len(event.blocks)
         elif isinstance(event, KvRemoved):
             st.cached_blocks = max(0, st.cached_blocks - len(event.block_hashes))
+            delta = -len(event.block_hashes)
         elif isinstance(event, KvCleared):
             cleared = st.cached_blocks
             st.cached_blocks = 0
+            if not st.kv_seeded:
+                st.kv_unseeded.append((ev.event_id, None))
             return cleared
+        else:
+            return None
+        if not st.kv_seeded:
+            st.kv_unseeded.append((ev.event_id, delta))
         return None
+
+    def apply_kv_seed(self, worker_id: int, blocks: int, event_id: int) -> None:
+        """A worker's ``kv_dump``: ``blocks`` cached as of its event ``event_id`` (-1: unknown, an
+        empty dump). Events newer than the dump that arrived meanwhile are applied on top, so a
+        console started after traffic shows the cache the worker holds, not 0."""
+        st = self.stats_for(worker_id)
+        count = blocks
+        if event_id >= 0:
+            for eid, delta in st.kv_unseeded:
+                if eid > event_id:
+                    count = 0 if delta is None else max(0, count + delta)
+            st.last_event_id = max(st.last_event_id, event_id)
+        st.cached_blocks = count
+        st.kv_seeded = True
+        st.kv_unseeded.clear()
+        self._versions.load += 1
 
     def note_routed(self, instance_id: int) -> None:
         """A router decision chose this worker."""
         self.stats_for(instance_id).routed += 1
 
-    def apply_latencies(self, ttft: Mapping[int, float], itl: Mapping[int, float]) -> None:
-        """The latest per-worker TTFT and ITL a frontend measured."""
+    def apply_latencies(
+        self,
+        ttft: Mapping[int, float],
+        itl: Mapping[int, float],
+        ttft_by: Mapping[tuple[int, str], float] | None = None,
+        itl_by: Mapping[tuple[int, str], float] | None = None,
+        now: float = 0.0,
+    ) -> None:
+        """The latest per-worker TTFT and ITL a frontend measured: the headline figure, and by
+        where the prompt was prefilled (``local`` | ``remote``) for like-with-like comparisons,
+        with when each last changed (``now``)."""
         for wid, v in ttft.items():
             self.stats_for(wid).ttft_s = v
         for wid, v in itl.items():
             self.stats_for(wid).itl_s = v
+        for name, by in (("ttft", ttft_by), ("itl", itl_by)):
+            for (wid, prefill), v in (by or {}).items():
+                st = self.stats_for(wid)
+                figures: dict[str, float] = st.ttft_by if name == "ttft" else st.itl_by
+                if figures.get(prefill) != v:
+                    figures[prefill] = v
+                    st.latency_changed_at[f"{name}:{prefill}"] = now
         if ttft or itl:
             self._versions.load += 1
 

@@ -21,6 +21,8 @@ PROMPT_TOKENS = "dynamo_frontend_prompt_tokens"
 CACHED_TOKENS = "dynamo_frontend_cached_tokens"
 WORKER_TTFT = "dynamo_frontend_worker_last_time_to_first_token_seconds"
 WORKER_ITL = "dynamo_frontend_worker_last_inter_token_latency_seconds"
+PREFILL_LOCAL = "local"
+PREFILL_REMOTE = "remote"
 OK_STATUSES = frozenset({"success", "ok", "200", "cancelled"})  # a client hanging up is not an error
 
 
@@ -36,8 +38,12 @@ class FrontendScrape:
     migrations: dict[str, float] = field(default_factory=dict)
     prompt_tokens: dict[str, float] = field(default_factory=dict)
     cached_tokens: dict[str, float] = field(default_factory=dict)
-    worker_ttft: dict[int, float] = field(default_factory=dict)
+    worker_ttft: dict[int, float] = field(default_factory=dict)  # the headline figure per worker
     worker_itl: dict[int, float] = field(default_factory=dict)
+    # By (worker, where the prompt was prefilled: local | remote): two populations the imbalance
+    # check must not compare with each other (a frontend without the label gives "local").
+    worker_ttft_by: dict[tuple[int, str], float] = field(default_factory=dict)
+    worker_itl_by: dict[tuple[int, str], float] = field(default_factory=dict)
 
     @property
     def models(self) -> set[str]:
@@ -93,9 +99,13 @@ def parse_frontend_metrics(text: str) -> FrontendScrape:
                     model = s.labels.get("model", "")
                     target_t[model] = target_t.get(model, 0.0) + s.value
         elif name in (WORKER_TTFT, WORKER_ITL):
-            target_w = out.worker_ttft if name == WORKER_TTFT else out.worker_itl
+            by = out.worker_ttft_by if name == WORKER_TTFT else out.worker_itl_by
             for s in family.samples:
                 wid = parse_worker_id(s.labels.get("worker_id", ""))
                 if wid is not None:
-                    target_w[wid] = s.value
+                    by[(wid, s.labels.get("prefill") or PREFILL_LOCAL)] = s.value
+    for by, headline in ((out.worker_ttft_by, out.worker_ttft), (out.worker_itl_by, out.worker_itl)):
+        # A decode worker's usual request is prefilled remotely: that is its headline figure.
+        for (wid, _prefill), value in sorted(by.items(), key=lambda kv: kv[0][1] == PREFILL_REMOTE):
+            headline[wid] = value
     return out

@@ -6,11 +6,14 @@ One line per input, with the wall time it arrived (``t``) and its ``kind``::
     {"t": ..., "kind": "delete", "key": "v1/mdc/..."}
     {"t": ..., "kind": "kv_metrics", "namespace": "dynamo", "value": {...LoadMetrics...}}
     {"t": ..., "kind": "kv_event", "namespace": "dynamo", "value": {...RouterEvent...}}
+    {"t": ..., "kind": "kv_seed", "worker_id": 123, "blocks": 812, "event_id": 4410}
     {"t": ..., "kind": "put", "key": "v1/planner/dynamo/status", "value": {...PlannerStatus...}}
     {"t": ..., "kind": "reconcile_planner", "value": {"v1/planner/...": {...}, ...}}
+    {"t": ..., "kind": "reconcile_failed", "value": {"v1/supervisor/dynamo/failed/worker-1": {...}}}
     {"t": ..., "kind": "router_decision", "namespace": "dynamo", "value": {...RoutingDecision...}}
     {"t": ..., "kind": "planner_decision", "namespace": "dynamo", "value": {...PlannerDecision...}}
     {"t": ..., "kind": "metrics", "source": "http://...", "text": "...prometheus text..."}
+    {"t": ..., "kind": "scrape_failed", "source": "http://...", "reason": "401 from ...: give ..."}
     {"t": ..., "kind": "connection", "name": "discovery", "state": "ok", "target": "...", "detail": ""}
     {"t": ..., "kind": "tick"}
 
@@ -37,21 +40,25 @@ from dynamod.shared.protocol.kv_events import RouterEvent
 from dynamod.shared.protocol.load import LoadMetrics
 from dynamod.shared.protocol.model_card import ModelCard
 from dynamod.shared.protocol.planner import PlannerDecision
+from dynamod.shared.protocol.supervisor import SUPERVISOR_ROOT, FailedWorker
 
 
 class StateSink(Protocol):
     """What collectors feed. ``ClusterState`` is one; ``RecordingSink`` records and forwards."""
 
-    def apply_discovery(self, key: str, value: Instance | ModelCard | PlannerRecord | None) -> None: ...
+    def apply_discovery(self, key: str, value: Instance | ModelCard | PlannerRecord | FailedWorker | None) -> None: ...
     def reconcile_instances(self, live: Mapping[str, Instance]) -> None: ...
     def reconcile_cards(self, live: Mapping[str, ModelCard]) -> None: ...
     def reconcile_planner(self, live: Mapping[str, PlannerRecord]) -> None: ...
+    def reconcile_failed(self, live: Mapping[str, FailedWorker]) -> None: ...
     def apply_load(self, m: LoadMetrics) -> None: ...
     def apply_kv_event(self, ev: RouterEvent) -> None: ...
+    def apply_kv_seed(self, worker_id: int, blocks: int, event_id: int) -> None: ...
     def apply_router_decision(self, namespace: str, data: Mapping[str, Any]) -> Any: ...
     def apply_planner_decision(self, namespace: str, decision: PlannerDecision) -> None: ...
     def apply_metrics_text(self, source: str, text: str) -> None: ...
     def forget_source(self, source: str) -> None: ...
+    def scrape_failed(self, source: str, reason: str) -> None: ...
     def set_connection(self, name: str, state: str, target: str = "", detail: str = "") -> None: ...
     def note_decode_error(self, source: str, detail: str) -> None: ...
     def tick(self) -> None: ...
@@ -86,7 +93,7 @@ class RecordingSink:
         line = {"t": round(self.state.clock(), 6), "kind": kind, **fields}
         self._write(json.dumps(line, separators=(",", ":"), default=str) + "\n")
 
-    def apply_discovery(self, key: str, value: Instance | ModelCard | PlannerRecord | None) -> None:
+    def apply_discovery(self, key: str, value: Instance | ModelCard | PlannerRecord | FailedWorker | None) -> None:
         if value is None:
             self._emit("delete", key=key)
         else:
@@ -105,6 +112,10 @@ class RecordingSink:
         self._emit("reconcile_planner", value={k: _builtins(v) for k, v in live.items()})
         self.state.reconcile_planner(live)
 
+    def reconcile_failed(self, live: Mapping[str, FailedWorker]) -> None:
+        self._emit("reconcile_failed", value={k: _builtins(v) for k, v in live.items()})
+        self.state.reconcile_failed(live)
+
     def apply_load(self, m: LoadMetrics) -> None:
         if self._record_metrics:
             self._emit("kv_metrics", value=_builtins(m))
@@ -113,6 +124,10 @@ class RecordingSink:
     def apply_kv_event(self, ev: RouterEvent) -> None:
         self._emit("kv_event", value=_builtins(ev))
         self.state.apply_kv_event(ev)
+
+    def apply_kv_seed(self, worker_id: int, blocks: int, event_id: int) -> None:
+        self._emit("kv_seed", worker_id=worker_id, blocks=blocks, event_id=event_id)
+        self.state.apply_kv_seed(worker_id, blocks, event_id)
 
     def apply_router_decision(self, namespace: str, data: Mapping[str, Any]) -> Any:
         self._emit("router_decision", namespace=namespace, value=dict(data))
@@ -130,6 +145,10 @@ class RecordingSink:
         self._emit("forget_source", source=source)
         self.state.forget_source(source)
 
+    def scrape_failed(self, source: str, reason: str) -> None:
+        self._emit("scrape_failed", source=source, reason=reason)
+        self.state.scrape_failed(source, reason)
+
     def set_connection(self, name: str, state: str, target: str = "", detail: str = "") -> None:
         self._emit("connection", name=name, state=state, target=target, detail=detail)
         self.state.set_connection(name, state, target, detail)
@@ -143,7 +162,7 @@ class RecordingSink:
         self.state.tick()
 
 
-def decode_discovery_value(key: str, value: Any) -> Instance | ModelCard | PlannerRecord | None:
+def decode_discovery_value(key: str, value: Any) -> Instance | ModelCard | PlannerRecord | FailedWorker | None:
     if value is None:
         return None
     if key.startswith(INSTANCES_ROOT):
@@ -152,6 +171,8 @@ def decode_discovery_value(key: str, value: Any) -> Instance | ModelCard | Plann
         return msgspec.convert(value, ModelCard)
     if key.startswith(PLANNER_ROOT):
         return convert_planner_record(key, value)
+    if key.startswith(SUPERVISOR_ROOT):
+        return msgspec.convert(value, FailedWorker)
     return None
 
 
@@ -169,10 +190,14 @@ def apply_record(state: ClusterState, rec: Mapping[str, Any]) -> None:
     elif kind == "reconcile_planner":
         live = {k: convert_planner_record(k, v) for k, v in rec["value"].items()}
         state.reconcile_planner({k: v for k, v in live.items() if v is not None})
+    elif kind == "reconcile_failed":
+        state.reconcile_failed({k: msgspec.convert(v, FailedWorker) for k, v in rec["value"].items()})
     elif kind == "kv_metrics":
         state.apply_load(msgspec.convert(rec["value"], LoadMetrics))
     elif kind == "kv_event":
         state.apply_kv_event(msgspec.convert(rec["value"], RouterEvent))
+    elif kind == "kv_seed":
+        state.apply_kv_seed(int(rec["worker_id"]), int(rec["blocks"]), int(rec["event_id"]))
     elif kind == "router_decision":
         state.apply_router_decision(rec.get("namespace", ""), rec["value"])
     elif kind == "planner_decision":
@@ -186,6 +211,8 @@ def apply_record(state: ClusterState, rec: Mapping[str, Any]) -> None:
         state.apply_metrics_text(rec["source"], rec["text"])
     elif kind == "forget_source":
         state.forget_source(rec["source"])
+    elif kind == "scrape_failed":
+        state.scrape_failed(rec["source"], rec["reason"])
     elif kind == "connection":
         state.set_connection(rec["name"], rec["state"], rec.get("target", ""), rec.get("detail", ""))
     elif kind == "decode_error":

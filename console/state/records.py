@@ -14,6 +14,7 @@ from typing import Any
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.load import LoadMetrics
 from dynamod.shared.protocol.routing import DISAGG_REMOTE, STAGE_AGG, DisaggInfo
+from dynamod.shared.protocol.worker_id import worker_id_or_dash
 
 ROLE_AGG = "agg"
 ROLE_PREFILL = "prefill"
@@ -21,6 +22,7 @@ ROLE_DECODE = "decode"
 WORKER_ROLES = frozenset({ROLE_AGG, ROLE_DECODE, ROLE_PREFILL})
 POOL_ORDER = (ROLE_AGG, ROLE_PREFILL, ROLE_DECODE)  # the order pools are listed in
 STATUS_GONE = "gone"
+UNSEEDED_EVENTS = 4096  # KV events kept per worker while its kv_dump is on its way
 HISTORY_LEN = 60  # sparkline samples, one a second: the last minute of load
 
 # Event kinds shown in the Events view and printed by ``dynamoctl watch``.
@@ -53,8 +55,9 @@ EVENT_KINDS = (
 
 
 def fmt_id(instance_id: int | None) -> str:
-    """Instance ids print in lowercase hex, as in discovery keys and ``dynamoctl`` arguments."""
-    return "-" if instance_id is None else f"{instance_id:x}"
+    """Instance ids print as everywhere else (headers, route explain, logs): 16 lowercase hex
+    digits (``shared/protocol/worker_id.py``); ``-`` for none."""
+    return worker_id_or_dash(instance_id)
 
 
 @dataclass(slots=True)
@@ -106,13 +109,23 @@ class WorkerStats:
     last_load_at: float = 0.0
     history: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY_LEN))
     samples: int = 0  # history samples ever taken: lets views cache what they drew from history
-    ttft_s: float | None = None
+    ttft_s: float | None = None  # the headline figure (remote-prefill requests when it has any)
     itl_s: float | None = None
+    ttft_by: dict[str, float] = field(default_factory=dict)  # by where the prompt was prefilled
+    itl_by: dict[str, float] = field(default_factory=dict)
+    # When each of those last changed ("ttft:local" -> time): a "last request" gauge that stopped
+    # moving describes an old request, not the worker now.
+    latency_changed_at: dict[str, float] = field(default_factory=dict)
     cached_blocks: int = 0
     kv_events: int = 0
     kv_gaps: int = 0
     last_event_id: int = -1
     routed: int = 0  # router decisions that chose this worker
+    # Seeding from ``kv_dump`` (a console started after traffic, or after a gap in event ids):
+    # until it lands, events are also kept as (event_id, block delta | None for a clear) so the
+    # ones newer than the dump can be applied on top of it.
+    kv_seeded: bool = False
+    kv_unseeded: deque[tuple[int, int | None]] = field(default_factory=lambda: deque(maxlen=UNSEEDED_EVENTS))
 
     @property
     def running(self) -> int:

@@ -8,8 +8,12 @@ Three sources meet here, and none of them alone answers "is this pool the right 
   with the planner), the operator's ``ScaleOverride`` per pool, and the desired/scaled counts a
   connector and an orchestrator exchange;
 - the rest of the picture: how many workers of the pool are registered and ready now (topology),
-  and the TTFT/ITL the frontends measure for the namespace's models (scrapes), which is what the
-  SLA targets are checked against.
+  and the TTFT/ITL the frontends measure for the namespace's models (scrapes), which stand in for
+  the planner's own figures (``PlannerStatus.observed``, what the targets are checked against in
+  the console and ``dynamoctl`` alike) while it has measured none.
+
+Each status also adds one sample per pool to ``ScalingHistory`` (``scaling_history.py``), which the
+Scaling view plots.
 
 ``ScalingBoard`` keeps the first two and joins them with the third into one ``PoolScaling`` per
 (namespace, pool), rebuilt only when one of its inputs moved. It does no I/O.
@@ -26,6 +30,7 @@ import msgspec
 from dynamod.console.state.event_log import EventLog
 from dynamod.console.state.models import ModelCatalog
 from dynamod.console.state.records import EV_SCALING, Worker
+from dynamod.console.state.scaling_history import ScalingHistory, ScalingSample
 from dynamod.console.state.topology import Topology
 from dynamod.console.state.versions import Versions
 from dynamod.shared.protocol.instance import STATUS_READY
@@ -151,6 +156,14 @@ class PoolScaling:
     targets: dict[str, float] = field(default_factory=dict)
     measured: Latency = field(default_factory=Latency)
     decisions: list[PlannerDecision] = field(default_factory=list)  # newest first
+    # The live figures of the planner's status (its last interval): the namespace's traffic
+    # (request_rate, isl, osl, ttft_ms, itl_ms) and this pool's load (waiting, running, kv_usage).
+    # The console and dynamoctl both read these, so they show the same numbers.
+    observed: dict[str, float] = field(default_factory=dict)
+    load: dict[str, float] = field(default_factory=dict)
+    history: list[ScalingSample] = field(default_factory=list)  # oldest first, one per interval
+    last_action: str = ""  # the planner's last decision per its status (dynamoctl has no decision stream)
+    last_reason: str = ""
 
     @property
     def key(self) -> str:
@@ -173,16 +186,21 @@ class PoolScaling:
 
     @property
     def ttft_ms(self) -> float | None:
-        """Measured TTFT (p50 over the frontends' window), else what the planner last observed."""
-        if self.measured.ttft_p50 is not None:
-            return self.measured.ttft_p50
-        return self.last.inputs.get("ttft_ms") if self.last is not None else None
+        """TTFT as the planner measured it over its last interval (the same figure in the console
+        and dynamoctl); without one, the console's own scrapes (p50 over the frontends' window),
+        else what the planner's last decision recorded."""
+        return self._latency("ttft_ms", self.measured.ttft_p50)
 
     @property
     def itl_ms(self) -> float | None:
-        if self.measured.itl_p50 is not None:
-            return self.measured.itl_p50
-        return self.last.inputs.get("itl_ms") if self.last is not None else None
+        return self._latency("itl_ms", self.measured.itl_p50)
+
+    def _latency(self, key: str, scraped: float | None) -> float | None:
+        if key in self.observed:
+            return self.observed[key]
+        if scraped is not None:
+            return scraped
+        return self.last.inputs.get(key) if self.last is not None else None
 
 
 @dataclass(slots=True)
@@ -210,6 +228,7 @@ class ScalingBoard:
         self.desired: dict[str, DesiredReplicas] = {}
         self.scaled: dict[str, ScaledReplicas] = {}
         self._decisions: dict[tuple[str, str], deque[PlannerDecision]] = {}
+        self.history = ScalingHistory()
         self._cache: tuple[tuple[int, int, int], list[PoolScaling]] | None = None
 
     # -- inputs -----------------------------------------------------------------------------------
@@ -236,6 +255,7 @@ class ScalingBoard:
             had = ns in self.statuses
             if isinstance(value, PlannerStatus):
                 self.statuses[ns] = value
+                self.history.add_status(value)
                 if not had:
                     self._log.add(EV_SCALING, f"planner {value.planner} for {ns} up ({value.connector} connector"
                                   f"{', dry run' if value.dry_run else ''})", namespace=ns, component="planner")
@@ -313,6 +333,8 @@ class ScalingBoard:
                 p.current, p.desired = ps.current, ps.desired
                 p.min_replicas, p.max_replicas = ps.min_replicas, ps.max_replicas
                 p.component = ps.component or p.component
+                p.load = dict(ps.load)
+                p.last_action, p.last_reason = ps.action, ps.reason
         for (ns, pool), ring in self._decisions.items():
             p = entry(ns, pool)
             p.decisions = list(ring)
@@ -326,6 +348,7 @@ class ScalingBoard:
                 p.planner, p.connector, p.dry_run = status.planner, status.connector, status.dry_run
                 p.targets = dict(status.targets)
                 p.predicted = dict(status.predicted)
+                p.observed = dict(status.observed)
             if last is not None:
                 # The newest decision is at least as fresh as the status, and carries the pool's own
                 # prediction; a status-less pool (planner gone) still shows what it last said.
@@ -339,6 +362,7 @@ class ScalingBoard:
             if scaled is not None and pool in scaled.replicas:
                 p.scaled = scaled.replicas[pool]
             p.measured = latency.get(ns, Latency())
+            p.history = self.history.samples(ns, pool)
         pools = sorted(out.values(), key=lambda p: (p.namespace, _POOL_ORDER.get(p.pool, len(POOLS)), p.pool))
         self._cache = (version, pools)
         return pools

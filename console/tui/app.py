@@ -3,9 +3,9 @@ views render it on a timer, and the action keys call the same ``ControlClient`` 
 
 Keys follow k9s: ``:`` jumps to a view, ``/`` filters, Enter drills in, Esc goes back, ``?`` is
 help; single keys act on the selected worker (drain, sleep, wake, LoRA load/unload, clear KV), and
-those that remove capacity ask first. In the Scaling view ``s`` and ``x`` act on the selected pool
-instead (hold it at N replicas, clear that override), through the same ``ScaleClient`` as
-``dynamoctl scale``. ``--read-only`` hides and refuses every action.
+those that remove capacity ask first. In the Scaling view ``r`` and ``x`` act on the selected pool
+(hold it at N replicas, clear that override), through the same ``ScaleClient`` as ``dynamoctl
+scale``; every key means one thing in every view (``actions/specs.py``). ``--read-only`` hides and refuses every action.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from dynamod.console.present import fmt_budget
 from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.scaling import PoolScaling
 from dynamod.console.tui.commands import ConsoleCommands
-from dynamod.console.tui.messages import ActionFinished, JumpToView, ShowWorker
+from dynamod.console.tui.messages import ActionFinished, JumpToView, ShowDetail, ShowWorker
 from dynamod.console.tui.screens import (
     ConfirmScreen,
+    DetailScreen,
     HelpScreen,
     LoraLoadScreen,
     LoraUnloadScreen,
@@ -52,6 +53,8 @@ from dynamod.console.tui.views.scaling import ScalingView
 from dynamod.console.tui.views.topology import TopologyView
 from dynamod.console.tui.views.workers import WorkersView
 from dynamod.console.tui.widgets import TopBar, ViewTabs, top_bar_text
+from dynamod.shared.protocol.worker_id import worker_id_hex
+from dynamod.shared.security.printable import printable
 
 logger = logging.getLogger(__name__)
 
@@ -260,6 +263,10 @@ class ConsoleApp(App[None]):
     def _show_worker(self, message: ShowWorker) -> None:
         self.push_screen(WorkerScreen(self.state, message.instance_id))
 
+    @on(ShowDetail)
+    def _show_detail(self, message: ShowDetail) -> None:
+        self.push_screen(DetailScreen(message.title, message.body, message.worker_id))
+
     @on(JumpToView)
     def _jump(self, message: JumpToView) -> None:
         self.show_view(message.view)
@@ -270,8 +277,10 @@ class ConsoleApp(App[None]):
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "act" and (self.read_only or self.current_view == "scaling" and len(self.screen_stack) == 1):
-            # The Scaling view has no worker to act on; its own keys (s, x) act on pools.
+            # The Scaling view has no worker to act on; its own keys (r, x) act on pools.
             return False
+        if action == "act" and isinstance(self.screen, DetailScreen):
+            return False  # a detail pane shows text; Enter opens its worker, where the keys act
         return True
 
     def selected_worker_id(self) -> int | None:
@@ -296,8 +305,8 @@ class ConsoleApp(App[None]):
             self.notify(f"{spec.title}: select a worker first", severity="warning")
             return
         worker = self.state.find_worker(iid)
-        target = f"{iid:x}"
-        model = f" ({worker.model})" if worker is not None and worker.model else ""
+        target = worker_id_hex(iid)
+        model = f" ({printable(worker.model)})" if worker is not None and worker.model else ""
         if name == "sleep":
             self.push_screen(SleepLevelScreen(target), partial(self._sleep_level_chosen, iid, model))
         elif name == "load_lora":
@@ -318,13 +327,13 @@ class ConsoleApp(App[None]):
             if yes:
                 self._execute(name, iid, **kwargs)
             else:
-                self.notify(f"{ACTIONS_BY_NAME[name].title} {iid:x} cancelled")
+                self.notify(f"{ACTIONS_BY_NAME[name].title} {worker_id_hex(iid)} cancelled")
 
         self.push_screen(ConfirmScreen(question), answered)
 
     def _sleep_level_chosen(self, iid: int, model: str, level: int | None) -> None:
         if level:
-            self._confirm_then("sleep", iid, CONFIRM_TEXT["sleep"].format(t=f"{iid:x}", m=model, level=level), level=level)
+            self._confirm_then("sleep", iid, CONFIRM_TEXT["sleep"].format(t=worker_id_hex(iid), m=model, level=level), level=level)
 
     def _lora_chosen(self, iid: int, answer: tuple[str, str] | None) -> None:
         if answer:
@@ -332,7 +341,7 @@ class ConsoleApp(App[None]):
 
     def _unload_chosen(self, iid: int, lora: str | None) -> None:
         if lora:
-            self._confirm_then("unload_lora", iid, CONFIRM_TEXT["unload_lora"].format(t=f"{iid:x}", lora=lora), lora=lora)
+            self._confirm_then("unload_lora", iid, CONFIRM_TEXT["unload_lora"].format(t=worker_id_hex(iid), lora=printable(lora)), lora=lora)
 
     # -- pool actions (Scaling view) ----------------------------------------------------------
 
@@ -414,13 +423,13 @@ class ConsoleApp(App[None]):
         return self._control
 
     def _execute(self, name: str, iid: int, **kwargs: object) -> None:
-        self.notify(f"{ACTIONS_BY_NAME[name].title} {iid:x}…", timeout=2)
+        self.notify(f"{ACTIONS_BY_NAME[name].title} {worker_id_hex(iid)}…", timeout=2)
         self.run_worker(self._call(name, iid, kwargs), group="actions", name=f"action:{name}", exit_on_error=False)
 
     async def _call(self, name: str, iid: int, kwargs: dict[str, object]) -> ActionResult:
         control = self.control()
         if control is None:
-            result = ActionResult(name, f"{iid:x}", False, "not connected to a cluster")
+            result = ActionResult(name, f"{worker_id_hex(iid)}", False, "not connected to a cluster")
         elif name == "drain":
             result = await control.drain(iid, wait=False)
         elif name == "sleep":
@@ -440,10 +449,12 @@ class ConsoleApp(App[None]):
     def _action_finished(self, message: ActionFinished) -> None:
         r = message.result
         self.state.record_action(r.action, r.target, r.ok, r.message)
+        # The message is the worker's reply: shown as text (``printable``, no markup), never obeyed.
+        text = printable(f"{r.action} {r.target}: {r.message}")
         if r.ok:
-            self.notify(f"{r.action} {r.target}: {r.message}", title="done")
+            self.notify(text, title="done", markup=False)
         else:
-            self.notify(f"{r.action} {r.target}: {r.message}", title="failed", severity="error", timeout=8)
+            self.notify(text, title="failed", severity="error", timeout=8, markup=False)
 
     @on(TextualWorker.StateChanged)
     def _worker_state(self, event: TextualWorker.StateChanged) -> None:
@@ -461,7 +472,7 @@ class ConsoleApp(App[None]):
         if exc is not None:
             logger.error("console connection ended error=%s", exc)
             self.state.add_event("error", f"cluster connection ended: {exc}", severity="error")
-            self.notify(f"cluster connection ended: {exc}", severity="error", timeout=30)
+            self.notify(printable(f"cluster connection ended: {exc}"), severity="error", timeout=30, markup=False)
 
     async def on_unmount(self) -> None:
         if self._control is not None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
 from dynamod.console.actions.specs import ACTIONS, POOL_ACTIONS
+from dynamod.shared.protocol.worker_id import worker_id_hex
 
 if TYPE_CHECKING:
     from dynamod.console.tui.app import ConsoleApp
@@ -22,7 +23,7 @@ class ConsoleCommands(Provider):
             out.append((f"View: {view}", partial(app.show_view, view), f"jump to the {view} view"))
         if not app.read_only:
             target = app.selected_worker_id()
-            where = f" {target:x}" if target is not None else " (select a worker first)"
+            where = f" {worker_id_hex(target)}" if target is not None else " (select a worker first)"
             for spec in ACTIONS:
                 out.append((f"{spec.title}{where}", partial(app.start_action, spec.name), spec.help))
             pool = app.selected_pool()

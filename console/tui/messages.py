@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rich.console import RenderableType
 from textual.message import Message
 
 from dynamod.console.actions.control import ActionResult
@@ -27,3 +28,13 @@ class JumpToView(Message):
 @dataclass
 class ActionFinished(Message):
     result: ActionResult
+
+
+@dataclass
+class ShowDetail(Message):
+    """Open the full text of a table row (Enter on an event, a routing decision, a pool, a failed
+    worker): what the 80-column cell cut. ``worker_id``: Enter in the pane opens that worker."""
+
+    title: str
+    body: RenderableType
+    worker_id: int | None = None

@@ -1,9 +1,10 @@
-"""Pushed screens: the worker detail (Enter), the confirm dialog for capacity-removing actions,
+"""Pushed screens: the worker detail (Enter), the detail pane of any other row (Enter), the confirm dialog for capacity-removing actions,
 the small forms actions need (sleep level, LoRA name and source, a pool's replica count), and help
 (``?``). Dialog text wraps: at 80x24 a question longer than the dialog must not be cut."""
 
 from __future__ import annotations
 
+from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
@@ -27,8 +28,18 @@ from dynamod.console.present import (
 from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.records import fmt_id
 from dynamod.console.state.scaling import PoolScaling
-from dynamod.console.tui.style import STATUS_STYLE, severity_text
+from dynamod.console.tui.messages import ShowWorker
+from dynamod.console.tui.style import STATUS_STYLE, plain, severity_text
 from dynamod.shared.protocol.routing import STAGE_AGG
+from dynamod.shared.security.printable import printable
+
+
+def _by_prefill(headline: float | None, by: dict[str, float]) -> str:
+    """A latency figure, split by where prompts were prefilled when the worker has both kinds
+    (``local 498ms / remote 20ms``): two populations, two numbers."""
+    if len(by) < 2:
+        return fmt_ms(headline)
+    return " / ".join(f"{prefill} {fmt_ms(v)}" for prefill, v in sorted(by.items()))
 
 
 class WorkerScreen(Screen[None]):
@@ -76,7 +87,7 @@ class WorkerScreen(Screen[None]):
             return
         now = self.state.clock()
         st = w.stats
-        head = Text(f"{w.namespace}/{w.component}/{w.id_hex}  ", style="bold")
+        head = Text(printable(f"{w.namespace}/{w.component}/{w.id_hex}  "), style="bold")
         head.append(w.status, style=STATUS_STYLE.get(w.status, ""))
         title.update(head)
         facts = Table.grid(padding=(0, 2))
@@ -84,14 +95,18 @@ class WorkerScreen(Screen[None]):
         facts.add_column()
         facts.add_column(style="dim")
         facts.add_column()
-        facts.add_row("role", w.role or "-", "model", w.model or "-")
-        facts.add_row("node", w.node or "-", "pid", str(w.pid or "-"))
-        facts.add_row("age", fmt_age(now - w.started_at if w.started_at else None), "loras", ", ".join(sorted(w.loras)) or "-")
+        # Names from discovery as ``plain`` cells: a rich table reads a str as markup.
+        facts.add_row("role", plain(w.role or "-"), "model", plain(w.model or "-"))
+        facts.add_row("node", plain(w.node or "-"), "pid", str(w.pid or "-"))
+        facts.add_row("age", fmt_age(now - w.started_at if w.started_at else None), "loras",
+                      plain(", ".join(sorted(w.loras)) or "-"))
         facts.add_row("running", str(st.running) if st.loads else "-", "waiting", str(st.waiting) if st.loads else "-")
         facts.add_row("kv usage", fmt_pct(st.kv_usage), "prefix hits", fmt_pct(st.hit_rate))
-        facts.add_row("ttft", fmt_ms(st.ttft_s), "itl", fmt_ms(st.itl_s))
-        facts.add_row("cached blocks", fmt_count(st.cached_blocks), "routed", fmt_count(st.routed))
-        facts.add_row("status url", w.system_url or "-", "kv gaps", str(st.kv_gaps))
+        facts.add_row("ttft", _by_prefill(st.ttft_s, st.ttft_by), "itl", _by_prefill(st.itl_s, st.itl_by))
+        # Cached blocks are the worker's own (kv_dump at start, then events); routing decisions
+        # are only those this console heard, which the label says rather than a bare 0.
+        facts.add_row("cached blocks", fmt_count(st.cached_blocks), "routed (seen)", fmt_count(st.routed))
+        facts.add_row("status url", plain(w.system_url or "-"), "kv gaps", str(st.kv_gaps))
         xfer = self.state.transfers.figures(w.instance_id)
         if xfer is not None and xfer.seen:
             # Disaggregated workers only: a decode worker's pulls, a prefill worker's reads served.
@@ -115,24 +130,53 @@ class WorkerScreen(Screen[None]):
         statuses = {e.status for e in w.endpoints.values()}
         if len(statuses) == 1:
             more.append(f"endpoints (all {statuses.pop()}): ", style="dim")
-            more.append(", ".join(sorted(w.endpoints)) + "\n")
+            more.append(printable(", ".join(sorted(w.endpoints))) + "\n")
         else:
             more.append("endpoints: ", style="dim")
-            more.append(", ".join(f"{name} ({e.status})" for name, e in sorted(w.endpoints.items())) + "\n")
+            more.append(printable(", ".join(f"{name} ({e.status})" for name, e in sorted(w.endpoints.items()))) + "\n")
         decisions = [d for d in reversed(self.state.decisions) if d.worker_id == w.instance_id][:5]
         if decisions:
             more.append("recent routing decisions:\n", style="dim")
             for d in decisions:
                 stage = f"{d.stage}: " if d.stage != STAGE_AGG else ""
-                more.append(f"  {fmt_age(now - d.ts):>4}  {stage}{d.why()}\n")
+                more.append(f"  {fmt_age(now - d.ts):>4}  {stage}{printable(d.why())}\n")
         events = [e for e in self.state.recent_events(limit=200) if e.instance_id == w.instance_id][:8]
         if events:
             more.append("recent events:\n", style="dim")
             for e in events:
                 more.append(f"  {fmt_age(now - e.ts):>4}  ")
-                more.append_text(severity_text(e.message, e.severity))
+                more.append_text(severity_text(printable(e.message), e.severity))
                 more.append("\n")
         self.query_one("#more", Static).update(more)
+
+
+class DetailScreen(Screen[None]):
+    """The full text of one row (``tui/details.py``), wrapped and scrollable: Esc goes back; with a
+    worker behind the row, Enter opens it."""
+
+    BINDINGS = [Binding("escape", "app.pop_screen", "Back"), Binding("enter", "open_worker", "Worker", show=False)]
+    DEFAULT_CSS = """
+    DetailScreen { layout: vertical; }
+    DetailScreen #detail-title { height: 1; background: $primary-background; padding: 0 1; }
+    DetailScreen #detail-body { height: 1fr; }
+    DetailScreen #detail-text { height: auto; padding: 0 1; }
+    """
+
+    def __init__(self, title: str, body: RenderableType, worker_id: int | None = None) -> None:
+        super().__init__()
+        self.title_text = title
+        self.body = body
+        self.worker_id = worker_id
+
+    def compose(self) -> ComposeResult:
+        yield Static(Text(self.title_text, style="bold"), id="detail-title")
+        with VerticalScroll(id="detail-body"):
+            yield Static(self.body, id="detail-text")
+        yield Footer(compact=True, show_command_palette=False)
+
+    def action_open_worker(self) -> None:
+        if self.worker_id is not None:
+            self.post_message(ShowWorker(self.worker_id))
 
 
 class ConfirmScreen(ModalScreen[bool]):
@@ -153,7 +197,7 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical():
-            yield Label(self.question, id="question")
+            yield Label(self.question, id="question", markup=False)
             with Horizontal():
                 yield Button("Yes (y)", id="yes", variant="warning")
                 yield Button("No (n)", id="no", variant="primary")
@@ -258,7 +302,7 @@ class LoraUnloadScreen(ModalScreen[str | None]):
     def compose(self) -> ComposeResult:
         with Vertical():
             yield Label(f"Unload which adapter from {self.target}? (Enter picks, Esc cancels)")
-            yield OptionList(*self.loras, id="lora-options")
+            yield OptionList(*(plain(name) for name in self.loras), id="lora-options")
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(self.loras[event.option_index])
@@ -330,7 +374,7 @@ HELP_KEYS: tuple[tuple[str, str], ...] = (
     (":", "jump to a view (topology, workers, models, events, router, scaling); → completes"),
     ("1-6", "jump to view 1..6"),
     ("/", "filter the current view (Enter keeps it, Esc clears)"),
-    ("Enter", "drill in (worker detail; a model shows its workers)"),
+    ("Enter", "drill in: a worker's detail, a model's workers, the full text of an event, decision or pool"),
     ("Esc", "back / clear filter"),
     ("ctrl+p", "command palette: every action and view"),
     ("?", "this help"),

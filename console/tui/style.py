@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from rich.text import Text
 
+from dynamod.shared.security.printable import printable
+
 STATUS_STYLE = {
     "ready": "green",
     "draining": "yellow",
     "sleeping": "cyan",
     "gone": "red dim",
+    "failed": "bold red",  # given up on by `dynamod up` after a crash loop
 }
 SEVERITY_STYLE = {"info": "", "warning": "yellow", "error": "bold red"}
 CONN_STYLE = {"ok": "green", "connecting": "yellow", "lost": "bold red"}
@@ -27,3 +30,10 @@ def status_text(status: str) -> Text:
 
 def severity_text(text: str, severity: str) -> Text:
     return Text(text, style=SEVERITY_STYLE.get(severity, ""))
+
+
+def plain(value: object, style: str = "") -> Text:
+    """A string from the network as a table cell: ``printable`` (escapes made visible) and a
+    ``Text``, because DataTable and rich tables read a ``str`` cell as markup (``[red]`` in a
+    model name must show as typed, not restyle the row)."""
+    return Text(printable(value), style=style)

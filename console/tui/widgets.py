@@ -16,7 +16,8 @@ def top_bar_text(state: ClusterState, *, read_only: bool, width: int) -> Text:
     text.append(" dynamo ", style="bold reverse")
     text.append(f" {counts['workers']} workers", style="bold")
     short = {"ready": "ready", "draining": "drain", "sleeping": "sleep", "gone": "gone"} if width < 120 else {}
-    details = [f"{counts[s]} {short.get(s, s)}" for s in ("ready", "draining", "sleeping", "gone") if counts[s]]
+    statuses = ("ready", "draining", "sleeping", "gone", "failed")
+    details = [f"{counts[s]} {short.get(s, s)}" for s in statuses if counts[s]]
     if details:
         text.append(" (" + ", ".join(details) + ")")
     text.append(f"  {len(state.models())} models")

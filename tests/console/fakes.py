@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dynamod.console.actions.control import ActionResult
+from dynamod.shared.protocol.worker_id import worker_id_hex
 
 
 class FakeControl:
@@ -13,8 +14,8 @@ class FakeControl:
 
     def _result(self, action: str, target: int, message: str) -> ActionResult:
         if self.fail:
-            return ActionResult(action, f"{target:x}", False, self.fail)
-        return ActionResult(action, f"{target:x}", True, message)
+            return ActionResult(action, worker_id_hex(target), False, self.fail)
+        return ActionResult(action, worker_id_hex(target), True, message)
 
     async def drain(self, target: int, *, wait: bool = False, timeout_s: float = 300.0) -> ActionResult:
         self.calls.append(("drain", target))

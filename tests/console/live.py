@@ -52,7 +52,8 @@ class MockerCluster:
     def start(self, timeout: float = 90.0) -> MockerCluster:
         self.root.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - closed with the process
-        env = dict(os.environ, DYN_LOG="info")
+        (self.root / "adapters").mkdir(exist_ok=True)  # the workers' --lora-root (DYN_LORA_ROOT)
+        env = dict(os.environ, DYN_LOG="info", DYN_LORA_ROOT=str(self.root / "adapters"))
         self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(self.root))
 
         def ready() -> bool:

@@ -251,7 +251,7 @@ async def test_enter_drills_in_and_escape_goes_back(recorded_state: ClusterState
 async def test_enter_on_a_model_shows_its_workers(recorded_state: ClusterState) -> None:
     async with running(recorded_state) as (app, pilot):
         await pilot.press("3")
-        models = app.query_one("#models", DataTable)
+        models = app.query_one("#models-table", DataTable)
         models.move_cursor(row=row_keys(models).index("sql-lora"))
         await pilot.press("enter")
         await pilot.pause()
@@ -286,4 +286,4 @@ async def test_refresh_follows_the_state(recorded_state: ClusterState) -> None:
         recorded_state.put_instance(instance_key("dynamo", "backend", "generate", 0xABC), rec)
         # The refresh timer picks it up; poll with a deadline.
         await until(pilot, lambda: len(row_keys(workers_table(app))) == before + 1, timeout=5.0, what="the new row")
-        assert "dynamo/backend/abc" in row_keys(workers_table(app))
+        assert "dynamo/backend/0000000000000abc" in row_keys(workers_table(app))

@@ -210,8 +210,8 @@ def test_lora_cards_become_models_and_events() -> None:
     state.delete_card(lkey)
     assert set(state.models()) == {"m"}
     assert [e.message for e in state.recent_events(kinds=["lora"])] == [
-        "LoRA ad1 unloaded from a",
-        "LoRA ad1 loaded on a (base m)",
+        "LoRA ad1 unloaded from 000000000000000a",
+        "LoRA ad1 loaded on 000000000000000a (base m)",
     ]
 
 
@@ -234,7 +234,7 @@ def test_kv_events_count_blocks_clears_and_gaps() -> None:
     assert st.cached_blocks == 10 and st.kv_gaps == 1
     state.apply_kv_event(RouterEvent(worker_id=0xA, event_id=5, event=KvCleared()))
     assert st.cached_blocks == 0
-    assert state.recent_events(kinds=["kv"])[0].message == "KV cache cleared on a (10 blocks)"
+    assert state.recent_events(kinds=["kv"])[0].message == "KV cache cleared on 000000000000000a (10 blocks)"
 
 
 def test_connection_loss_and_recovery_are_events() -> None:
@@ -331,4 +331,4 @@ def test_router_decision_from_the_routers_own_format() -> None:
     })
     assert d is not None and d.request_id == "r1" and d.isl_blocks == 4
     assert d.candidates[0].tree_size == 10 and d.stage == "agg" and d.disagg is None
-    assert d.why() == "tie, smallest cache: cost 5.50 = prefill 2.50 + decode 3 (overlap 2); next 6 cost 5.50; 1 busy skipped"
+    assert d.why() == "tie, smallest cache: cost 5.50 = prefill 2.50 + decode 3 (overlap 2); next 0000000000000006 cost 5.50; 1 busy skipped"

@@ -5,9 +5,12 @@ requests, a slept one wakes, a LoRA appears as a model, a cleared cache reports 
 from __future__ import annotations
 
 import asyncio
+import io
+import re
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from rich.console import Console
 from textual.widgets import DataTable, Input
 
 from dynamod.console.collectors.connection import ClusterConnection
@@ -16,10 +19,12 @@ from dynamod.console.state.cluster import ClusterState
 from dynamod.console.tui.app import ConsoleApp
 from dynamod.console.tui.screens import ConfirmScreen, LoraLoadScreen, LoraUnloadScreen, SleepLevelScreen
 from dynamod.shared.errors import UnavailableError
+from dynamod.shared.protocol.worker_id import worker_id_hex
 from dynamod.shared.runtime.client import EndpointClient
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from tests.console.live import NAMESPACE, MockerCluster, request_body
 from tests.console.pilot import until
+from tests.fixtures.lora import make_adapter
 
 SIZE = (120, 30)
 pytestmark = pytest.mark.timeout(180)
@@ -54,7 +59,7 @@ def console(cluster: MockerCluster) -> ConsoleApp:
 
 def status_cell(app: ConsoleApp, iid: int) -> str:
     table = app.query_one("#workers-table", DataTable)
-    key = f"{NAMESPACE}/backend/{iid:x}"
+    key = f"{NAMESPACE}/backend/{worker_id_hex(iid)}"
     return str(table.get_cell(key, "STATUS"))
 
 
@@ -68,8 +73,8 @@ async def ready_console(app: ConsoleApp, pilot, cluster: MockerCluster) -> list[
 
 async def select(app: ConsoleApp, pilot, iid: int) -> None:
     table = app.query_one("#workers-table", DataTable)
-    await until(pilot, lambda: f"{NAMESPACE}/backend/{iid:x}" in [r.key.value for r in table.ordered_rows], what="row")
-    table.move_cursor(row=table.get_row_index(f"{NAMESPACE}/backend/{iid:x}"))
+    await until(pilot, lambda: f"{NAMESPACE}/backend/{worker_id_hex(iid)}" in [r.key.value for r in table.ordered_rows], what="row")
+    table.move_cursor(row=table.get_row_index(f"{NAMESPACE}/backend/{worker_id_hex(iid)}"))
     await pilot.pause()
     assert app.selected_worker_id() == iid
 
@@ -134,14 +139,16 @@ async def test_lora_appears_as_a_model_and_goes_away(cluster: MockerCluster) -> 
         await pilot.press("l")
         assert isinstance(app.screen, LoraLoadScreen)
         app.screen.query_one("#lora-name", Input).value = "sql-adapter"
-        app.screen.query_one("#lora-source", Input).value = "file:///adapters/sql"
+        # Inside the workers' --lora-root (live.py sets DYN_LORA_ROOT): other sources are refused.
+        source = make_adapter(cluster.root / "adapters", "sql").resolve()
+        app.screen.query_one("#lora-source", Input).value = f"file://{source}"
         app.screen.query_one("#lora-source", Input).focus()
         await pilot.press("enter")
         await until(pilot, lambda: "sql-adapter" in app.state.models(), what="the LoRA model card")
         model = app.state.models()["sql-adapter"]
         assert model.is_lora and model.workers == {target}
         await pilot.press("3")
-        models = app.query_one("#models", DataTable)
+        models = app.query_one("#models-table", DataTable)
         await until(pilot, lambda: "sql-adapter" in [r.key.value for r in models.ordered_rows], what="the Models row")
         await pilot.press("2")
         await select(app, pilot, target)
@@ -182,3 +189,23 @@ async def test_action_error_is_shown(cluster: MockerCluster) -> None:
         assert "wake it before draining" in err.message
         await pilot.press("w")
         await until(pilot, lambda: status_cell(app, target) == "ready", what="awake")
+
+
+async def test_a_console_started_after_traffic_shows_the_cached_blocks(cluster: MockerCluster,
+                                                                        generate_client: EndpointClient) -> None:
+    """Issue 24 item 11: the worker cached blocks before this console subscribed to KV events; it
+    reads them from the worker's kv_dump at start instead of showing 0 until the next event."""
+    target = (await cluster.read_instance_ids())[1]
+    await send(generate_client, 3, instance_id=target)  # three new prompts of two full blocks each
+    app = console(cluster)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: (w := app.state.find_worker(target)) is not None and w.stats.kv_seeded,
+                    what="the kv_dump seed")
+        assert app.state.find_worker(target).stats.cached_blocks >= 6
+        await select(app, pilot, target)
+        await pilot.press("enter")
+        shown = app.screen.query_one("#facts").content  # the worker detail's facts table
+        text = Console(width=80, file=io.StringIO(), record=True)
+        text.print(shown)
+        cached = app.state.find_worker(target).stats.cached_blocks
+        assert re.search(rf"cached blocks\s+{cached}\b", text.export_text()), text.export_text()

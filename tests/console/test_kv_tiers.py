@@ -79,8 +79,8 @@ def test_workers_table_and_dynamoctl_status_gain_a_tier_column_only_with_tiers()
     columns, rows = status_table(state)
     at = columns.index(TIER_COLUMN)
     assert columns[at - 1] == "KV" and all(len(r) == len(columns) for r in rows)
-    assert {r[0]: r[at] for r in rows} == {"11": "-", "22": "H30 D0"}
+    assert {r[0]: r[at] for r in rows} == {"0000000000000011": "-", "0000000000000022": "H30 D0"}
     records = {r["id"]: r["kv_tiers"] for r in status_records(state)}
-    assert records["11"] is None
-    assert records["22"]["CPU"] == {"usage": 0.3, "blocks": 30, "total_blocks": 100, "hit_tokens": 64,
+    assert records["0000000000000011"] is None
+    assert records["0000000000000022"]["CPU"] == {"usage": 0.3, "blocks": 30, "total_blocks": 100, "hit_tokens": 64,
                                     "onboard_blocks_per_s": None, "offload_blocks_per_s": None}

@@ -349,7 +349,7 @@ async def test_scale_down_asks_then_writes_the_override(disagg_state: ClusterSta
     app = await _scaling_app(disagg_state, store)
     async with app.run_test(size=SIZE) as pilot:
         await _select_pool(pilot, "dynamo/decode")
-        await pilot.press("s")
+        await pilot.press("r")
         await until(pilot, lambda: isinstance(app.screen, ScaleScreen), what="the scale dialog")
         await pilot.press("1", "enter")
         await pilot.press(*"night", "enter")
@@ -369,7 +369,7 @@ async def test_scale_up_needs_no_confirm_and_clear_does(disagg_state: ClusterSta
     key = planner_override_key("dynamo", "prefill")
     async with app.run_test(size=SIZE) as pilot:
         await _select_pool(pilot, "dynamo/prefill")
-        await pilot.press("s")
+        await pilot.press("r")
         await until(pilot, lambda: isinstance(app.screen, ScaleScreen), what="the scale dialog")
         app.screen.query_one("#scale-replicas", Input).value = "3"
         app.screen.query_one("#scale-reason", Input).value = "burst"
@@ -393,7 +393,7 @@ async def test_bad_replicas_stay_in_the_dialog(disagg_state: ClusterState) -> No
     app = await _scaling_app(disagg_state, store)
     async with app.run_test(size=SIZE) as pilot:
         await _select_pool(pilot, "dynamo/decode")
-        await pilot.press("s")
+        await pilot.press("r")
         await until(pilot, lambda: isinstance(app.screen, ScaleScreen), what="the scale dialog")
         app.screen.query_one("#scale-replicas", Input).value = "-2"
         await pilot.press("enter")
@@ -409,7 +409,7 @@ async def test_read_only_blocks_scaling(disagg_state: ClusterState) -> None:
     app = await _scaling_app(disagg_state, store, read_only=True)
     async with app.run_test(size=SIZE) as pilot:
         await _select_pool(pilot, "dynamo/decode")
-        await pilot.press("s", "x")
+        await pilot.press("r", "x")
         await pilot.pause()
         assert not isinstance(app.screen, ScaleScreen | ConfirmScreen)
         app.start_pool_action("scale")  # the palette's path is refused too

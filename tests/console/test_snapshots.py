@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from textual.pilot import Pilot
 
-from dynamod.console.state.recording import replay
+from dynamod.console.state.recording import read_records, replay
 from dynamod.console.tui.app import ConsoleApp
 from tests.console.factories import make_state, register
 from tests.console.fixtures.make_recording import DECODE_2, WORKER_A, WORKER_B, WORKER_D
@@ -91,7 +91,7 @@ def test_workers_status_changes_after_first_draw(snap_compare) -> None:
 
 def test_scale_dialog(snap_compare, disagg_recording) -> None:
     async def run_before(pilot: Pilot) -> None:
-        await pilot.press("down", "s")
+        await pilot.press("down", "r")
         await pilot.pause()
 
     assert snap_compare(_app(disagg_recording, "scaling"), run_before=run_before, terminal_size=(80, 24))
@@ -141,3 +141,11 @@ def test_workers_with_kv_tiers(snap_compare, recording, size: tuple[int, int]) -
 def test_worker_detail_with_kv_tiers(snap_compare, recording) -> None:
     assert snap_compare(_app(_with_kv_tiers(recording)), run_before=_on_worker_press(WORKER_A, "enter"),
                         terminal_size=(80, 24))
+
+
+def test_scaling_plot(snap_compare) -> None:
+    """80x24: a recorded `dynamod up --planner` burst: desired vs ready replicas against the load
+    (request rate, queue) and TTFT/ITL against their targets, one column per planner interval."""
+    from tests.console.test_scaling_live import SCALING_RECORDING
+
+    assert snap_compare(_app(read_records(SCALING_RECORDING), "scaling"), terminal_size=(80, 24))

@@ -13,7 +13,9 @@ from collections.abc import Iterator
 import pytest
 
 from dynamod.console.state.recording import replay
+from dynamod.shared.protocol.worker_id import worker_id_hex
 from tests.console.live import MockerCluster
+from tests.fixtures.lora import make_adapter
 from tests.fixtures.servers import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -51,7 +53,7 @@ def one_line_error(res: subprocess.CompletedProcess[str], *needles: str) -> None
 def test_status_lists_every_instance(cluster: MockerCluster) -> None:
     ids = cluster.instance_ids()
     records = status(cluster)
-    assert set(records) == {f"{i:x}" for i in ids}
+    assert set(records) == {worker_id_hex(i) for i in ids}
     for r in records.values():
         assert r["component"] == "backend" and r["role"] == "agg" and r["status"] == "ready"
         assert r["model"] == "tiny" and r["loras"] == [] and r["node"]
@@ -61,11 +63,11 @@ def test_status_lists_every_instance(cluster: MockerCluster) -> None:
     table = ctl(cluster, "status")
     assert table.returncode == 0
     assert table.stdout.splitlines()[0].split()[:4] == ["ID", "COMPONENT", "ROLE", "STATUS"]
-    assert all(f"{i:x}" in table.stdout for i in ids)
+    assert all(worker_id_hex(i) in table.stdout for i in ids)
 
 
 def test_drain_and_wake(cluster: MockerCluster) -> None:
-    target = f"{cluster.instance_ids()[0]:x}"
+    target = worker_id_hex(cluster.instance_ids()[0])
     res = ctl(cluster, "drain", target[:10])  # a unique prefix is enough
     assert res.returncode == 0 and res.stdout.strip() == f"drain {target}: draining", res
     assert status(cluster)[target]["status"] == "draining"
@@ -75,7 +77,7 @@ def test_drain_and_wake(cluster: MockerCluster) -> None:
 
 
 def test_sleep_refuses_drain_until_woken(cluster: MockerCluster) -> None:
-    target = f"{cluster.instance_ids()[1]:x}"
+    target = worker_id_hex(cluster.instance_ids()[1])
     res = ctl(cluster, "sleep", target, "--level", "2")
     assert res.returncode == 0 and "sleeping at level 2" in res.stdout
     assert status(cluster)[target]["status"] == "sleeping"
@@ -85,12 +87,14 @@ def test_sleep_refuses_drain_until_woken(cluster: MockerCluster) -> None:
 
 
 def test_lora_load_list_unload(cluster: MockerCluster) -> None:
-    target = f"{cluster.instance_ids()[2]:x}"
-    res = ctl(cluster, "lora", "load", target, "sql", "file:///adapters/sql")
+    target = worker_id_hex(cluster.instance_ids()[2])
+    sql = str(make_adapter(cluster.root / "adapters", "sql").resolve())
+    one_line_error(ctl(cluster, "lora", "load", target, "evil", "/etc"), "not inside an adapter directory")
+    res = ctl(cluster, "lora", "load", target, "sql", f"file://{sql}")
     assert res.returncode == 0 and "loaded sql" in res.stdout, res
     listed = json.loads(ctl(cluster, "lora", "list", "--json").stdout)
     assert listed["errors"] == []
-    assert [(x["instance"], x["name"], x["source"]) for x in listed["loras"]] == [(target, "sql", "file:///adapters/sql")]
+    assert [(x["instance"], x["name"], x["source"]) for x in listed["loras"]] == [(target, "sql", sql)]
     assert "sql" in ctl(cluster, "lora", "list", target).stdout
     assert status(cluster)[target]["loras"] == ["sql"]
     assert ctl(cluster, "lora", "unload", target, "sql").returncode == 0
@@ -99,7 +103,7 @@ def test_lora_load_list_unload(cluster: MockerCluster) -> None:
 
 
 def test_clear_kv(cluster: MockerCluster) -> None:
-    target = f"{cluster.instance_ids()[0]:x}"
+    target = worker_id_hex(cluster.instance_ids()[0])
     res = ctl(cluster, "clear-kv", target, "--json")
     assert res.returncode == 0
     body = json.loads(res.stdout)
@@ -116,7 +120,7 @@ def test_errors_are_one_line_and_non_zero(cluster: MockerCluster) -> None:
 
 
 def test_watch_prints_events_as_json_and_raw(cluster: MockerCluster) -> None:
-    target = f"{cluster.instance_ids()[1]:x}"
+    target = worker_id_hex(cluster.instance_ids()[1])
     proc = subprocess.Popen([sys.executable, "-m", "dynamod.console.ctl.main", "--file-kv", cluster.file_kv, "watch", "--json",
                              "--duration", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[dict] = []

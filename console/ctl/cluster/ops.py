@@ -47,6 +47,12 @@ class RoleStatus:
     def ok(self) -> bool:
         return self.state != "error" and self.health != "fail"
 
+    def row(self) -> tuple[str, ...]:
+        """The ``dynamoctl cluster`` table row: DETAIL whole (an SSH error cut at 80 columns lost
+        its end, "connection refused (is sshd running on that port?"), on one line."""
+        detail = " ".join(self.detail.split())
+        return (self.host, self.name, self.role, self.mode, self.state, str(self.pid or "-"), self.health, detail)
+
     def to_dict(self) -> dict[str, object]:
         return {
             "host": self.host,

@@ -4,7 +4,8 @@ prefill, decode, cost) of the highlighted one, when the router publishes ``route
 With disaggregated serving a request gives a prefill-stage and a decode-stage decision; the table
 then shows each decision's STAGE and, on decode decisions, whether the prompt was prefilled
 remotely or locally (PREFILL), and a summary above it counts remote vs local prefills with the
-reasons and the latest one in words."""
+reasons and the latest one in words. Enter opens a decision's full explanation (WHY is cut at 80
+columns), its disaggregation reason and every candidate's cost; Enter there opens the worker."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from textual.widgets import DataTable, Static
 from dynamod.console.present import fmt_age
 from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.records import RouterDecision, fmt_id, fmt_num
-from dynamod.console.tui.messages import ShowWorker
+from dynamod.console.tui.details import decision_detail
+from dynamod.console.tui.messages import ShowDetail
 from dynamod.console.tui.views.base import (
     Cell,
     LiveTable,
@@ -27,6 +29,7 @@ from dynamod.console.tui.views.base import (
     sync_table,
 )
 from dynamod.shared.protocol.routing import DISAGG_LOCAL, DISAGG_REMOTE, STAGE_DECODE, STAGE_PREFILL
+from dynamod.shared.security.printable import printable
 
 DECISION_COLUMNS = ("AGE", "WORKER", "OVERLAP", "CANDS", "WHY")
 _WIDTHS = {"AGE": 4, "WORKER": 16, "OVERLAP": 7, "CANDS": 5}
@@ -111,6 +114,7 @@ class RouterView(Vertical, ViewMixin):
         self._shown_key: tuple[str | None, int] = (None, -1)
         self._room = 0
         self._two_stage = False
+        self._now = 0.0
 
     def compose(self) -> ComposeResult:
         yield Static("No routing decisions yet: a KV router publishes them on router_decisions.", id="router-empty")
@@ -135,6 +139,7 @@ class RouterView(Vertical, ViewMixin):
 
     def refresh_from(self, state: ClusterState, *, force: bool = False) -> None:
         now = state.clock()
+        self._now = now
         seen = (state.versions.decisions, float(int(now)) + self.app.size.width * 1e10)
         if not force and seen == self._seen:
             return
@@ -159,7 +164,7 @@ class RouterView(Vertical, ViewMixin):
                 continue
             key = str(count)
             self._by_key[key] = d
-            why = Text(disagg_why(d) if two_stage else d.why(), no_wrap=True)
+            why = Text(printable(disagg_why(d) if two_stage else d.why()), no_wrap=True)
             why.truncate(room, overflow="ellipsis")
             if two_stage:
                 mode = d.disagg.mode if d.disagg is not None else "-"
@@ -211,7 +216,8 @@ class RouterView(Vertical, ViewMixin):
         if event.data_table.id == "decisions":
             d = self._by_key.get(event.row_key.value or "")
             if d is not None:
-                self.post_message(ShowWorker(d.worker_id))
+                title, body = decision_detail(d, self._now)
+                self.post_message(ShowDetail(title, body, d.worker_id))
 
     def selected_worker_id(self) -> int | None:
         d = self._by_key.get(selected_key(self.query_one("#decisions", DataTable)) or "")

@@ -1,12 +1,14 @@
 """Scaling: one row per pool (namespace x pool) with ready vs desired replicas, the operator's
-override, the planner's budget, its predicted load and the SLA targets against what the frontends
-measure; below it, the selected pool's facts and its recent decisions with their reasons (newest
-first), and the global routers with the pools they route to.
+override, the planner's budget, the live load (request rate, queued requests, ISL/OSL) and TTFT/ITL
+against the SLA targets, all from the planner's status record as ``dynamoctl planner status`` shows
+them; below it, the selected pool's facts, a plot of its desired vs ready replicas against load and
+the SLA over the recent intervals (``scaling_plot.py``), its recent decisions with their reasons
+(newest first), and the global routers with the pools they route to.
 
-``s`` holds the selected pool at N replicas (an override; it asks first when that lowers
+``r`` holds the selected pool at N replicas (an override; it asks first when that lowers
 capacity) and ``x`` clears the override; both are refused in read-only mode. Columns are chosen
 by priority to fit the terminal, like the Workers view: at 80 columns the pool, its sizes and the
-SLA cells come first.
+SLA cells come first. Enter opens the pool's facts and its decisions with their full detail.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from dynamod.console.present import (
 )
 from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.scaling import PoolScaling
+from dynamod.console.tui.details import pool_detail
+from dynamod.console.tui.messages import ShowDetail
+from dynamod.console.tui.style import plain
 from dynamod.console.tui.views.base import (
     Cell,
     LiveTable,
@@ -41,10 +46,13 @@ from dynamod.console.tui.views.base import (
     sync_slots,
     sync_table,
 )
+from dynamod.console.tui.views.scaling_plot import scaling_plot
+from dynamod.shared.security.printable import printable
 
 # What is kept first when columns must go: sizes and the SLA before the prediction's details.
-PRIORITY = ("POOL", "READY", "WANT", "OVERRIDE", "TTFT", "ITL", "REQ/S", "BUDGET", "PLANNER", "LAST", "ISL", "OSL")
-MIN_WIDTH = {"POOL": 12, "READY": 5, "WANT": 4, "OVERRIDE": 8, "TTFT": 9, "ITL": 8, "REQ/S": 6, "BUDGET": 6,
+PRIORITY = ("POOL", "READY", "WANT", "OVERRIDE", "TTFT", "ITL", "REQ/S", "QUEUE", "BUDGET", "PLANNER", "LAST", "ISL",
+            "OSL")
+MIN_WIDTH = {"POOL": 12, "READY": 5, "WANT": 4, "OVERRIDE": 8, "TTFT": 9, "ITL": 8, "REQ/S": 6, "QUEUE": 5, "BUDGET": 6,
              "PLANNER": 7, "LAST": 10, "ISL": 5, "OSL": 4}
 CELL_PADDING = 2
 SCROLLBAR = 1
@@ -81,7 +89,7 @@ def pool_cells(p: PoolScaling, row: tuple[str, ...], columns: tuple[str, ...]) -
         elif col == "READY" and p.target is not None and p.ready < p.target:
             out.append(Text(cell, style="yellow"))
         else:
-            out.append(cell)
+            out.append(plain(cell))  # pool names and reasons come from discovery
     return tuple(out)
 
 
@@ -93,15 +101,15 @@ def pool_matches(p: PoolScaling, needle: str) -> bool:
 
 
 def _line(text: str, width: int, style: str = "") -> Text:
-    line = Text(text, style=style, no_wrap=True, overflow="ellipsis")
+    line = Text(printable(text), style=style, no_wrap=True, overflow="ellipsis")
     line.truncate(width, overflow="ellipsis")
     return line
 
 
 def _sla_text(name: str, p50: float | None, p99: float | None, target: float | None) -> Text:
-    """``TTFT p50 45ms/200ms ok (p99 400ms)``: the p50 against the target, red when over."""
+    """``TTFT 45ms/200ms ok (p99 400ms)``: the live figure against the target, red when over."""
     breached = sla_breached(p50, target)
-    out = Text(f"{name} p50 ")
+    out = Text(f"{name} ")
     out.append(fmt_ms_value(p50) + (f"/{fmt_ms_value(target)}" if target is not None else ""),
                style="bold red" if breached else "")
     if target is not None:
@@ -130,7 +138,7 @@ def pool_facts(p: PoolScaling, width: int) -> Group:
         over = _line(f"override {o.replicas}" + (f" by {o.set_by}" if o.set_by else "") + (f": {o.reason}" if o.reason else "")
                      + "  (x clears)", room, "bold yellow")
     else:
-        over = _line("no override (s sets one)", room, "dim")
+        over = _line("no override (r sets one)", room, "dim")
     pred = p.predicted
     predicted = (f"predicted {fmt_rate(pred.get('request_rate'))}  ISL {fmt_value(pred.get('isl'))}  "
                  f"OSL {fmt_value(pred.get('osl'))}") if pred else "predicted -"
@@ -148,6 +156,7 @@ class ScalingView(Vertical, ViewMixin):
     DEFAULT_CSS = """
     ScalingView #scaling-pools { height: auto; max-height: 8; }
     ScalingView #scaling-facts { height: auto; padding: 0 1; background: $boost; }
+    ScalingView #scaling-plot { height: auto; padding: 0 1; }
     ScalingView #scaling-routers { height: auto; max-height: 3; padding: 0 1; color: $text-muted; display: none; }
     ScalingView #scaling-routers.shown { display: block; }
     ScalingView #scaling-decisions { height: 1fr; }
@@ -155,7 +164,7 @@ class ScalingView(Vertical, ViewMixin):
     ScalingView #scaling-empty.shown { display: block; }
     """
     empty_hint = ("No pools yet: no workers, no planner. Start one with `dynamod up --planner load`; "
-                  "an override (s) needs a pool to hold.")
+                  "an override (r) needs a pool to hold.")
 
     def __init__(self, *, id: str | None = None) -> None:  # noqa: A002 - Textual's parameter name
         super().__init__(id=id)
@@ -172,6 +181,7 @@ class ScalingView(Vertical, ViewMixin):
         yield Static("", id="scaling-empty")
         yield LiveTable(id="scaling-pools", cursor_type="row", zebra_stripes=False)
         yield Static("", id="scaling-facts")
+        yield Static("", id="scaling-plot")
         yield Static("", id="scaling-routers")
         yield LiveTable(id="scaling-decisions", cursor_type="none", zebra_stripes=False)
 
@@ -220,6 +230,10 @@ class ScalingView(Vertical, ViewMixin):
         facts = self.query_one("#scaling-facts", Static)
         facts.update(pool_facts(p, width) if p is not None else "")
         facts.display = p is not None
+        plot = scaling_plot(p, width) if p is not None else None
+        chart = self.query_one("#scaling-plot", Static)
+        chart.update(plot if plot is not None else "")
+        chart.display = plot is not None
         dec = self.query_one("#scaling-decisions", DataTable)
         room = max(16, width - sum(w + CELL_PADDING for w in _DECISION_WIDTHS.values()) - CELL_PADDING - SCROLLBAR)
         if room != self._decision_room:
@@ -230,19 +244,27 @@ class ScalingView(Vertical, ViewMixin):
             self._decision_cache.clear()
         rows: list[list[Cell]] = []
         for d in p.decisions if p is not None else []:
-            detail = Text(d.detail or "-", style="bold red" if d.error else "")
+            detail = Text(printable(d.detail or "-"), style="bold red" if d.error else "")
             if d.error:
-                detail = Text(f"failed: {d.error}", style="bold red")
+                detail = Text(printable(f"failed: {d.error}"), style="bold red")
             detail.truncate(room, overflow="ellipsis")
             size = f"{d.current}->{d.desired}" if d.desired != d.current else str(d.current)
             action = Text(d.action, style="" if d.action == "hold" else "bold")
-            rows.append([fmt_age(now - d.ts), action, size, d.reason[: _DECISION_WIDTHS["REASON"]], detail])
+            rows.append([fmt_age(now - d.ts), action, size, plain(d.reason[: _DECISION_WIDTHS["REASON"]]), detail])
         sync_slots(dec, rows, self._decision_cache)
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         event.stop()
         if self._state is not None and event.row_key.value != self._shown_pool:
             self._show_pool(self._state.clock(), self.app.size.width)
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        """Enter on a pool: its facts and every decision with its full DETAIL (cut at 80 columns)."""
+        event.stop()
+        p = self._pools.get(event.row_key.value or "")
+        if p is not None and self._state is not None:
+            title, body = pool_detail(p, self._state.clock())
+            self.post_message(ShowDetail(title, body))
 
     def selected_pool(self) -> PoolScaling | None:
         key = selected_key(self.table)

@@ -1,10 +1,13 @@
-"""Topology: namespace -> component -> endpoint -> instance, each instance with its role, status,
-model and LoRAs, node and age. Nodes are updated in place, so expansion and the cursor survive
-every refresh.
+"""Topology: namespace -> pool (engine workers by role) or component (frontends, routers,
+planners) -> worker, each worker one row (id, status, role, model and LoRAs, node, age) with its
+endpoints on one line beneath it. Dynamo registers nine endpoints per worker (``generate`` and its
+control endpoints); one tree row each pushed the next worker off an 80x24 screen. Workers ``dynamod
+up`` gave up on show under their pool as ``failed`` with their last death. Nodes are updated in
+place, so expansion and the cursor survive every refresh; Enter opens a worker, space folds.
 
-In a disaggregated cluster each component's label also sums its pools (per role: running, waiting,
-KV usage, KV transfer rate, p99 and failures) and each instance that moves KV shows its transfer
-rate; those figures are redrawn once a second, not on every load message."""
+In a disaggregated cluster each pool's label also sums it (running, waiting, KV usage, KV transfer
+rate, p99 and failures) and each worker that moves KV shows its transfer rate; those figures are
+redrawn once a second, not on every load message."""
 
 from __future__ import annotations
 
@@ -17,45 +20,73 @@ from textual.widgets.tree import TreeNode
 
 from dynamod.console.present import fmt_age, fmt_bytes_rate, fmt_ms_value, fmt_pct
 from dynamod.console.state.cluster import ClusterState
+from dynamod.console.state.failed import STATUS_FAILED, FailedEntry
 from dynamod.console.state.pools import PoolSummary, is_disaggregated, summarize_pools
-from dynamod.console.state.records import EndpointInstance, Worker
+from dynamod.console.state.records import POOL_ORDER, Worker
 from dynamod.console.state.transfers import TransferFigures
-from dynamod.console.tui.messages import ShowWorker
+from dynamod.console.tui.details import failed_worker_detail
+from dynamod.console.tui.messages import ShowDetail, ShowWorker
 from dynamod.console.tui.style import STATUS_STYLE
 from dynamod.console.tui.views.base import ViewMixin
+from dynamod.shared.protocol import control
+from dynamod.shared.security.printable import printable
 
 Path = tuple[str, ...]
 AGE_REFRESH_S = 5.0  # labels carry ages; redraw them this often even when nothing changed
 
 
-def instance_label(entry: EndpointInstance, worker: Worker | None, now: float, transfer: TransferFigures | None = None) -> Text:
-    rec = entry.record
-    status = entry.status
+def worker_label(worker: Worker, now: float, transfer: TransferFigures | None = None, *, role: bool = True) -> Text:
+    """One worker in one line: id, status, role (outside a pool), transfer rate, model and LoRAs,
+    node, age."""
     text = Text()
-    text.append(f"{rec.instance_id:x}", style="bold")
+    text.append(worker.id_hex, style="bold")
     text.append("  ")
-    text.append(status, style=STATUS_STYLE.get(status, ""))
-    if rec.role:
-        text.append(f"  {rec.role}")
-    if transfer is not None and transfer.seen and entry.gone_at is None:
+    text.append(worker.status, style=STATUS_STYLE.get(worker.status, ""))
+    if role and worker.role:
+        text.append(f"  {printable(worker.role)}")
+    if transfer is not None and transfer.seen and worker.gone_at is None:
         text.append(f"  ⇄ {fmt_bytes_rate(transfer.bytes_per_s)}", style="cyan")
-    model = rec.model or (worker.model if worker else "")
-    if model:
-        text.append(f"  {model}", style="magenta")
-    if worker and worker.loras:
-        text.append(" +" + ",".join(sorted(worker.loras)), style="magenta dim")
-    if rec.node:
-        text.append(f"  {rec.node}", style="dim")
-    started = rec.started_at or (worker.first_seen if worker else 0.0)
-    gone = entry.gone_at
-    text.append(f"  {fmt_age((gone if gone is not None else now) - started) if started else '-'}", style="dim")
+    if worker.model:
+        text.append(f"  {printable(worker.model)}", style="magenta")
+    if worker.loras:
+        text.append(" +" + printable(",".join(sorted(worker.loras))), style="magenta dim")
+    if worker.node:
+        text.append(f"  {printable(worker.node)}", style="dim")
+    started = worker.started_at
+    end = worker.gone_at if worker.gone_at is not None else now
+    text.append(f"  {fmt_age(end - started) if started else '-'}", style="dim")
+    return text
+
+
+def endpoints_line(worker: Worker) -> Text:
+    """Every endpoint of the worker on one line; an endpoint whose status differs from the
+    worker's says so (``drain (gone)``)."""
+    text = Text("endpoints: ", style="dim")
+    odd = {name: e.status for name, e in worker.endpoints.items() if e.status != worker.status}
+    names = set(worker.endpoints)
+    parts = []
+    controls = set(control.CONTROL_ENDPOINTS)
+    if controls <= names and not odd.keys() & controls:
+        # The usual worker: say so in a few words instead of a list the screen cuts.
+        parts.append(f"all {len(controls)} control")
+        names -= controls
+    for name in sorted(names, key=lambda n: (n != "generate", n)):
+        parts.insert(0 if name == "generate" else len(parts), f"{name} ({odd[name]})" if name in odd else name)
+    text.append(printable(", ".join(parts)))
+    return text
+
+
+def failed_label(f: FailedEntry) -> Text:
+    text = Text(printable(f.name), style="bold")
+    text.append("  ")
+    text.append(STATUS_FAILED, style=STATUS_STYLE[STATUS_FAILED])
+    text.append(f"  {printable(f.summary())}", style="red")
     return text
 
 
 def pool_brief(p: PoolSummary) -> Text:
-    """One pool in a few words, for a component's label."""
-    text = Text(f"{p.role}:", style="bold")
-    text.append(f" run {p.running} wait {p.waiting} kv {fmt_pct(p.kv_avg)}")
+    """One pool's figures in a few words, for its label."""
+    text = Text(f"run {p.running} wait {p.waiting} kv {fmt_pct(p.kv_avg)}")
     if p.transfers_seen:
         text.append(f" xfer {fmt_bytes_rate(p.bytes_per_s)} p99 {fmt_ms_value(p.p99_ms)}", style="cyan")
         if p.failures:
@@ -63,12 +94,11 @@ def pool_brief(p: PoolSummary) -> Text:
     return text
 
 
-def _counts_label(name: str, statuses: list[str]) -> Text:
+def _counts_label(text: Text, statuses: list[str]) -> Text:
     counts = Counter(statuses)
-    text = Text(name, style="bold")
     text.append(f" ({len(statuses)}", style="dim")
     sep = ": "
-    for status in ("ready", "draining", "sleeping", "gone"):
+    for status in ("ready", "draining", "sleeping", "gone", STATUS_FAILED):
         if counts.get(status):
             text.append(sep, style="dim")
             text.append(f"{counts[status]} {status}", style=STATUS_STYLE.get(status, "dim"))
@@ -84,56 +114,72 @@ class TopologyView(Tree[Any], ViewMixin):
         super().__init__("cluster", id=id)
         self.show_root = False
         self.guide_depth = 2
+        self.auto_expand = False  # Enter opens the worker; space folds
         self._path_nodes: dict[Path, TreeNode[Any]] = {}
         self._path_labels: dict[Path, Text] = {}
-        self._seen = (-1, -1.0)
+        self._seen: tuple[float, ...] = (-1.0,)
+        self._state: ClusterState | None = None
 
-    def _matches(self, entry: EndpointInstance, worker: Worker | None) -> bool:
+    def _matches(self, worker: Worker) -> bool:
         needle = self.filter_text.lower()
         if not needle:
             return True
-        rec = entry.record
-        loras = " ".join(worker.loras) if worker else ""
-        hay = f"{rec.namespace}/{rec.component}/{rec.endpoint} {rec.instance_id:x} {rec.role} {entry.status} {rec.model} {loras} {rec.node}"
+        hay = (f"{worker.namespace}/{worker.component} {worker.id_hex} {worker.role} {worker.status} {worker.model} "
+               f"{' '.join(worker.loras)} {worker.node} {' '.join(worker.endpoints)}")
         return needle in hay.lower()
 
     def refresh_from(self, state: ClusterState, *, force: bool = False) -> None:
+        self._state = state
         now = state.clock()
         disaggregated = is_disaggregated(state.pools())
         # Pool figures move with load: once a second is often enough for a tree.
-        seen = (state.versions.topology, float(int(now // AGE_REFRESH_S)), float(int(now)) if disaggregated else 0.0)
+        seen = (float(state.versions.topology), float(int(now // AGE_REFRESH_S)), float(int(now)) if disaggregated else 0.0)
         if not force and seen == self._seen:
             return
         self._seen = seen
         # Desired tree: path -> (label, data, leaf), in display order.
+        groups: dict[tuple[str, str], list[Worker]] = {}  # (namespace, group) -> workers
+        for w in state.worker_list(workers_only=False):
+            if w.endpoints and self._matches(w):
+                group = f"pool:{w.pool}" if w.is_worker else f"component:{w.component}"
+                groups.setdefault((w.namespace, group), []).append(w)
+        failed: dict[tuple[str, str], list[FailedEntry]] = {}
+        needle = self.filter_text.lower()
+        for f in state.failed():
+            if not needle or needle in f"{f.name} {f.namespace} {f.pool} {STATUS_FAILED} {f.record.reason}".lower():
+                failed.setdefault((f.namespace, f"pool:{f.pool}"), []).append(f)
         tree: dict[Path, tuple[Text, Any, bool]] = {}
-        grouped: dict[Path, list[tuple[EndpointInstance, Worker | None]]] = {}
-        for entry in state.instances.values():
-            rec = entry.record
-            worker = state.workers.get((rec.namespace, rec.component, rec.instance_id))
-            if self._matches(entry, worker):
-                grouped.setdefault((rec.namespace, rec.component, rec.endpoint), []).append((entry, worker))
-        for (ns, comp, ep), entries in sorted(grouped.items()):
+        order = {f"pool:{role}": i for i, role in enumerate(POOL_ORDER)}
+        keys = sorted(set(groups) | set(failed), key=lambda k: (k[0], order.get(k[1], len(order)), k[1]))
+        for ns, group in keys:
+            members = groups.get((ns, group), [])
+            gave_up = failed.get((ns, group), [])
             if (ns,) not in tree:
-                iids = {e.record.instance_id for (n, _, _), es in grouped.items() if n == ns for e, _ in es}
-                label = Text(ns, style="bold cyan")
-                label.append(f" ({len(iids)} instances)", style="dim")
+                count = sum(len(ws) for (n, _), ws in groups.items() if n == ns)
+                label = Text(printable(ns), style="bold cyan")
+                label.append(f" ({count} instances)", style="dim")
                 tree[(ns,)] = (label, ("namespace", ns), False)
-            if (ns, comp) not in tree:
-                iids = {e.record.instance_id for (n, c, _), es in grouped.items() if (n, c) == (ns, comp) for e, _ in es}
-                label = Text(comp, style="bold")
-                label.append(f" ({len(iids)})", style="dim")
-                if disaggregated:
-                    members = [w for w in state.workers.values() if w.namespace == ns and w.component == comp]
-                    for pool in summarize_pools(members, state.transfers).values():
-                        label.append("  ")
-                        label.append_text(pool_brief(pool))
-                tree[(ns, comp)] = (label, ("component", ns, comp), False)
-            tree[(ns, comp, ep)] = (_counts_label(ep, [e.status for e, _ in entries]), ("endpoint", ns, comp, ep), False)
-            for entry, worker in sorted(entries, key=lambda ew: ew[0].record.instance_id):
-                iid = entry.record.instance_id
-                transfer = state.transfers.figures(iid) if disaggregated else None
-                tree[(ns, comp, ep, f"{iid:x}")] = (instance_label(entry, worker, now, transfer), ("instance", iid), True)
+            kind, _, name = group.partition(":")
+            if kind == "pool":
+                label = Text(f"{name} pool", style="bold")
+                components = sorted({w.component for w in members})
+                if components:
+                    label.append(f" · {printable(','.join(components))}", style="dim")
+            else:
+                label = Text(printable(name), style="bold")
+            _counts_label(label, [w.status for w in members] + [STATUS_FAILED] * len(gave_up))
+            if kind == "pool" and disaggregated and members:
+                for pool in summarize_pools(members, state.transfers).values():
+                    label.append("  ")
+                    label.append_text(pool_brief(pool))
+            tree[(ns, group)] = (label, ("group", ns, group), False)
+            for w in members:
+                transfer = state.transfers.figures(w.instance_id) if disaggregated else None
+                path = (ns, group, f"{w.component}/{w.id_hex}")
+                tree[path] = (worker_label(w, now, transfer, role=kind != "pool"), ("worker", w.instance_id), False)
+                tree[(*path, "endpoints")] = (endpoints_line(w), ("endpoints", w.instance_id), True)
+            for f in gave_up:
+                tree[(ns, group, f"failed/{f.name}")] = (failed_label(f), ("failed", f.namespace, f.name), True)
         self._apply(tree)
 
     def _apply(self, tree: dict[Path, tuple[Text, Any, bool]]) -> None:
@@ -150,8 +196,7 @@ class TopologyView(Tree[Any], ViewMixin):
             node = self._path_nodes.get(path)
             if node is None:
                 parent = self._path_nodes.get(path[:-1], self.root) if len(path) > 1 else self.root
-                expand = len(path) <= 2 or (len(path) == 3 and path[2] == "generate")
-                node = parent.add_leaf(label, data) if leaf else parent.add(label, data, expand=expand)
+                node = parent.add_leaf(label, data) if leaf else parent.add(label, data, expand=True)
                 self._path_nodes[path] = node
                 self._path_labels[path] = label
             elif self._path_labels.get(path) != label:
@@ -160,12 +205,19 @@ class TopologyView(Tree[Any], ViewMixin):
 
     def selected_worker_id(self) -> int | None:
         node = self.cursor_node
-        if node is not None and isinstance(node.data, tuple) and node.data[0] == "instance":
+        if node is not None and isinstance(node.data, tuple) and node.data[0] in ("worker", "endpoints"):
             return int(node.data[1])
         return None
 
     def on_tree_node_selected(self, event: Tree.NodeSelected[Any]) -> None:
         event.stop()
         data = event.node.data
-        if isinstance(data, tuple) and data[0] == "instance":
+        if not isinstance(data, tuple):
+            return
+        if data[0] in ("worker", "endpoints"):
             self.post_message(ShowWorker(int(data[1])))
+        elif data[0] == "failed" and self._state is not None:
+            entry = next((f for f in self._state.failed(data[1]) if f.name == data[2]), None)
+            if entry is not None:
+                title, body = failed_worker_detail(entry.namespace, entry.record, self._state.clock())
+                self.post_message(ShowDetail(title, body))

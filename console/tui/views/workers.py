@@ -7,6 +7,13 @@ columns. Columns are chosen by priority to fit the terminal: at 80 columns the i
 role and queue come first, then transfer rate and latency; what does not fit is left out whole,
 never cut (a status reads ``draining``, not ``draini``).
 
+A worker ``dynamod up`` gave up on after a crash loop has no process and no instance id: it is a
+``failed`` row named as the supervisor names it (``worker-1``), with a banner line giving its last
+death and the command that restarts it; Enter opens the full record.
+
+When a frontend's ``/metrics`` gives nothing (refused without an API key, unreachable), a line
+says why the TTFT and ITL columns are ``-``.
+
 When some worker has host or disk KV tiers (its load messages carry ``kv_tiers``), a ``TIER%``
 column follows KV with each lower tier's occupancy (``H40 D12``); a cluster without tiers never
 shows it.
@@ -35,13 +42,16 @@ from dynamod.console.present import (
     worker_load_scale,
 )
 from dynamod.console.state.cluster import ClusterState
+from dynamod.console.state.failed import STATUS_FAILED, FailedEntry
 from dynamod.console.state.pools import is_disaggregated
 from dynamod.console.state.records import Worker
 from dynamod.console.state.tiers import TierFigures
 from dynamod.console.state.transfers import TransferFigures
-from dynamod.console.tui.messages import ShowWorker
-from dynamod.console.tui.style import status_text
+from dynamod.console.tui.details import failed_worker_detail
+from dynamod.console.tui.messages import ShowDetail, ShowWorker
+from dynamod.console.tui.style import plain, status_text
 from dynamod.console.tui.views.base import Cell, LiveTable, Row, ViewMixin, selected_key, sync_table
+from dynamod.shared.security.printable import printable
 
 SPARK_WIDTH = 12
 # Display order, and the cell width each column needs when fitting (text columns are measured).
@@ -102,6 +112,39 @@ def pools_table(rows: tuple[tuple[str, ...], ...]) -> Table:
     return table
 
 
+def failed_cells(f: FailedEntry, columns: tuple[str, ...]) -> tuple[Cell, ...]:
+    """The row of a failed worker: its name where the id goes, its pool, ``failed``; no figures."""
+    out: list[Cell] = []
+    for col in columns:
+        if col == "ID":
+            out.append(plain(f.name, "bold red"))
+        elif col == "STATUS":
+            out.append(status_text(STATUS_FAILED))
+        elif col == "ROLE":
+            out.append(plain(f.pool))
+        elif col == "COMPONENT":
+            out.append(plain(f"{f.namespace}/-"))
+        else:
+            out.append("-")
+    return tuple(out)
+
+
+def failed_banner(failed: list[FailedEntry]) -> Text:
+    """One line: which workers were given up on, why, and how to try again."""
+    if len(failed) == 1:
+        f = failed[0]
+        line = f"✗ {f.name}: {f.summary()}; dynamoctl restart {f.name}"  # its row's Enter has the rest
+    else:
+        line = f"✗ {len(failed)} failed workers: " + ", ".join(f"{f.name} ({f.record.reason or 'died'})" for f in failed)
+    return Text(printable(line), no_wrap=True, overflow="ellipsis")
+
+
+def failed_matches(f: FailedEntry, needle: str) -> bool:
+    if not needle:
+        return True
+    return needle.lower() in f"{f.name} {f.namespace} {f.pool} {STATUS_FAILED} {f.record.reason}".lower()
+
+
 def worker_matches(w: Worker, needle: str) -> bool:
     if not needle:
         return True
@@ -140,15 +183,15 @@ def worker_cells(
         elif col == "HELD":
             out.append(fmt_count(xfer.held_blocks) if xfer else "-")
         elif col == "COMPONENT":
-            out.append(f"{w.namespace}/{w.component}")
+            out.append(plain(f"{w.namespace}/{w.component}"))
         elif col == "STATUS":
             out.append(status_text(w.status))
         elif col == "MODEL":
-            out.append(w.model or "-")
+            out.append(plain(w.model or "-"))
         elif col == "LORAS":
-            out.append(",".join(sorted(w.loras)) or "-")
+            out.append(plain(",".join(sorted(w.loras)) or "-"))
         elif col == "NODE":
-            out.append(w.node or "-")
+            out.append(plain(w.node or "-"))
         elif col == "RUN":
             out.append(str(st.running) if has_load else "-")
         elif col == "WAIT":
@@ -164,7 +207,7 @@ def worker_cells(
         elif col == "ITL":
             out.append(fmt_ms(st.itl_s))
         elif col == "CACHED":
-            out.append(fmt_count(st.cached_blocks) if st.kv_events else "-")
+            out.append(fmt_count(st.cached_blocks) if st.kv_events or st.kv_seeded else "-")
         elif col == "ROUTED":
             out.append(fmt_count(st.routed))
         elif col == "AGE":
@@ -188,6 +231,10 @@ class WorkersView(Vertical, ViewMixin):
     WorkersView #pools.shown { display: block; }
     WorkersView #imbalance { height: 1; color: $warning; padding: 0 1; display: none; }
     WorkersView #imbalance.shown { display: block; }
+    WorkersView #metrics-problem { height: auto; max-height: 2; color: $warning; padding: 0 1; display: none; }
+    WorkersView #metrics-problem.shown { display: block; }
+    WorkersView #failed { height: 1; color: $error; padding: 0 1; display: none; }
+    WorkersView #failed.shown { display: block; }
     WorkersView DataTable { height: 1fr; }
     WorkersView #workers-empty { height: auto; padding: 1 2; color: $text-muted; display: none; }
     WorkersView #workers-empty.shown { display: block; }
@@ -202,9 +249,13 @@ class WorkersView(Vertical, ViewMixin):
         self._ids: dict[str, int] = {}
         self._spark: dict[int, tuple[int, float, str]] = {}
         self._pool_rows: tuple[tuple[str, ...], ...] = ()
+        self._failed: dict[str, FailedEntry] = {}
+        self._now = 0.0
 
     def compose(self) -> ComposeResult:
         yield Static("", id="pools")
+        yield Static("", id="metrics-problem")
+        yield Static("", id="failed")
         yield Static("", id="imbalance")
         yield Static("", id="workers-empty")
         yield LiveTable(id="workers-table", cursor_type="row", zebra_stripes=False)
@@ -216,10 +267,10 @@ class WorkersView(Vertical, ViewMixin):
     def _wanted_columns(self, state: ClusterState, workers: list[Worker], disaggregated: bool) -> tuple[tuple[str, int], ...]:
         """(column, width) pairs: a wider measured column (a longer node name) rebuilds the table."""
         measured = {
-            "COMPONENT": max((len(f"{w.namespace}/{w.component}") for w in workers), default=0),
-            "MODEL": max((len(w.model or "-") for w in workers), default=0),
-            "LORAS": max((len(",".join(sorted(w.loras)) or "-") for w in workers), default=0),
-            "NODE": max((len(w.node or "-") for w in workers), default=0),
+            "COMPONENT": max((len(printable(f"{w.namespace}/{w.component}")) for w in workers), default=0),
+            "MODEL": max((len(printable(w.model or "-")) for w in workers), default=0),
+            "LORAS": max((len(printable(",".join(sorted(w.loras)) or "-")) for w in workers), default=0),
+            "NODE": max((len(printable(w.node or "-")) for w in workers), default=0),
         }
         transfers = any(p.transfers_seen for p in state.pools().values())
         tiers = any(state.tiers.figures(w.instance_id) for w in workers)
@@ -253,7 +304,25 @@ class WorkersView(Vertical, ViewMixin):
             self._ids[key] = w.instance_id
             rows.append((key, worker_cells(w, columns, now, scale, hot, self._spark, state.transfers.figures(w.instance_id),
                                            state.tiers.figures(w.instance_id))))
+        failed = [f for f in state.failed() if failed_matches(f, self.filter_text)]
+        self._failed = {}
+        self._now = now
+        for f in failed:
+            key = f"failed/{f.namespace}/{f.name}"
+            self._failed[key] = f
+            rows.append((key, failed_cells(f, columns)))
         sync_table(table, rows, self._row_cache)
+        problems = state.metric_problems()
+        problem_line = self.query_one("#metrics-problem", Static)
+        if problems:
+            more = f" (+{len(problems) - 1} more: see models)" if len(problems) > 1 else ""
+            # Two lines at most, wrapped: the fix (the flag to give) is at the end of the reason.
+            problem_line.update(Text(printable(f"⚠ no TTFT/ITL: {problems[0]}{more}")))
+        problem_line.set_class(bool(problems), "shown")
+        failed_line = self.query_one("#failed", Static)
+        if failed:
+            failed_line.update(failed_banner(failed))
+        failed_line.set_class(bool(failed), "shown")
         empty = self.query_one("#workers-empty", Static)
         if not rows:
             empty.update(f"No worker matches /{self.filter_text}" if self.filter_text else self.empty_hint)
@@ -271,7 +340,8 @@ class WorkersView(Vertical, ViewMixin):
         if state.imbalances:
             count = len(state.imbalances)
             lead = f"⚠ {count} imbalances: " if count > 1 else "⚠ "
-            banner.update(Text(lead + "; ".join(i.message for i in state.imbalances), no_wrap=True, overflow="ellipsis"))
+            banner.update(Text(printable(lead + "; ".join(i.message for i in state.imbalances)), no_wrap=True,
+                               overflow="ellipsis"))
             banner.add_class("shown")
         else:
             banner.remove_class("shown")
@@ -282,6 +352,12 @@ class WorkersView(Vertical, ViewMixin):
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         event.stop()
-        iid = self._ids.get(event.row_key.value or "")
+        key = event.row_key.value or ""
+        iid = self._ids.get(key)
         if iid is not None:
             self.post_message(ShowWorker(iid))
+            return
+        failed = self._failed.get(key)
+        if failed is not None:
+            title, body = failed_worker_detail(failed.namespace, failed.record, self._now)
+            self.post_message(ShowDetail(title, body))
