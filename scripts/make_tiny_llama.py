@@ -164,7 +164,7 @@ def build(out: Path, *, seed: int = 0, head_dim: int = 32, max_position: int | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="directory to write the model into (created)")
     p.add_argument("--seed", type=int, default=0, help="weight seed [default 0]")
     p.add_argument("--head-dim", type=int, default=32, help="attention head size [default 32; CPU vLLM needs >= 32]")

@@ -88,7 +88,7 @@ def build(base: Path, out: Path, *, rank: int = 8, seed: int = 1) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("base", type=Path, help="the base model directory (made by make_tiny_llama.py)")
     p.add_argument("out", type=Path, help="directory to write the adapter into (created)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank r [default 8]")

@@ -320,7 +320,7 @@ The trained tokenizer and these configuration files are part of dynamod and carr
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory [%(default)s]")
     parser.add_argument(
         "--corpus",

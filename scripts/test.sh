@@ -13,10 +13,13 @@ python3 -m pip install --quiet --disable-pip-version-check -e ".[test]"
 python3 -m pip install --quiet --disable-pip-version-check --no-deps "nixl-cu12==1.5.1"
 
 # System packages: openssh-server (SSH cluster-administration tests), iproute2 (`ip netns` for the
-# multi-node tests in network namespaces). Tests that need a missing one skip and say why.
+# multi-node tests in network namespaces), prometheus (promtool and the live Prometheus test).
+# Tests that need a missing one skip and say why.
 missing=()
 { command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ]; } || missing+=(openssh-server)
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+# prometheus: promtool (alert rule tests) and a real Prometheus scraping a live `dynamod up`.
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 if [ ${#missing[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null) \
     || echo "warning: could not install ${missing[*]}; the tests that need them will be skipped" >&2

@@ -33,7 +33,18 @@ WORKER_ROLES = ("agg", "prefill", "decode")
 
 
 def _workloads(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Long-running pods (Deployments, StatefulSets): selectors, probes, Services."""
+    return [d for d in docs if pod_spec(d) is not None and d["kind"] != "Job"]
+
+
+def _pod_owners(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Everything that runs a pod, one-off Jobs included."""
     return [d for d in docs if pod_spec(d) is not None]
+
+
+# Secrets without which a piece must not start (it would run open): etcd's and NATS's TLS and
+# users. Every other Secret is a placeholder a cluster may go without.
+REQUIRED_SECRETS = frozenset({"dynamod-etcd-tls", "dynamod-etcd-auth", "dynamod-nats-tls", "dynamod-nats-auth"})
 
 
 def _find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
@@ -42,10 +53,18 @@ def _find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     return found[0]
 
 
+# The image's init in front of dynamod: tini reaps the engine's children (deploy/images).
+DYNAMOD_COMMAND = ["/usr/bin/tini", "--", "dynamod"]
+
+
+def is_dynamod_command(command: list[str] | None) -> bool:
+    return command == DYNAMOD_COMMAND
+
+
 def _dynamod_containers(docs: list[dict[str, Any]]):
     for doc in _workloads(docs):
         for c in pod_spec(doc)["containers"]:
-            if c.get("command", [None])[0] == "dynamod":
+            if is_dynamod_command(c.get("command")):
                 yield doc, c
 
 
@@ -201,7 +220,7 @@ def test_probes_hit_declared_ports(overlay: str) -> None:
 
 def test_referenced_configmaps_claims_and_accounts_exist(overlay: str) -> None:
     docs = rendered(overlay)
-    for doc in _workloads(docs):
+    for doc in _pod_owners(docs):
         spec = pod_spec(doc)
         if "serviceAccountName" in spec:
             _find(docs, "ServiceAccount", spec["serviceAccountName"])
@@ -211,7 +230,11 @@ def test_referenced_configmaps_claims_and_accounts_exist(overlay: str) -> None:
             if "persistentVolumeClaim" in vol:
                 _find(docs, "PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"])
             if "secret" in vol:
-                assert vol["secret"].get("optional") is True, f"{resource_id(doc)}: Secret volumes are placeholders"
+                required = vol["secret"]["secretName"] in REQUIRED_SECRETS
+                assert vol["secret"].get("optional") is (not required), (
+                    f"{resource_id(doc)}: Secret {vol['secret']['secretName']} must be "
+                    + ("required (etcd and NATS never start open)" if required else "an optional placeholder")
+                )
         for c in spec["containers"]:
             for source in c.get("envFrom", []):
                 if "configMapRef" in source:
@@ -292,8 +315,8 @@ def test_dynamod_pods_reach_etcd_and_nats_through_their_services(overlay: str) -
         env = _resolved_env(docs, c)
         assert env["DYN_DISCOVERY_BACKEND"] == "etcd"
         assert env["DYN_NAMESPACE"]
-        assert env["ETCD_ENDPOINTS"] == f"http://{etcd['metadata']['name']}:{etcd['spec']['ports'][0]['port']}"
-        assert env["NATS_SERVER"] == f"nats://{nats['metadata']['name']}:{nats['spec']['ports'][0]['port']}"
+        assert env["ETCD_ENDPOINTS"] == f"https://{etcd['metadata']['name']}:{etcd['spec']['ports'][0]['port']}"
+        assert env["NATS_SERVER"] == f"tls://{nats['metadata']['name']}:{nats['spec']['ports'][0]['port']}"
         # The request plane must advertise an address other pods can reach.
         assert env["DYN_HOST"] == "$(POD_IP)", resource_id(doc)
 
@@ -331,13 +354,15 @@ def test_worker_pools_are_the_planner_deployments(overlay: str) -> None:
             assert "nvidia.com/gpu" not in str(c["resources"])
 
 
-def test_frontends_see_the_model_directory_the_workers_serve(overlay: str) -> None:
-    """Frontends load the tokenizer from the path in the workers' model cards."""
-    if overlay not in GPU_OVERLAYS:
-        pytest.skip("the dev overlay's tiny model ships inside the image")
-    docs = rendered(overlay)
-    (c,) = pod_spec(_find(docs, "Deployment", "dynamod-frontend"))["containers"]
-    assert "/models" in {m["mountPath"] for m in c["volumeMounts"]}
+def test_only_workers_mount_the_model_volume(overlay: str) -> None:
+    """Frontends tokenize with the files workers publish in discovery (shared/protocol/model_files.py),
+    so they need no copy of the model: only worker pools claim the model volume (issue 28)."""
+    for doc in _workloads(rendered(overlay)):
+        claims = {v["persistentVolumeClaim"]["claimName"] for v in pod_spec(doc).get("volumes", [])
+                  if "persistentVolumeClaim" in v}
+        component = doc["metadata"]["labels"]["app.kubernetes.io/component"]
+        if "dynamod-models" in claims:
+            assert component in ("agg", "prefill", "decode"), f"{resource_id(doc)} mounts the model volume"
 
 
 def test_planner_rbac_is_exactly_deployments_and_their_scale(overlay: str) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from dynamod.shared.security.settings import SECRET_FILE_VARS, SECRET_VALUE_VARS
 from tests.unit.deploy.conftest import rendered
+from tests.unit.deploy.test_manifests import is_dynamod_command
 
 SECRETS_DIR = "/etc/dynamod/secrets"
 
@@ -20,7 +21,7 @@ def _dynamod_pods(overlay: str) -> list[tuple[str, dict[str, Any], dict[str, Any
             continue
         pod = doc["spec"]["template"]["spec"]
         for c in pod["containers"]:
-            if (c.get("command") or [""])[0] == "dynamod":
+            if is_dynamod_command(c.get("command")):
                 out.append((doc["metadata"]["name"], pod, c))
     return out
 
