@@ -204,7 +204,7 @@ async def _run_console(args: argparse.Namespace) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").strip().split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=(__doc__ or "").strip().split("\n\n")[0])
     p.add_argument("--workers", type=int, default=256)
     p.add_argument("--rate", type=float, default=10.0, help="load updates per second per worker [default 10]")
     p.add_argument("--duration", type=float, default=20.0, help="measured seconds [default 20]")

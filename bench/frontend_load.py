@@ -367,7 +367,7 @@ def _router_mode(base_url: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default="tiny")
     p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")

@@ -353,7 +353,7 @@ def bench_routing(args, index: KvIndexer, streams: list[WorkerStream], wl: Workl
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=64)
     p.add_argument("--blocks", type=int, default=1_000_000, help="blocks held in total after the build")
     p.add_argument("--queries", type=int, default=5000, help="find_matches queries per kind")

@@ -74,7 +74,7 @@ def figures(result: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help=f"Mooncake JSONL trace [default {DEFAULT_TRACE}]")
     ap.add_argument("--workers", type=int, default=8, help="mocker workers [default 8]")
     ap.add_argument("--speedups", default="1,4", help="comma-separated --arrival-speedup values [default 1,4]")

@@ -95,7 +95,7 @@ def cache_on(router: KvRouter, worker_id: int, event_id: int, tokens: list[int])
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=32768, help="prompt length in tokens (approximately)")
     p.add_argument("--runs", type=int, default=60, help="requests timed")
     p.add_argument("--workers", type=int, default=64)

@@ -190,7 +190,7 @@ async def sweep_engines(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=3.0, help="measured seconds per engine run")
     parser.add_argument("--speedup-ratio", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, default=8, help="streaming clients per worker")

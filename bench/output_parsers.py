@@ -60,7 +60,7 @@ def measure(tool: str, reasoning: str, text: str, chunk_chars: int, repeat: int)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=200, help="replies per family [default 200]")
     ap.add_argument("--chunk-chars", type=int, default=4, help="characters per streamed chunk [default 4]")
     args = ap.parse_args()

@@ -1,14 +1,16 @@
 """Trace replay speed: how long ``dynamod replay`` takes on a Mooncake trace; prints one JSON document.
 
     python bench/replay.py [--trace FILE.jsonl] [--tile N] [--workers 8] [--modes kv,round-robin]
-                           [--repeat 2] [--check]
+                           [--disagg P:D ...] [--no-agg] [--repeat 2] [--check]
 
 Each run loads the trace, builds the requests and replays them (as the ``dynamod replay`` command
 does, without starting a process), with Dynamo's default mocker and router settings. Per routing
 mode it reports every run's wall time and CPU time (this process's), the best of each, and the
 replay's figures (identical on every run: the replay is deterministic). ``--check`` also replays
 once step by step (``fast_forward=False``, every engine step its own event: the reference) and
-says whether the figures are the same to the last digit, with that run's times.
+says whether the figures are the same to the last digit, with that run's times. ``--disagg 3:5``
+adds a disaggregated replay (3 prefill, 5 decode workers; always remote, dynamod's default transfer
+model) per mode; ``--no-agg`` leaves the aggregated one out.
 
 The default trace is the Mooncake synthetic trace beside the repository (``shared/data``, 3,993
 requests); ``--trace`` takes another, such as Mooncake's 12,031-request conversation trace
@@ -30,7 +32,7 @@ from pathlib import Path
 
 from dynamod.daemon.engines.mocker.config import MockerConfig
 from dynamod.daemon.replay.main import REPLAY_VOCAB
-from dynamod.daemon.replay.simulator import MODES, replay
+from dynamod.daemon.replay.simulator import MODES, replay, replay_disagg
 from dynamod.daemon.replay.trace import TraceRecord, build_requests, load_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -52,22 +54,41 @@ def tiled(records: list[TraceRecord], copies: int) -> list[TraceRecord]:
     return out
 
 
-def one_run(path: Path, copies: int, workers: int, mode: str, seed: int, fast_forward: bool) -> tuple[dict, float, float]:
-    """(figures, wall seconds, CPU seconds) of loading, building and replaying the trace."""
+def one_run(path: Path, copies: int, topology: tuple[int, int], mode: str, seed: int,
+            fast_forward: bool) -> tuple[dict, float, float]:
+    """(figures, wall seconds, CPU seconds) of loading, building and replaying the trace;
+    ``topology`` is (0, workers) for agg, (prefill, decode) workers for disagg."""
     w0, c0 = time.perf_counter(), time.process_time()
     records = tiled(load_trace(path), copies)
     requests = build_requests(records, trace_block_size=512, vocab_size=REPLAY_VOCAB)
-    figures = replay(requests, workers=workers, mode=mode, mocker=MockerConfig(vocab_size=REPLAY_VOCAB), seed=seed,
-                     sla_targets=(500.0, 50.0), fast_forward=fast_forward)
+    mocker = MockerConfig(vocab_size=REPLAY_VOCAB)
+    prefill, decode = topology
+    if prefill:
+        figures = replay_disagg(requests, prefill_workers=prefill, decode_workers=decode, mode=mode, mocker=mocker,
+                                seed=seed, sla_targets=(500.0, 50.0), fast_forward=fast_forward)
+    else:
+        figures = replay(requests, workers=decode, mode=mode, mocker=mocker, seed=seed, sla_targets=(500.0, 50.0),
+                         fast_forward=fast_forward)
     return figures, round(time.perf_counter() - w0, 3), round(time.process_time() - c0, 3)
 
 
+def _split(text: str) -> tuple[int, int]:
+    """``P:D`` -> (P, D), both at least 1."""
+    p, _, d = text.partition(":")
+    if not (p.isdigit() and d.isdigit() and int(p) >= 1 and int(d) >= 1):
+        raise argparse.ArgumentTypeError(f"expected PREFILL:DECODE workers, got {text!r}")
+    return int(p), int(d)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help=f"Mooncake JSONL trace [default {DEFAULT_TRACE}]")
     ap.add_argument("--tile", type=int, default=1, help="replay this many copies of the trace back to back [default 1]")
     ap.add_argument("--workers", type=int, default=8, help="aggregated mocker workers [default 8]")
     ap.add_argument("--modes", default="kv,round-robin", help=f"comma-separated, of {', '.join(MODES)} [default kv,round-robin]")
+    ap.add_argument("--disagg", type=_split, action="append", default=[], metavar="P:D",
+                    help="also replay disaggregated on P prefill and D decode workers (repeatable)")
+    ap.add_argument("--no-agg", action="store_true", help="skip the aggregated replay")
     ap.add_argument("--repeat", type=int, default=2, help="runs per mode [default 2]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check", action="store_true", help="also replay step by step once per mode and compare")
@@ -90,20 +111,23 @@ def main(argv: list[str] | None = None) -> int:
         "workers": args.workers,
         "runs": [],
     }
+    topologies = ([] if args.no_agg else [(0, args.workers)]) + args.disagg
     for mode in modes:
-        walls, cpus, figures = [], [], None
-        for _ in range(args.repeat):
-            res, wall, cpu = one_run(args.trace, args.tile, args.workers, mode, args.seed, True)
-            assert figures is None or res == figures, "the replay is not deterministic"
-            figures = res
-            walls.append(wall)
-            cpus.append(cpu)
-        entry: dict[str, object] = {"mode": mode, "wall_s": walls, "cpu_s": cpus, "best_wall_s": min(walls),
-                                    "best_cpu_s": min(cpus), "figures": figures}
-        if args.check:
-            ref, wall, cpu = one_run(args.trace, args.tile, args.workers, mode, args.seed, False)
-            entry["step_by_step"] = {"identical": ref == figures, "wall_s": wall, "cpu_s": cpu}
-        doc["runs"].append(entry)  # type: ignore[union-attr]
+        for topology in topologies:
+            walls, cpus, figures = [], [], None
+            for _ in range(args.repeat):
+                res, wall, cpu = one_run(args.trace, args.tile, topology, mode, args.seed, True)
+                assert figures is None or res == figures, "the replay is not deterministic"
+                figures = res
+                walls.append(wall)
+                cpus.append(cpu)
+            name = f"disagg:{topology[0]}:{topology[1]}" if topology[0] else f"agg:{topology[1]}"
+            entry: dict[str, object] = {"mode": mode, "topology": name, "wall_s": walls, "cpu_s": cpus,
+                                        "best_wall_s": min(walls), "best_cpu_s": min(cpus), "figures": figures}
+            if args.check:
+                ref, wall, cpu = one_run(args.trace, args.tile, topology, mode, args.seed, False)
+                entry["step_by_step"] = {"identical": ref == figures, "wall_s": wall, "cpu_s": cpu}
+            doc["runs"].append(entry)  # type: ignore[union-attr]
     doc["calibration_ns_per_dict_insert"] = {"before": before, "after": calibrate()}
     print(json.dumps(doc))
     return 0

@@ -216,6 +216,7 @@ def _bench_one(transport: str, nats_url: str | None, args: argparse.Namespace) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--transports", default="tcp,nats", help="comma-separated: tcp, nats [tcp,nats]")

@@ -174,7 +174,7 @@ def scenario(workers: int, active: int, args, rng: random.Random) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--scenarios", default="64:256,1024:4096", help="workers:active pairs, comma-separated")
     p.add_argument("--blocks", type=int, default=1_000_000, help="blocks held in the index, over all workers")
     p.add_argument("--routes", type=int, default=2000, help="routing decisions timed per scenario")

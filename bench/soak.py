@@ -404,7 +404,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load")
     p.add_argument("--workers", type=int, default=3, help="mocker workers; the first is restarted periodically")
     p.add_argument("--restart-every", type=float, default=30.0, help="seconds between SIGTERMs to the restart target")

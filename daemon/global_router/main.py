@@ -93,7 +93,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     try:
         service = GlobalRouterService(runtime, grid, config)
         await service.start()
-        logger.info("global router up instance_id=%x status_url=%s", runtime.instance_id, runtime.status_url or "off")
+        logger.info("global router up instance_id=%016x status_url=%s", runtime.instance_id, runtime.status_url or "off")
         await stop.wait()
         return 0
     finally:
