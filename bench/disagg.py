@@ -147,6 +147,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, dict[str,
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(

@@ -10,9 +10,12 @@ migration limit. The caller sees one stream: no token twice, none missing.
 
 A disaggregated model (one with a prefill pool) puts the prefill stage before each attempt: the
 shared ``PrefillStage`` decides remote or local and, when remote, gets the transfer parameters
-from a prefill worker, which ride on the decode request; the decode worker is then routed with
-no overlap credit (its cache saved nothing). A migration prefills again through the same policy,
-with the generated tokens in the prompt. An aggregated model pays one attribute test for this.
+from a prefill worker, which ride on the decode request; the decode worker is then routed with the
+policy's overlap weight for remote prompts (``decode_overlap_weight``: its cached prefix is what
+the transfer does not move). A migration prefills again through the same policy,
+with the generated tokens in the prompt. The first token of a request's first attempt goes back to
+the stage (``first_token``), which learns what each path costs beyond its prediction. An
+aggregated model pays one attribute test for this.
 
 Everything the request learns on the way (routes and their explanations, where it was prefilled,
 tokens, migrations) goes into its ``FrontendRequest``, which the endpoint reads back.
@@ -40,6 +43,7 @@ from dynamod.shared.errors import NoInstancesError, TransportError, UnavailableE
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.llm import FINISH_ABORT, FINISH_LENGTH, PreprocessedRequest
 from dynamod.shared.protocol.routing import STAGE_DECODE
+from dynamod.shared.protocol.worker_id import worker_id_hex
 from dynamod.shared.runtime.client import InstanceGoneError
 
 logger = logging.getLogger(__name__)
@@ -83,7 +87,7 @@ class Dispatcher:
         if worker_id in self.quarantine:
             return
         self.quarantine.add(worker_id)
-        logger.warning("worker unreachable worker_id=%x action=quarantined hold_s=%.1f", worker_id, self.quarantine.hold_s)
+        logger.warning("worker unreachable worker_id=%016x action=quarantined hold_s=%.1f", worker_id, self.quarantine.hold_s)
         if self.on_worker_down is not None:
             self.on_worker_down(worker_id)
 
@@ -139,7 +143,7 @@ class EngineStream:
             found = req.model.live_instance(wid)
             if found is not None:
                 return RouteChoice(found[0]), found[1]
-        shown = ", ".join(f"{w:x}" for w in req.direct_ids)
+        shown = ", ".join(worker_id_hex(w) for w in req.direct_ids)
         raise NoInstancesError(f"no live worker {shown} serves model {req.model.name!r} (x-dynamo-worker-instance-id)")
 
     async def _candidates(self, exclude: set[int]) -> list[Instance]:
@@ -187,11 +191,11 @@ class EngineStream:
             if outcome is None:
                 route = RouteRequest(req.request_id, pre.token_ids, model.lora_name)
             else:
-                # Decode stage: a prompt prefilled remotely is fetched, not computed, so the decode
-                # worker's cache earns nothing (Dynamo's decode router: overlap weight 0).
+                # Decode stage: a prompt prefilled remotely is fetched, not computed; what the
+                # decode worker caches is what the transfer does not move (the policy's weight).
                 route = RouteRequest(
                     req.request_id, pre.token_ids, model.lora_name, stage=STAGE_DECODE,
-                    overlap_weight=0.0 if outcome.remote else None, disagg=outcome.info,
+                    overlap_weight=self._d.prefill_stage.policy.decode_overlap_weight(outcome.remote), disagg=outcome.info,
                 )
             choice = await router.select(route, candidates)
             pool = model.workers.get(choice.worker_id)
@@ -202,7 +206,7 @@ class EngineStream:
             router.on_finish(req.request_id)
             passed.add(choice.worker_id)
             logger.info(
-                "routed worker left before dispatch request_id=%s worker_id=%x action=reroute",
+                "routed worker left before dispatch request_id=%s worker_id=%016x action=reroute",
                 req.request_id, choice.worker_id,
             )
             candidates = await self._candidates(exclude | passed)
@@ -223,11 +227,13 @@ class EngineStream:
             req.prefill_s = outcome.duration_s
         return outcome
 
-    @staticmethod
-    def _decode_hint(model: ServedModel, candidates: list[Instance], body: PreprocessedRequest) -> DecodeHint:
+    def _decode_hint(self, model: ServedModel, candidates: list[Instance], body: PreprocessedRequest) -> DecodeHint:
         router = model.router
         est = None if router is None else router.estimate(RouteRequest(body.request_id, body.token_ids, model.lora_name), candidates)
-        return DecodeHint() if est is None else DecodeHint(est.cached_tokens, est.kv_fraction)
+        if est is None:
+            return DecodeHint()
+        transfer = self._d.prefill_stage.transfer_estimate(est.worker_id, est.transfer_ms_p50)
+        return DecodeHint(est.cached_tokens, est.kv_fraction, est.worker_id, est.queued_tokens, est.running, transfer)
 
     def _prompt_request(self) -> PreprocessedRequest:
         """The request with the tokens generated so far appended to the prompt (a migration
@@ -285,6 +291,8 @@ class EngineStream:
                         if first:
                             first = False
                             router.on_first_token(request_id)
+                            if outcome is not None and not req.migrations:
+                                self._d.prefill_stage.first_token(outcome)
                         generated.extend(tokens)
                     usage = out.get("usage")
                     if usage and remote_cached is None:
@@ -307,14 +315,14 @@ class EngineStream:
                 exclude.add(worker_id)
                 if req.direct_ids is not None or req.migrations >= req.migration_limit:
                     logger.warning(
-                        "request failed without migration request_id=%s worker_id=%x migrations=%d error=%s",
+                        "request failed without migration request_id=%s worker_id=%016x migrations=%d error=%s",
                         request_id, worker_id, req.migrations, exc,
                     )
                     raise
                 req.migrations += 1
                 (model_metrics.migrate_ongoing if generated else model_metrics.migrate_new).inc()
                 logger.info(
-                    "request migrating request_id=%s from_worker=%x generated=%d attempt=%d error=%s",
+                    "request migrating request_id=%s from_worker=%016x generated=%d attempt=%d error=%s",
                     request_id, worker_id, len(generated), req.migrations, exc,
                 )
                 if self.max_tokens is not None and len(generated) >= self.max_tokens:

@@ -14,7 +14,7 @@ Every decision is offered to the ``router_decisions`` publisher (console) and re
 Disaggregated models get a second router per base model over the prefill pool, fed by the prefill
 workers' own KV events like the decode one and, as Dynamo's prefill router, without active-block
 tracking (nothing to free; a prefill worker's load is what it reports). The decode stage of a
-remotely prefilled request is routed with overlap weight 0: its prefix cache saves nothing there.
+remotely prefilled request is routed with the disaggregation policy's ``decode_overlap_weight``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from dynamod.daemon.router import KvRouter, KvRouterConfig, config_from_args
 from dynamod.daemon.router.config import prefill_router_config
 from dynamod.daemon.router.decision_publisher import DecisionPublisher, sample_rate_from_args
 from dynamod.daemon.router.feed import KvFeed
+from dynamod.daemon.router.worker_load import decode_load, prefill_queue_tokens
 from dynamod.shared.errors import DynamoError, NoInstancesError, OverloadedError
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.routing import STAGE_AGG, STAGE_PREFILL, RoutingDecision
@@ -53,6 +54,14 @@ def _choice(decision: RoutingDecision, candidates: Sequence[Instance], stage: st
                 inst, dp_rank=decision.dp_rank, overlap_blocks=decision.overlap_blocks, stage=stage, explain=decision
             )
     raise DynamoError(f"kv router chose worker {decision.worker_id:x}, which is not a candidate")
+
+
+def decode_estimate(kv: KvRouter, decision: RoutingDecision, isl: int) -> DecodeEstimate:
+    """What the disaggregation policy needs of the decode worker ``decision`` names."""
+    load = decode_load(kv, decision, isl)
+    return DecodeEstimate(
+        decision.worker_id, load.cached_tokens, load.kv_fraction, load.queued_tokens, load.running, load.transfer_ms_p50,
+    )
 
 
 class KvGroup:
@@ -113,12 +122,7 @@ class KvModelRouter:
             decision = kv.best_worker(request.request_id, request.token_ids, lora_name=self._lora, allowed=keys)
         except (OverloadedError, NoInstancesError):
             return None  # every decode worker busy: select will queue; the policy sees no cache
-        capacity = kv.busy.capacity(decision.worker)
-        latest = kv.busy.latest(decision.worker)
-        if latest is not None and latest.total_blocks:
-            capacity = latest.total_blocks
-        fraction = decision.winner.decode_blocks / capacity if capacity else None
-        return DecodeEstimate(decision.worker_id, min(decision.overlap_blocks * kv.block_size, len(request.token_ids)), fraction)
+        return decode_estimate(kv, decision, len(request.token_ids))
 
     def record(self, choice: RouteChoice, model: str) -> None:
         return None  # select publishes its decisions
@@ -131,11 +135,14 @@ class KvModelRouter:
 
 
 class KvPrefillRouter:
-    """The ``Router`` of one model's prefill pool: KV-aware, no active-block tracking.
+    """The ``Router`` of one model's prefill pool: KV-aware and queue-aware.
 
-    ``select`` picks without counting the request (so ``on_first_token``/``on_finish`` have
-    nothing to do) and without publishing: the pick becomes a decision only when the prompt is
-    really sent there, which the prefill stage reports through ``record``."""
+    ``select`` counts the prompt's uncached tokens as prefill work queued on the worker it picks
+    until ``on_finish`` (the prefill stage calls it when the attempt ends or the pick is not
+    used), so the next pick weighs the queue as well as the cache: Dynamo's prefill router counts
+    nothing and piles a burst of long prompts on the worker with the best prefix. It does not
+    publish: the pick becomes a decision only when the prompt is really sent there, which the
+    prefill stage reports through ``record``."""
 
     name = "kv"
 
@@ -149,14 +156,10 @@ class KvPrefillRouter:
         keys = group.keys_for(candidates)
         group.ensure(keys)
         kv = group.kv
-        decision = kv.select_worker(
-            request.request_id, request.token_ids, lora_name=self._lora, allowed=keys, track_active=False
-        )
+        decision = kv.select_worker(request.request_id, request.token_ids, lora_name=self._lora, allowed=keys)
         decision.stage = STAGE_PREFILL
         choice = _choice(decision, candidates, STAGE_PREFILL)
-        latest = kv.busy.latest(decision.worker)
-        if latest is not None:
-            choice.load = float(latest.active_prefill_tokens)
+        choice.load = float(prefill_queue_tokens(kv, decision))
         return choice
 
     def estimate(self, request: RouteRequest, candidates: Sequence[Instance]) -> DecodeEstimate | None:
@@ -170,7 +173,7 @@ class KvPrefillRouter:
         return None
 
     def on_finish(self, request_id: str) -> None:
-        return None
+        self._group.kv.free(request_id)
 
 
 class KvRouting:

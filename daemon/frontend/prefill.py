@@ -4,7 +4,9 @@ Picks among the model's ready, unquarantined prefill workers with the pool's rou
 kv mode, else round-robin/random), reaches them through the pool's endpoint clients, counts the
 prompt tokens in flight per prefill worker (the ``prefill_load`` policy's load when the worker's
 own metrics are not at hand), publishes the prefill decision once the prompt is really sent there,
-and quarantines a prefill worker whose stream broke, as the decode path does.
+and quarantines a prefill worker whose stream broke, as the decode path does. The pool's router
+counts a picked prompt as queued prefill work until ``done`` or ``discard`` (kv mode: the next
+pick weighs it).
 """
 
 from __future__ import annotations
@@ -42,10 +44,14 @@ class FrontendPrefillTarget:
         wid = choice.worker_id
         endpoint_pool = pool.workers.get(wid)
         if endpoint_pool is None:
+            pool.router.on_finish(request.request_id)  # it left meanwhile: nothing waits there
             return None
         own = float(pool.inflight_tokens.get(wid, 0))
         load = own if choice.load is None else max(choice.load, own)
-        return PrefillPick(wid, choice.dp_rank, (choice, endpoint_pool), overlap_blocks=choice.overlap_blocks, load=load)
+        cached = min(choice.overlap_blocks * max(pool.card.kv_block_size, 0), len(request.token_ids))
+        return PrefillPick(
+            wid, choice.dp_rank, (choice, endpoint_pool), overlap_blocks=choice.overlap_blocks, load=load, cached_tokens=cached
+        )
 
     def open(self, pick: PrefillPick, body: PreprocessedRequest) -> AsyncIterator[Any]:
         choice, endpoint_pool = _handle(pick)
@@ -65,8 +71,16 @@ class FrontendPrefillTarget:
             inflight[pick.worker_id] = left
         else:
             inflight.pop(pick.worker_id, None)
+        router = self._pool.router
+        if router is not None:
+            router.on_finish(body.request_id)  # the kv prefill router counted it as queued work
         if isinstance(error, TransportError):
             self._report_dead(pick.worker_id)
+
+    def discard(self, pick: PrefillPick, request: PreprocessedRequest) -> None:
+        router = self._pool.router
+        if router is not None:
+            router.on_finish(request.request_id)
 
 
 def prefill_route(pick: PrefillPick) -> RouteChoice:

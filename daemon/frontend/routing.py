@@ -8,8 +8,8 @@ active sequences. The choice it returns carries its own explanation (the kv rout
 ``x-dynamo-route-explain`` header: no side channel.
 
 With disaggregated serving the same seam routes two stages: ``stage`` says which (``prefill``:
-the prefill pool; ``decode``: the decode pool, where a remotely prefilled prompt earns no overlap
-credit, ``overlap_weight=0``); ``estimate`` answers "which decode worker, and how much of the
+the prefill pool; ``decode``: the decode pool, where a remotely prefilled prompt is routed with
+the disaggregation policy's ``decode_overlap_weight``); ``estimate`` answers "which decode worker, and how much of the
 prompt does it cache" without routing, for the conditional-disaggregation policy. Round-robin and random keep no per-request state. Direct routing (the
 ``x-dynamo-worker-instance-id`` header) bypasses the router altogether.
 
@@ -51,7 +51,7 @@ class RouteChoice:
     overlap_blocks: int = 0
     stage: str = STAGE_AGG
     explain: RoutingDecision | None = None  # the kv router's decision; None for round-robin/random
-    load: float | None = None  # prefill stage: the worker's active prefill tokens, when known
+    load: float | None = None  # prefill stage: the worker's queued prefill tokens, when known
 
     @property
     def worker_id(self) -> int:
@@ -65,6 +65,9 @@ class DecodeEstimate:
     worker_id: int
     cached_tokens: int  # the prompt's prefix already cached there
     kv_fraction: float | None  # its projected active KV blocks over its capacity; None: unknown
+    queued_tokens: int = 0  # prefill tokens already waiting there
+    running: int = 0  # requests decoding there
+    transfer_ms_p50: float = 0.0  # the median time of its recent KV transfers (0: none reported)
 
 
 class Router(Protocol):

@@ -33,8 +33,9 @@ over its own cores' KV events. Per request, at arrival:
 3. ``disagg_policy.decide`` says remote or local, from the prompt length minus the prefix the
    chosen decode worker caches (its router's overlap) and the chosen prefill core's queued prefill
    tokens (see ``_Pool.prefill_load_tokens``);
-4. the decode stage is routed for real, as the frontend does: with no overlap credit for prefix
-   blocks when the prompt goes remote (Dynamo's decode stage), with the usual weight when local;
+4. the decode stage is routed for real, as the frontend does: with the policy's
+   ``decode_overlap_weight`` when the prompt goes remote (the blocks it caches do not travel; 0 is
+   Dynamo's decode stage), with the usual weight when local;
 5. remote: the prefill core runs the prompt with ``max_tokens=1``; when that step ends, the KV
    blocks the decode worker lacks travel in ``TransferModel.time_ms``; then the decode core takes
    the request with ``kv_transferred=True`` (its prompt occupies the decode cache at no compute)
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 import heapq
 import itertools
 import math
@@ -61,6 +63,7 @@ from typing import TYPE_CHECKING
 
 from dynamod.daemon.engines.mocker.config import MockerConfig
 from dynamod.daemon.engines.mocker.core import MockerCore, StepOutput
+from dynamod.daemon.engines.mocker.request import MockRequest
 from dynamod.daemon.engines.mocker.scheduler import DecodeStretch
 from dynamod.daemon.replay.report import (
     P50,
@@ -78,6 +81,7 @@ from dynamod.daemon.replay.trace import TraceRequest
 if TYPE_CHECKING:
     from dynamod.daemon.replay.planner_loop import ReplayPlanner
 from dynamod.daemon.router.config import KvRouterConfig
+from dynamod.daemon.router.disagg_cost import MockerCompute, TransferEstimate
 from dynamod.daemon.router.disagg_policy import DisaggInputs, DisaggPolicyConfig, decide
 from dynamod.daemon.router.kv_router import KvRouter
 from dynamod.shared.errors import ConfigError
@@ -122,6 +126,55 @@ class TransferModel:
         return self.latency_ms + nbytes / (self.bandwidth_gb_s * 1e9) * 1000.0
 
 
+@functools.lru_cache(maxsize=8)
+def _mocker_compute(max_num_batched_tokens: int, speedup_ratio: float) -> MockerCompute:
+    """The cost policy's compute model in a replay: the cores' own timing."""
+    return MockerCompute(max_num_batched_tokens, speedup_ratio)
+
+
+@functools.lru_cache(maxsize=8)
+def _transfer_estimate(kv_bytes_per_token: int, bandwidth_gb_s: float, latency_ms: float) -> TransferEstimate:
+    """The cost policy's transfer estimate in a replay: the replay's own transfer model."""
+    return TransferEstimate(kv_bytes_per_token, bandwidth_gb_s, latency_ms)
+
+
+class _PromptHashes:
+    """Each prompt's block hashes, computed once per request and handed to every router and core.
+
+    A remote request's prompt is hashed by the decode router's estimate, the prefill router, the
+    decode router, the prefill core, the transfer's size and the decode core: six C passes over
+    thousands of tokens and their chained hashes, where an aggregated replay hashes twice. They are
+    all the same hashes (one block size, no LoRA), so they are computed at the first use (measured:
+    6-12 % of a disaggregated replay's CPU time, the more the longer the prompts). An entry lives until the core that decodes the request admits it
+    (``for_core(last=True)``), so only requests between arrival and admission hold one.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self._block_size = block_size
+        self._by_request: dict[str, tuple[int, list[int], list[int]]] = {}
+
+    def of(self, request_id: str, prompt: list[int]) -> tuple[list[int], list[int]]:
+        """(local, sequence) hashes of request ``request_id``'s ``prompt``; read only (shared)."""
+        entry = self._by_request.get(request_id)
+        if entry is None or entry[0] != len(prompt):
+            local, seq = hash_tokens(prompt, self._block_size)
+            entry = self._by_request[request_id] = (len(prompt), local, seq)
+        return entry[1], entry[2]
+
+    def for_core(self, request: MockRequest, *, last: bool) -> tuple[list[int], list[int]]:
+        """A core's ``prompt_hasher``: copies the request owns (it extends them over generated
+        tokens). ``last``: this core decodes the request, the entry's last use."""
+        if request.lora_name is not None:  # a replay has none; a LoRA seeds its hashes differently
+            return hash_tokens(request.token_ids, self._block_size, request.lora_name)
+        local, seq = self.of(request.request_id, request.token_ids)
+        if last:
+            del self._by_request[request.request_id]
+        return local.copy(), seq.copy()
+
+    def __len__(self) -> int:
+        return len(self._by_request)
+
+
 class _Picker:
     """The routing policy of one pool: KV-aware (the real KvRouter) or a simple baseline.
 
@@ -131,10 +184,12 @@ class _Picker:
     """
 
     def __init__(self, mode: str, n_workers: int, block_size: int, clock: Callable[[], float], seed: int,
-                 router_config: KvRouterConfig | None, *, keep_index: bool = False) -> None:
+                 router_config: KvRouterConfig | None, *, keep_index: bool = False,
+                 hashes: _PromptHashes | None = None) -> None:
         if mode not in MODES:
             raise ConfigError(f"unknown router mode {mode!r}; choose one of {', '.join(MODES)}")
         self.mode = mode
+        self._hashes = hashes or _PromptHashes(block_size)
         self._ids = list(range(n_workers))  # routable workers, in id order
         self._block_size = block_size
         self._rr = itertools.count()
@@ -167,7 +222,8 @@ class _Picker:
         ``overlap_weight`` overrides the router's (0 for a decode stage after remote prefill)."""
         if self._routes:
             assert self.router is not None
-            decision = self.router.select_worker(rid, prompt, overlap_weight=overlap_weight)
+            decision = self.router.select_worker(rid, prompt, overlap_weight=overlap_weight,
+                                                 prompt_hashes=self._hashes.of(rid, prompt))
             return decision.worker_id, decision.overlap_blocks
         if self.mode == "random":
             return self._ids[self._rng.randrange(len(self._ids))], None
@@ -179,14 +235,15 @@ class _Picker:
         if not self._routes:
             return None
         assert self.router is not None
-        decision = self.router.best_worker(rid, prompt)
+        decision = self.router.best_worker(rid, prompt, prompt_hashes=self._hashes.of(rid, prompt))
         return decision.worker_id, decision.overlap_blocks
 
-    def cached_blocks(self, worker: int, prompt: list[int]) -> int:
-        """Leading prompt blocks ``worker`` caches now, by the pool's KV index (0 without one)."""
+    def cached_blocks(self, worker: int, prompt: list[int], rid: str | None = None) -> int:
+        """Leading prompt blocks ``worker`` caches now, by the pool's KV index (0 without one).
+        ``rid``: the request's, whose prompt hashes are then reused."""
         if self.router is None:
             return 0
-        _, seq = hash_tokens(prompt, self._block_size)
+        _, seq = hash_tokens(prompt, self._block_size) if rid is None else self._hashes.of(rid, prompt)
         return self.router.indexer.find_matches_sequence(seq).scores.get((worker, 0), 0)
 
     def on_step(self, worker: int, out: StepOutput) -> None:
@@ -236,19 +293,22 @@ class _Pool:
     incoming: list[int] = field(default_factory=list)
     # The stretch of decode steps each core is in, if any (``_DecodeRun``).
     runs: list[_DecodeRun | None] = field(default_factory=list)
+    # Where the cores' admitted prompts' hashes come from (``_PromptHashes.for_core``), or None.
+    prompt_hasher: Callable[[MockRequest], tuple[list[int], list[int]]] | None = None
 
     @classmethod
-    def create(cls, name: str, n: int, mocker: MockerConfig) -> _Pool:
-        return cls(name, [MockerCore(mocker) for _ in range(n)], [False] * n, [0] * n,
+    def create(cls, name: str, n: int, mocker: MockerConfig,
+               prompt_hasher: Callable[[MockRequest], tuple[list[int], list[int]]] | None = None) -> _Pool:
+        return cls(name, [MockerCore(mocker, prompt_hasher=prompt_hasher) for _ in range(n)], [False] * n, [0] * n,
                    state=[READY] * n, launched_ms=[0.0] * n, stopped_ms=[-1.0] * n, incoming=[0] * n,
-                   runs=[None] * n)
+                   runs=[None] * n, prompt_hasher=prompt_hasher)
 
     def ids(self, state: str) -> list[int]:
         return [w for w, st in enumerate(self.state) if st == state]
 
     def launch(self, mocker: MockerConfig, now_ms: float) -> int:
         """A new core, STARTING: it takes no work until the planner loop marks it READY."""
-        self.cores.append(MockerCore(mocker))
+        self.cores.append(MockerCore(mocker, prompt_hasher=self.prompt_hasher))
         self.busy.append(False)
         self.inflight_prefill.append(0)
         self.state.append(STARTING)
@@ -332,12 +392,17 @@ class _Simulation:
             return self.now / 1000.0
 
         disagg = policy is not None
-        self.decode = _Pool.create("decode" if disagg else "agg", decode_workers, mocker)
-        self.prefill = _Pool.create("prefill", prefill_workers, mocker)
-        self.decode_picker = _Picker(mode, decode_workers, mocker.block_size, clock, seed, router_config, keep_index=disagg)
+        # One hashing per prompt for both pools' routers and cores; the decode pool admits last.
+        self.hashes = hashes = _PromptHashes(mocker.block_size)
+        self.decode = _Pool.create("decode" if disagg else "agg", decode_workers, mocker,
+                                   functools.partial(hashes.for_core, last=True))
+        self.prefill = _Pool.create("prefill", prefill_workers, mocker, functools.partial(hashes.for_core, last=False))
+        self.decode_picker = _Picker(mode, decode_workers, mocker.block_size, clock, seed, router_config, keep_index=disagg,
+                                     hashes=hashes)
         # A different seed: the two pools' tie-breaks must not mirror each other.
         self.prefill_picker = (
-            _Picker(mode, prefill_workers, mocker.block_size, clock, seed + 1, router_config) if prefill_workers else None
+            _Picker(mode, prefill_workers, mocker.block_size, clock, seed + 1, router_config, hashes=hashes)
+            if prefill_workers else None
         )
         self.stats: dict[str, RequestStats] = {}
         self.reasons: dict[str, int] = {}
@@ -602,9 +667,9 @@ class _Simulation:
             self._start_local(req, rid, prompt, dw)
             return
         # As the live frontend: the decode worker normal KV routing would pick (counting nothing)
-        # gives the effective ISL; after the decision the decode stage is routed for real, with no
-        # overlap credit when the prompt is prefilled remotely. Round-robin and random choose the
-        # same worker either way, so they choose once.
+        # gives the effective ISL; after the decision the decode stage is routed for real, with the
+        # policy's overlap weight for a remote prompt (``decode_overlap_weight``, as live).
+        # Round-robin and random choose the same worker either way, so they choose once.
         estimate = self.decode_picker.estimate(rid, prompt)
         chosen = estimate is None
         dw, overlap = self.decode_picker.pick(rid, prompt) if estimate is None else estimate
@@ -614,7 +679,7 @@ class _Simulation:
         self.reasons[info.reason] = self.reasons.get(info.reason, 0) + 1
         remote = info.mode == DISAGG_REMOTE
         if not chosen:
-            dw, _ = self.decode_picker.pick(rid, prompt, overlap_weight=0.0 if remote else None)
+            dw, _ = self.decode_picker.pick(rid, prompt, overlap_weight=self.policy.decode_overlap_weight(remote))
             st.worker = dw
         if not remote:
             self._start_local(req, rid, prompt, dw)
@@ -638,7 +703,8 @@ class _Simulation:
 
     def _decide(self, rid: str, prompt: list[int], dw: int, overlap: int | None) -> tuple[DisaggInfo, int]:
         """Remote or local prefill for request ``rid`` with decode candidate ``dw``; the prefill
-        worker (-1 without one). A prefill worker routed to but not used hears at once it will not be."""
+        worker (-1 without one). A prefill worker routed to but not used hears at once it will not be.
+        The ``cost`` policy computes with the cores' own timing model and the replay's transfer model."""
         assert self.policy is not None
         bs = self.mocker.block_size
         isl = len(prompt)
@@ -646,24 +712,31 @@ class _Simulation:
             overlap = self.decode_picker.cached_blocks(dw, prompt)
         decode_load = self.decode.cores[dw].load()
         new_blocks = -(-isl // bs) - overlap
+        available = self.prefill_picker is not None and bool(self.prefill.ids(READY))
+        pw = -1
+        prefill_cached = 0
+        if available:
+            assert self.prefill_picker is not None
+            pw, prefill_overlap = self.prefill_picker.pick(rid, prompt)
+            if prefill_overlap is None:
+                prefill_overlap = self.prefill_picker.cached_blocks(pw, prompt)
+            prefill_cached = min(prefill_overlap * bs, isl)
+        t = self.transfer
         inputs = DisaggInputs(
             isl=isl,
             decode_cached_tokens=min(overlap * bs, isl),
-            prefill_available=self.prefill_picker is not None and bool(self.prefill.ids(READY)),
+            prefill_available=available,
+            prefill_load=float(self.prefill.prefill_load_tokens(pw)) if available else None,
             prefill_busy_threshold=self.router_config.active_prefill_tokens_threshold,
             decode_kv_fraction=(decode_load.active_blocks + new_blocks) / decode_load.total_blocks,
+            prefill_worker_id=pw if available else None,
+            decode_worker_id=dw,
+            decode_queued_tokens=decode_load.active_prefill_tokens + self.decode.inflight_prefill[dw],
+            running_decodes=decode_load.num_running,
+            prefill_cached_tokens=prefill_cached,
+            transfer=_transfer_estimate(t.kv_bytes_per_token, t.bandwidth_gb_s, t.latency_ms),
         )
-        pw = -1
-        if inputs.prefill_available:
-            assert self.prefill_picker is not None
-            pw, _ = self.prefill_picker.pick(rid, prompt)
-            inputs = DisaggInputs(
-                isl=inputs.isl, decode_cached_tokens=inputs.decode_cached_tokens,
-                prefill_load=float(self.prefill.prefill_load_tokens(pw)),
-                prefill_busy_threshold=inputs.prefill_busy_threshold,
-                decode_kv_fraction=inputs.decode_kv_fraction, prefill_worker_id=pw,
-            )
-        info = decide(self.policy, inputs)
+        info = decide(self.policy, inputs, _mocker_compute(self.mocker.max_num_batched_tokens, self.mocker.speedup_ratio))
         if info.mode != DISAGG_REMOTE and self.prefill_picker is not None and pw >= 0:
             self.prefill_picker.on_finish(rid)  # routed there, but it will not prefill there
         return info, pw
@@ -681,7 +754,7 @@ class _Simulation:
             st.cached_tokens = fin.usage.cached_tokens
             _, prompt = self._requests[rid]
             # Only the blocks the decode worker lacks travel; it caches the rest already.
-            lacking = -(-len(prompt) // bs) - self.decode_picker.cached_blocks(st.worker, prompt)
+            lacking = -(-len(prompt) // bs) - self.decode_picker.cached_blocks(st.worker, prompt, rid)
             st.transfer_bytes = self.transfer.bytes_for(lacking, bs)
             st.transfer_ms = self.transfer.time_ms(st.transfer_bytes)
             self.decode.incoming[st.worker] += 1

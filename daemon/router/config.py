@@ -74,8 +74,9 @@ class KvRouterConfig:
 
 
 def prefill_router_config(config: KvRouterConfig) -> KvRouterConfig:
-    """A prefill pool's router, as Dynamo's: no busy skipping (the ``prefill_load`` policy decides
-    what a busy prefill worker means) and no replica sync (it tracks no active requests to share)."""
+    """A prefill pool's router: no busy skipping (the disaggregation policy decides what a busy
+    prefill worker means) and no replica sync (the prompts it counts as queued on a worker live
+    only as long as their prefill attempt; other replicas see them in the worker's own load)."""
     return dataclasses.replace(
         config, active_decode_blocks_threshold=None, active_prefill_tokens_threshold=None, router_replica_sync=False
     )

@@ -34,6 +34,7 @@ from dynamod.shared.errors import ConfigError, DynamoError
 from dynamod.shared.events.dropqueue import DropOldestQueue, QueueClosed
 from dynamod.shared.events.plane import TOPIC_ROUTER_DECISIONS, EventPublisher
 from dynamod.shared.protocol.routing import PublishedDecision, RoutingDecision, published_decision_encoder
+from dynamod.shared.protocol.worker_id import worker_id_hex
 
 if TYPE_CHECKING:
     from dynamod.shared.runtime.distributed import DistributedRuntime
@@ -134,7 +135,7 @@ class DecisionPublisher:
         except DynamoError as exc:
             logger.warning("router decisions not published error=%s", exc)
             return
-        self._source = f"{self._rt.instance_id:x}"
+        self._source = worker_id_hex(self._rt.instance_id)
         self._task = asyncio.create_task(self._run(), name="router-decisions-out")
         logger.info(
             "router decisions published scope=%s/%s topic=%s sample_rate=%s",

@@ -341,7 +341,7 @@ class KvFeed:
             events = [msgspec.convert(e, RouterEvent) for f in frames for e in (f.get("events") or [])]
         except (DynamoError, TimeoutError, msgspec.ValidationError) as exc:
             self.metrics.resyncs.labels("failed").inc()
-            logger.warning("kv resync failed worker_id=%x component=%s error=%s", worker_id, component, exc)
+            logger.warning("kv resync failed worker_id=%016x component=%s error=%s", worker_id, component, exc)
             return False
         for kv in list(self._by_worker.get(worker_id, ())):
             if kv.needs_resync(worker_id):  # the others are in step; a dump could only set them back

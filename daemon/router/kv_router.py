@@ -155,7 +155,7 @@ class KvRouter:
         self._resync.discard(worker_id)
         self._resync_buffer.pop(worker_id, None)
         self.update_workers(w for w in self._workers if w[0] != worker_id)
-        logger.info("router worker removed worker_id=%x", worker_id)
+        logger.info("router worker removed worker_id=%016x", worker_id)
 
     def apply_load(self, m: LoadMetrics) -> None:
         """Load metrics from a worker (``kv_metrics`` topic)."""
@@ -233,7 +233,7 @@ class KvRouter:
         gap = arrival is not Arrival.IN_ORDER  # a gap, or a restarted worker: both need its dump
         if gap:
             logger.warning(
-                "kv event gap worker_id=%x last_event_id=%s event_id=%d arrival=%s",
+                "kv event gap worker_id=%016x last_event_id=%s event_id=%d arrival=%s",
                 wid, last, eid, arrival.value,
             )
             self.request_resync(wid)
@@ -266,7 +266,7 @@ class KvRouter:
             try:
                 self._on_resync(worker_id)
             except Exception:  # the callback belongs to the caller; routing must go on
-                logger.exception("router resync callback failed worker_id=%x", worker_id)
+                logger.exception("router resync callback failed worker_id=%016x", worker_id)
 
     def replace_worker_blocks(
         self, worker_id: int, events: Iterable[RouterEvent], last_event_id: int | None = None
@@ -297,7 +297,7 @@ class KvRouter:
             sequence.resume_after(newest)
         self._resync.discard(worker_id)
         logger.info(
-            "router worker resynced worker_id=%x dump_events=%d blocks=%d last_event_id=%s",
+            "router worker resynced worker_id=%016x dump_events=%d blocks=%d last_event_id=%s",
             worker_id,
             len(dump),
             sum(self.indexer.tree_size(k) for k in self.indexer.workers() if k[0] == worker_id),
@@ -326,6 +326,7 @@ class KvRouter:
         temperature: float | None = None,
         allowed: Iterable[tuple[int, int]] | None = None,
         track_active: bool = True,
+        prompt_hashes: tuple[list[int], list[int]] | None = None,
     ) -> RoutingDecision:
         """Picks a worker and starts counting the request on it. Raises ``NoInstancesError``
         without candidates and ``OverloadedError`` when all are busy: it never queues (see
@@ -334,9 +335,13 @@ class KvRouter:
         ``track_active=False`` is Dynamo's prefill router: the decision is counted (metrics,
         approximate-mode cache prediction) but no active blocks are added, so nothing needs
         ``mark_prefill_done`` or ``free`` afterwards; a prefill pool's load comes from its
-        workers' own metrics."""
+        workers' own metrics.
+
+        ``prompt_hashes``: the prompt's (local, sequence) block hashes (``hash_tokens``), for a
+        caller that has them (a trace replay routes each prompt up to three times); read only."""
         decision = self._route(
-            request_id, token_ids, lora_name, overlap_weight, temperature, allowed, register=True, track_active=track_active
+            request_id, token_ids, lora_name, overlap_weight, temperature, allowed, register=True, track_active=track_active,
+            hashes=None if prompt_hashes is None else [prompt_hashes],
         )
         assert decision is not None
         return decision
@@ -350,9 +355,11 @@ class KvRouter:
         overlap_weight: float | None = None,
         temperature: float | None = None,
         allowed: Iterable[tuple[int, int]] | None = None,
+        prompt_hashes: tuple[list[int], list[int]] | None = None,
     ) -> RoutingDecision:
         """The worker ``select_worker`` would pick, without counting the request anywhere."""
-        decision = self._route(request_id, token_ids, lora_name, overlap_weight, temperature, allowed, register=False)
+        decision = self._route(request_id, token_ids, lora_name, overlap_weight, temperature, allowed, register=False,
+                               hashes=None if prompt_hashes is None else [prompt_hashes])
         assert decision is not None
         return decision
 
@@ -503,7 +510,7 @@ class KvRouter:
             m.observe_hit(len(local), won.overlap_blocks, won.host_overlap_blocks, won.disk_overlap_blocks)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
-                "route request_id=%s worker_id=%x dp_rank=%d overlap=%d blocks=%d cost=%.3f reason=%s candidates=%d busy=%d",
+                "route request_id=%s worker_id=%016x dp_rank=%d overlap=%d blocks=%d cost=%.3f reason=%s candidates=%d busy=%d",
                 request_id,
                 won.worker_id,
                 won.dp_rank,

@@ -89,7 +89,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         service = RouterService(runtime, kv_config, config, stage)
         await service.start()
         logger.info(
-            "router up instance_id=%x replica_sync=%s use_kv_events=%s status_url=%s",
+            "router up instance_id=%016x replica_sync=%s use_kv_events=%s status_url=%s",
             runtime.instance_id, kv_config.router_replica_sync, kv_config.use_kv_events, runtime.status_url or "off",
         )
         await stop.wait()

@@ -3,9 +3,12 @@
 The router role (``dynamod --role router``) follows the ready ``generate`` instances of the prefill
 component and their model cards (block size, data-parallel size) as it does the decode workers,
 with a ``KvRouter`` of its own fed by the prefill workers' KV events through the same ``KvFeed``.
-As Dynamo's prefill router it tracks no active blocks (``track_active=False``) and skips no busy
-worker: what a busy prefill worker means is the ``prefill_load`` policy's call, from the load the
-worker reports. It is the ``PrefillTarget`` the shared ``PrefillStage`` drives.
+Unlike Dynamo's prefill router it counts each picked prompt's uncached tokens as queued prefill
+work on its worker until the attempt ends or the pick is discarded, so picks weigh the queue as
+well as the prefix cache (``scheduler.py``'s cost). It skips no busy worker: what a busy prefill
+worker means is the policy's call, from its queue (``worker_load.prefill_queue_tokens``: the
+worker's report or the router's count, the larger). It is the ``PrefillTarget`` the shared
+``PrefillStage`` drives.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dynamod.daemon.router.decision_publisher import DecisionPublisher
 from dynamod.daemon.router.feed import KvFeed
 from dynamod.daemon.router.kv_router import KvRouter
 from dynamod.daemon.router.prefill_stage import PrefillPick
+from dynamod.daemon.router.worker_load import prefill_queue_tokens
 from dynamod.shared.errors import NoInstancesError
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.keys import parse_key
@@ -72,7 +76,7 @@ class RouterPrefillPool:
             self.kv = KvRouter(self.kv_config, card.kv_block_size, registry=self._rt.registry, on_resync=self._feed.request_resync)
             self._feed.add_router(f"prefill:{self.component}", self.kv)
         elif card.kv_block_size != self.kv.block_size:
-            logger.warning("router ignores prefill worker with another block size worker_id=%x block_size=%d", wid, card.kv_block_size)
+            logger.warning("router ignores prefill worker with another block size worker_id=%016x block_size=%d", wid, card.kv_block_size)
             return
         self.seen = True
         self._cards[wid] = card
@@ -96,12 +100,12 @@ class RouterPrefillPool:
             dp = max(1, card.runtime_config.data_parallel_size)
             self._dp_size[wid] = dp
             self._feed.add_worker(kv, wid, self.component)
-            logger.info("router prefill worker added worker_id=%x dp_size=%d", wid, dp)
+            logger.info("router prefill worker added worker_id=%016x dp_size=%d", wid, dp)
         elif not present and wid in self._dp_size:
             del self._dp_size[wid]
             if kv is not None:
                 self._feed.remove_worker(kv, wid)
-            logger.info("router prefill worker left worker_id=%x", wid)
+            logger.info("router prefill worker left worker_id=%016x", wid)
         if kv is not None:
             kv.update_workers(self.routable())
 
@@ -129,16 +133,18 @@ class RouterPrefillPool:
         keys = self.routable(exclude)
         if kv is None or not keys or self.client is None:
             return None
-        decision = kv.select_worker(
-            request.request_id, request.token_ids, lora_name=request.lora_name, allowed=keys, track_active=False
-        )
+        decision = kv.select_worker(request.request_id, request.token_ids, lora_name=request.lora_name, allowed=keys)
         decision.stage = STAGE_PREFILL
         inst = self.client.instance_set.get(decision.worker_id)
         if inst is None:
+            kv.free(request.request_id)
             return None
-        latest = kv.busy.latest(decision.worker)
-        load = None if latest is None else float(latest.active_prefill_tokens)
-        return PrefillPick(decision.worker_id, decision.dp_rank, (inst, decision), overlap_blocks=decision.overlap_blocks, load=load)
+        load = float(prefill_queue_tokens(kv, decision))
+        cached = min(decision.overlap_blocks * kv.block_size, len(request.token_ids))
+        return PrefillPick(
+            decision.worker_id, decision.dp_rank, (inst, decision), overlap_blocks=decision.overlap_blocks, load=load,
+            cached_tokens=cached,
+        )
 
     def open(self, pick: PrefillPick, body: PreprocessedRequest) -> AsyncIterator[Any]:
         assert self.client is not None
@@ -149,4 +155,11 @@ class RouterPrefillPool:
         self._decisions.offer(pick.handle[1], body.model)
 
     def done(self, pick: PrefillPick, body: PreprocessedRequest, error: Exception | None) -> None:
-        return None  # a dead prefill worker leaves discovery within one lease TTL; one retry covers the gap
+        # The prompt no longer waits there. A dead prefill worker leaves discovery within one
+        # lease TTL; one retry covers the gap.
+        if self.kv is not None:
+            self.kv.free(body.request_id)
+
+    def discard(self, pick: PrefillPick, request: PreprocessedRequest) -> None:
+        if self.kv is not None:
+            self.kv.free(request.request_id)

@@ -3,9 +3,14 @@
 Per request (and again per migration attempt, with the tokens generated so far in the prompt):
 
 1. the caller's ``PrefillTarget`` picks a prefill worker (KV-aware over the pool's own events, or
-   round-robin/random) without counting it anywhere;
-2. ``disagg_policy.decide`` says remote or local, from the prompt length, the prefix the chosen
-   *decode* worker caches (asked only when the policy needs it) and the prefill worker's load;
+   round-robin/random); a KV-aware pool counts the prompt as queued there until ``done`` or
+   ``discard``;
+2. ``disagg_policy.decide`` says remote or local, from the prompt length, what the chosen *decode*
+   worker caches, queues and runs (asked only when the policy is conditional), the prefill
+   worker's queue and cached prefix, and (``cost`` policy) the transfer bandwidth and what each
+   path cost beyond its prediction on earlier requests of the prompt's size (``PathOverhead``,
+   fed by the caller's ``first_token`` when the request's first token arrives); a picked prefill
+   worker that is not used hears so (``discard``), so its queue is not counted twice;
 3. remote: the prompt goes to the prefill worker with ``prefill_only=True`` and ``max_tokens=1``;
    the first frame carrying ``disaggregated_params`` ends the stage (the final frame for the
    mocker, vLLM and TensorRT-LLM; an early one for SGLang, whose prefill runs on while decode
@@ -33,7 +38,11 @@ from typing import Any, Protocol
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from dynamod.daemon.router.disagg_cost import ComputeModel, PathOverhead, RecentSamples, TransferEstimate
 from dynamod.daemon.router.disagg_policy import (
+    POLICY_COST,
+    REASON_COST_LOCAL,
+    REASON_COST_REMOTE,
     REASON_NO_PREFILL_WORKERS,
     DisaggInputs,
     DisaggPolicyConfig,
@@ -44,11 +53,13 @@ from dynamod.shared.errors import DynamoError, TransportError, UnavailableError
 from dynamod.shared.observability.metrics import LATENCY_BUCKETS
 from dynamod.shared.protocol.llm import FINISH_ABORT, FINISH_ERROR, PreprocessedRequest
 from dynamod.shared.protocol.routing import DISAGG_REMOTE, DisaggInfo
+from dynamod.shared.protocol.worker_id import worker_id_hex, worker_id_or_dash
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_TIMEOUT_S = 30.0
 PREFILL_ATTEMPTS = 2  # the chosen prefill worker, then one other
+MAX_TRACKED_DECODE_WORKERS = 1024
 
 # dynamo_*_prefill_failures_total{reason}
 FAIL_TIMEOUT = "timeout"
@@ -74,15 +85,22 @@ class PrefillPick:
     dp_rank: int | None
     handle: Any
     overlap_blocks: int = 0
-    load: float | None = None  # active prefill tokens, when the pool knows them
+    load: float | None = None  # queued prefill tokens there, when the pool knows them
+    cached_tokens: int = 0  # the prompt's prefix cached there (overlap_blocks * block size, capped)
 
 
 @dataclass(slots=True)
 class DecodeHint:
-    """The chosen decode worker's view of the prompt, for ``isl_bounding`` and the decode guard."""
+    """The chosen decode worker's view of the prompt, for the conditional policies and the decode
+    guard: its cached prefix, KV fraction, queued prefill tokens and running decodes, and the KV
+    transfer estimate from the transfers it reported (None: the policy's configured one)."""
 
     cached_tokens: int = 0
     kv_fraction: float | None = None
+    worker_id: int | None = None
+    queued_tokens: int = 0
+    running: int = 0
+    transfer: TransferEstimate | None = None
 
 
 class PrefillTarget(Protocol):
@@ -105,6 +123,10 @@ class PrefillTarget(Protocol):
         unreachable), None when params arrived or the caller cancelled."""
         ...
 
+    def discard(self, pick: PrefillPick, request: PreprocessedRequest) -> None:
+        """The pick was not used (the prompt is prefilled locally): stop counting it there."""
+        ...
+
 
 @dataclass(slots=True)
 class PrefillOutcome:
@@ -116,6 +138,7 @@ class PrefillOutcome:
     pick: PrefillPick | None = None
     duration_s: float = 0.0
     failures: list[str] = field(default_factory=list)  # FAIL_* of the attempts that failed
+    started: float = 0.0  # time.perf_counter() when the stage began (the TTFT the policy predicts starts here)
 
     @property
     def remote(self) -> bool:
@@ -178,6 +201,34 @@ class PrefillStage:
         self.metrics = metrics
         self.prefill_timeout_s = prefill_timeout_s
         self.busy_threshold = busy_threshold  # prefill_busy_threshold when the policy sets none
+        # The cost policy's compute model, loaded now so that a bad profile fails at start-up.
+        self.compute: ComputeModel | None = (
+            policy.profile_compute() if policy.enabled and policy.policy == POLICY_COST else None
+        )
+        # What each path costs beyond its prediction, from measured first tokens (``first_token``).
+        self.local_overhead = PathOverhead()
+        self.remote_overhead = PathOverhead()
+        # Per decode worker: the tokens of the recent remote prefills sent its way (what it had to
+        # pull), to pair with the transfer times it reports. Bounded: workers come and go.
+        self._transfer_tokens: dict[int, RecentSamples] = {}
+
+    def transfer_estimate(self, decode_worker_id: int, transfer_ms_p50: float) -> TransferEstimate:
+        """The cost policy's transfer estimate for a decode worker from the median transfer time
+        it reports (the policy's configured bandwidth until both figures exist)."""
+        tokens = self._transfer_tokens.get(decode_worker_id)
+        p50_tokens = tokens.quantile(0.5) if tokens is not None else 0.0
+        return self.policy.transfer.measured(transfer_ms_p50, p50_tokens)
+
+    def _note_transfer(self, info: DisaggInfo) -> None:
+        wid = info.decode_worker_id
+        if wid is None:
+            return
+        samples = self._transfer_tokens.get(wid)
+        if samples is None:
+            if len(self._transfer_tokens) >= MAX_TRACKED_DECODE_WORKERS:
+                self._transfer_tokens.pop(next(iter(self._transfer_tokens)))
+            samples = self._transfer_tokens[wid] = RecentSamples()
+        samples.add(info.effective_isl)
 
     async def run(
         self,
@@ -191,24 +242,42 @@ class PrefillStage:
         """Decides and, when remote, runs the prefill; a background drain task is appended to
         ``drains`` (the caller cancels it when the request ends). Raises ``UnavailableError`` when
         the prompt can be prefilled nowhere (no prefill worker or prefill failed, no fallback)."""
+        started = time.perf_counter()
         pick = await pool.pick(request, set())
         hint = decode_hint() if self.policy.enabled and pick is not None else DecodeHint()
+        isl = len(request.token_ids)
         info = decide(
             self.policy,
             DisaggInputs(
-                isl=len(request.token_ids),
+                isl=isl,
                 decode_cached_tokens=hint.cached_tokens,
                 prefill_available=pick is not None,
                 prefill_load=None if pick is None else pick.load,
                 prefill_busy_threshold=self.busy_threshold,
                 decode_kv_fraction=hint.kv_fraction,
                 prefill_worker_id=None if pick is None else pick.worker_id,
+                decode_worker_id=hint.worker_id,
+                decode_queued_tokens=hint.queued_tokens,
+                running_decodes=hint.running,
+                prefill_cached_tokens=0 if pick is None else pick.cached_tokens,
+                transfer=hint.transfer,
+                local_overhead_ms=self.local_overhead.ms(isl) if self.compute is not None else 0.0,
+                remote_overhead_ms=self.remote_overhead.ms(isl) if self.compute is not None else 0.0,
+                local_measuring=self.compute is not None and not self.local_overhead.may_explore(isl),
+                remote_measuring=self.compute is not None and not self.remote_overhead.may_explore(isl),
             ),
+            self.compute,
         )
+        if info.reason == REASON_COST_REMOTE:
+            self.remote_overhead.explored(isl)
+        elif info.reason == REASON_COST_LOCAL:
+            self.local_overhead.explored(isl)
         if pick is not None and info.mode == DISAGG_REMOTE:
             info.prefill_dp_rank = pick.dp_rank
-        outcome = PrefillOutcome(info=info)
+        outcome = PrefillOutcome(info=info, started=started)
         if info.mode != DISAGG_REMOTE:
+            if pick is not None:
+                pool.discard(pick, request)
             if info.reason == REASON_NO_PREFILL_WORKERS and not self.policy.decode_fallback:
                 self._count(model, info)
                 raise UnavailableError(
@@ -225,8 +294,8 @@ class PrefillStage:
                 outcome.failures.append(exc.reason)
                 self.metrics.prefill_failures.labels(model, exc.reason).inc()
                 logger.warning(
-                    "prefill failed request_id=%s prefill_worker=%x reason=%s attempt=%d error=%s",
-                    request.request_id, pick.worker_id, exc.reason, len(tried), exc,
+                    "prefill failed request_id=%s prefill_worker=%s reason=%s attempt=%d error=%s",
+                    request.request_id, worker_id_hex(pick.worker_id), exc.reason, len(tried), exc,
                 )
                 last_error = str(exc)
             if len(tried) >= PREFILL_ATTEMPTS:
@@ -296,13 +365,41 @@ class PrefillStage:
             if not handed_off:
                 await stream.aclose()  # type: ignore[attr-defined]
 
+    def first_token(self, outcome: PrefillOutcome, now: float | None = None) -> None:
+        """The request's first token reached the caller (``now``: ``time.perf_counter()``): its
+        TTFT from the stage's start, against the prediction of the path the cost policy chose,
+        teaches that path's ``PathOverhead``. Other decisions (a failed prefill, other policies, a
+        remote prefill that ran on another worker than the one predicted) teach nothing."""
+        info = outcome.info
+        cost = info.cost
+        if cost is None or outcome.started <= 0.0:
+            return
+        measured_ms = ((time.perf_counter() if now is None else now) - outcome.started) * 1000.0
+        if info.reason == REASON_COST_LOCAL and not outcome.remote:
+            self.local_overhead.observe(info.isl, measured_ms, cost.local_ttft_ms - cost.local_overhead_ms)
+        elif (
+            info.reason == REASON_COST_REMOTE and outcome.remote and outcome.pick is not None
+            and outcome.pick.worker_id == info.prefill_worker_id
+        ):
+            self.remote_overhead.observe(info.isl, measured_ms, cost.remote_ttft_ms - cost.remote_overhead_ms)
+
     def _finish(self, model: str, request: PreprocessedRequest, outcome: PrefillOutcome) -> PrefillOutcome:
         info = outcome.info
         self._count(model, info)
+        if outcome.remote:
+            self._note_transfer(info)
+        cost = info.cost
         logger.info(
-            "disagg decision request_id=%s mode=%s reason=%s policy=%s isl=%d effective_isl=%d prefill_worker=%s",
+            "disagg decision request_id=%s mode=%s reason=%s policy=%s isl=%d effective_isl=%d prefill_worker=%s "
+            "decode_worker=%s%s",
             request.request_id, info.mode, info.reason, info.policy, info.isl, info.effective_isl,
-            "-" if outcome.pick is None else f"{outcome.pick.worker_id:x}",
+            worker_id_or_dash(None if outcome.pick is None else outcome.pick.worker_id), worker_id_or_dash(info.decode_worker_id),
+            "" if cost is None else (
+                f" local_cost_ms={cost.local_cost_ms:.1f} remote_cost_ms={cost.remote_cost_ms:.1f}"
+                f" decode_queued_tokens={cost.local_queued_tokens} running_decodes={cost.running_decodes}"
+                f" prefill_queued_tokens={cost.remote_queued_tokens} transfer_ms={cost.transfer_ms:.1f}"
+                f" local_overhead_ms={cost.local_overhead_ms:.1f} remote_overhead_ms={cost.remote_overhead_ms:.1f}"
+            ),
         )
         return outcome
 

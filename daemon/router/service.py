@@ -11,8 +11,8 @@ caller learns where the request went (extra keys; ``EngineOutput`` decoders igno
 temperature?, stage?}``) and answers a ``BestWorkerAnswer`` (``{worker_id, dp_rank, overlap_blocks,
 explain}``, ``explain`` the whole ``RoutingDecision``; both in ``shared/protocol/best_worker.py``)
 without counting anything: for callers that send the request themselves. ``stage`` ``prefill``
-asks the prefill pool; ``decode`` the decode pool as a remotely prefilled request sees it
-(overlap weight 0 unless given).
+asks the prefill pool; ``decode`` the decode pool as a remotely prefilled request sees it (the
+policy's ``decode_overlap_weight`` for remote prompts unless given).
 
 Disaggregated serving: when the prefill component (``--prefill-component``, default ``prefill``)
 has published a prefill card, or a decode-role worker is among the workers, ``generate`` runs
@@ -54,6 +54,7 @@ from dynamod.daemon.router.prefill_stage import (
     close_drains,
     decode_body,
 )
+from dynamod.daemon.router.worker_load import decode_load
 from dynamod.shared.errors import DynamoError, InvalidRequestError, NoInstancesError, NotFoundError
 from dynamod.shared.protocol.best_worker import BestWorkerAnswer, BestWorkerRequest
 from dynamod.shared.protocol.instance import Instance
@@ -219,7 +220,7 @@ class RouterService:
             if wid not in self._rejected:
                 self._rejected.add(wid)
                 logger.warning(
-                    "router ignores worker with another block size worker_id=%x block_size=%d router_block_size=%d",
+                    "router ignores worker with another block size worker_id=%016x block_size=%d router_block_size=%d",
                     wid, card.kv_block_size, kv.block_size,
                 )
             return
@@ -249,12 +250,12 @@ class RouterService:
                 for rank in range(dp):
                     kv.set_worker_capacity((wid, rank), total)
             self.feed.add_worker(kv, wid, self.config.worker_component)
-            logger.info("router worker added worker_id=%x model=%s dp_size=%d", wid, card.served_model_name, dp)
+            logger.info("router worker added worker_id=%016x model=%s dp_size=%d", wid, card.served_model_name, dp)
         elif not present and wid in self._dp_size:
             del self._dp_size[wid]
             if kv is not None:
                 self.feed.remove_worker(kv, wid)
-            logger.info("router worker left worker_id=%x", wid)
+            logger.info("router worker left worker_id=%016x", wid)
         self._refresh()
 
     def _refresh(self) -> None:
@@ -335,7 +336,8 @@ class RouterService:
                 )
             decision = await kv.select_worker_waiting(
                 key, request.token_ids, lora_name=request.lora_name, allowed=allowed,
-                overlap_weight=0.0 if outcome is not None and outcome.remote else None,
+                overlap_weight=None if outcome is None or self.prefill_stage is None
+                else self.prefill_stage.policy.decode_overlap_weight(outcome.remote),
             )
             if outcome is not None:
                 decision.stage = STAGE_DECODE
@@ -369,6 +371,8 @@ class RouterService:
                     if first:
                         first = False
                         kv.mark_prefill_done(key)
+                        if outcome is not None and self.prefill_stage is not None:
+                            self.prefill_stage.first_token(outcome)
                         if isinstance(out, dict):
                             out = {**out, "worker_id": wid, "dp_rank": rank}
                             if outcome is not None:
@@ -385,16 +389,16 @@ class RouterService:
         finally:
             kv.free(key)
 
-    @staticmethod
-    def _decode_hint(kv: KvRouter, request: PreprocessedRequest, allowed: list[tuple[int, int]] | None) -> DecodeHint:
-        """The decode worker normal KV routing would pick: its cached prefix and KV fraction."""
+    def _decode_hint(self, kv: KvRouter, request: PreprocessedRequest, allowed: list[tuple[int, int]] | None) -> DecodeHint:
+        """The decode worker normal KV routing would pick: what it caches, queues and runs."""
         try:
             decision = kv.best_worker(request.request_id, request.token_ids, lora_name=request.lora_name, allowed=allowed)
         except DynamoError:
             return DecodeHint()
-        capacity = kv.busy.capacity(decision.worker)
-        fraction = decision.winner.decode_blocks / capacity if capacity else None
-        return DecodeHint(min(decision.overlap_blocks * kv.block_size, len(request.token_ids)), fraction)
+        load = decode_load(kv, decision, len(request.token_ids))
+        stage = self.prefill_stage
+        transfer = None if stage is None else stage.transfer_estimate(decision.worker_id, load.transfer_ms_p50)
+        return DecodeHint(load.cached_tokens, load.kv_fraction, decision.worker_id, load.queued_tokens, load.running, transfer)
 
     async def _best_worker_id(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
         try:
@@ -411,8 +415,8 @@ class RouterService:
         else:
             kv = await self._wait_for_workers()
             weight = req.overlap_weight
-            if req.stage == STAGE_DECODE and weight is None:
-                weight = 0.0  # a remotely prefilled prompt earns no overlap credit on the decode pool
+            if req.stage == STAGE_DECODE and weight is None and self.prefill_stage is not None:
+                weight = self.prefill_stage.policy.decode_overlap_weight(remote=True)
             decision = kv.best_worker(
                 request_id,
                 req.token_ids,

@@ -1,7 +1,8 @@
 """What the router decided and why: the per-candidate costs behind every routing decision.
 
 Returned by every selection; the frontend can put ``to_header()`` in an ``x-dynamo-route-explain``
-response header (compact: the winner and the best few candidates), and the decision publisher
+response header (``explain()`` as JSON: the winner and the best few candidates, every value under a
+label, worker ids as 16 hex digits), and the decision publisher
 sends it on the ``router_decisions`` topic as a ``PublishedDecision`` (everything, plus when and
 where it was made) for the console.
 
@@ -17,6 +18,8 @@ from typing import Any
 
 import msgspec
 
+from dynamod.shared.protocol.worker_id import worker_id_hex
+
 # Why the winner won.
 REASON_ONLY_CANDIDATE = "only_candidate"
 REASON_LOWEST_COST = "lowest_cost"
@@ -26,6 +29,9 @@ REASON_SAMPLED = "sampled"
 
 HEADER_NAME = "x-dynamo-route-explain"
 HEADER_MAX_CANDIDATES = 8  # keeps the header well under common 8 KiB header limits
+# The header's JSON layout: every value under a label, worker ids as ``worker_id_hex``. Version 2
+# replaced version 1's short keys (``w``, ``ov``, ``c``...) and positional candidate arrays.
+HEADER_SCHEMA_VERSION = 2
 
 _json = msgspec.json.Encoder()
 
@@ -63,21 +69,73 @@ DISAGG_REMOTE = "remote"
 DISAGG_LOCAL = "local"
 
 
+class DisaggCost(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The cost-based policy's numbers (milliseconds, tokens, bytes): predicted time to first token
+    if the decode worker prefills the prompt itself (local) against the prefill pool (remote).
+
+    Local: ``local_prefill_tokens`` (prompt not cached on the decode worker) computed after the
+    ``local_queued_tokens`` already waiting there, in ``local_compute_ms``, plus the decode step
+    every prefill chunk rides with while ``running_decodes`` run there; ``local_overhead_ms``
+    the local path's measured extra cost (in ``local_ttft_ms``); ``local_interference_ms``
+    is the stall the prompt's per-token compute puts on those decodes, summed over them (at least
+    one), weighted into ``local_cost_ms``. Remote: the prefill
+    worker's queue and the prompt not cached there (``remote_compute_ms``), the transfer of the
+    blocks the decode worker lacks (``transfer_bytes`` at ``bandwidth_gb_s``, ``bandwidth_source``
+    ``measured`` or ``config``), the decode worker's first step and the remote path's measured
+    extra cost (``remote_overhead_ms``: request hops, the pull's wait for an engine step). The
+    lower cost wins; ties go local."""
+
+    local_prefill_tokens: int = 0
+    local_queued_tokens: int = 0
+    running_decodes: int = 0
+    local_compute_ms: float = 0.0
+    local_overhead_ms: float = 0.0
+    local_ttft_ms: float = 0.0
+    local_interference_ms: float = 0.0
+    local_cost_ms: float = 0.0
+    remote_prefill_tokens: int = 0
+    remote_queued_tokens: int = 0
+    remote_queue_ms: float = 0.0
+    remote_compute_ms: float = 0.0
+    transfer_bytes: int = 0
+    bandwidth_gb_s: float = 0.0
+    bandwidth_source: str = ""
+    transfer_ms: float = 0.0
+    decode_start_ms: float = 0.0
+    remote_overhead_ms: float = 0.0
+    remote_ttft_ms: float = 0.0
+    remote_cost_ms: float = 0.0
+    compute_model: str = ""  # where compute times come from (``mocker``, ``profile:<file>``)
+
+
 class DisaggInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Why a request was (or was not) prefilled on the prefill pool.
 
     ``reason`` is a short snake_case word (``no_prefill_workers``, ``isl_bounding``,
-    ``prefill_busy``, ``prefill_failed``, ``always``, ...); ``detail`` is the same in words with
-    the numbers that decided it."""
+    ``prefill_busy``, ``prefill_failed``, ``always``, ``cost_local``, ``cost_remote``...);
+    ``detail`` is the same in words with the numbers that decided it; ``cost`` the cost-based
+    policy's whole prediction."""
 
     mode: str  # DISAGG_REMOTE | DISAGG_LOCAL
     policy: str  # the conditional-disaggregation policy in force
     reason: str
     detail: str = ""
     isl: int = 0  # prompt tokens
-    effective_isl: int = 0  # prompt tokens minus the best cached prefix on the prefill pool
+    effective_isl: int = 0  # prompt tokens minus the prefix the chosen decode worker caches
     prefill_worker_id: int | None = None
     prefill_dp_rank: int | None = None
+    decode_worker_id: int | None = None  # the decode worker the policy weighed (its estimate)
+    prefill_cached_tokens: int | None = None  # the prompt's prefix cached on the prefill worker
+    cost: DisaggCost | None = None
+
+    def explain(self) -> dict[str, Any]:
+        """The labelled ``disagg`` object of ``x-dynamo-route-explain`` (ids in hex)."""
+        body: dict[str, Any] = msgspec.to_builtins(self)
+        for key in ("prefill_worker_id", "decode_worker_id"):
+            value = body.get(key)
+            if value is not None:
+                body[key] = worker_id_hex(value)
+        return body
 
 
 class RoutingDecision(msgspec.Struct, kw_only=True):
@@ -111,29 +169,53 @@ class RoutingDecision(msgspec.Struct, kw_only=True):
         """Everything, as JSON-compatible builtins (for publishing)."""
         return msgspec.to_builtins(self)  # type: ignore[no-any-return]
 
-    def to_header(self) -> str:
-        """Compact JSON for the ``x-dynamo-route-explain`` header: winner, reason, and the
-        cheapest candidates as ``[worker_id, dp_rank, overlap, prefill_blocks, decode_blocks,
-        cost]``; ``tiers`` lists those among them holding prompt blocks below the device as
-        ``[worker_id, dp_rank, host_blocks, disk_blocks]``."""
+    def explain(self) -> dict[str, Any]:
+        """The ``x-dynamo-route-explain`` object: the winner, why, and the cheapest candidates,
+        every value labelled and every worker id in hex (``worker_id_hex``). A candidate lists
+        ``host_overlap_blocks``/``disk_overlap_blocks`` only when it holds prompt blocks below
+        its device cache."""
         best = sorted(self.candidates, key=lambda c: c.cost)[:HEADER_MAX_CANDIDATES]
-        body = {
-            "w": self.worker_id,
-            "dp": self.dp_rank,
-            "ov": self.overlap_blocks,
-            "blocks": self.request_blocks,
-            "why": self.reason,
-            "n": len(self.candidates),
-            "busy": len(self.busy),
+        body: dict[str, Any] = {
+            "schema": HEADER_SCHEMA_VERSION,
             "stage": self.stage,
-            "c": [[c.worker_id, c.dp_rank, c.overlap_blocks, round(c.prefill_blocks, 3), c.decode_blocks, round(c.cost, 3)] for c in best],
+            "worker_id": worker_id_hex(self.worker_id),
+            "dp_rank": self.dp_rank,
+            "reason": self.reason,
+            "overlap_blocks": self.overlap_blocks,
+            "request_blocks": self.request_blocks,
+            "isl": self.isl,
+            "overlap_weight": self.overlap_weight,
+            "candidates_total": len(self.candidates),
+            "busy_total": len(self.busy),
+            "candidates": [_candidate(c) for c in best],
         }
-        tiers = [[c.worker_id, c.dp_rank, c.host_overlap_blocks, c.disk_overlap_blocks] for c in best if c.host_overlap_blocks or c.disk_overlap_blocks]
-        if tiers:  # only when some candidate holds the prompt below its device cache
-            body["tiers"] = tiers
+        if self.busy:
+            body["busy"] = [
+                {"worker_id": worker_id_hex(w), "dp_rank": r, "reason": why} for w, r, why in self.busy[:HEADER_MAX_CANDIDATES]
+            ]
         if self.disagg is not None:
-            body["disagg"] = msgspec.to_builtins(self.disagg)
-        return _json.encode(body).decode("ascii")
+            body["disagg"] = self.disagg.explain()
+        return body
+
+    def to_header(self) -> str:
+        """``explain()`` as compact JSON, for the ``x-dynamo-route-explain`` header."""
+        return _json.encode(self.explain()).decode("ascii")
+
+
+def _candidate(c: CandidateScore) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "worker_id": worker_id_hex(c.worker_id),
+        "dp_rank": c.dp_rank,
+        "overlap_blocks": c.overlap_blocks,
+        "prefill_tokens": c.prefill_tokens,
+        "prefill_blocks": round(c.prefill_blocks, 3),
+        "decode_blocks": c.decode_blocks,
+        "cost": round(c.cost, 3),
+    }
+    if c.host_overlap_blocks or c.disk_overlap_blocks:
+        out["host_overlap_blocks"] = c.host_overlap_blocks
+        out["disk_overlap_blocks"] = c.disk_overlap_blocks
+    return out
 
 
 class PublishedDecision(RoutingDecision, kw_only=True):

@@ -39,7 +39,7 @@ def explained(url: str, prompt: str) -> tuple[str, int, int]:
     assert r.status_code == 200, r.text
     explain = json.loads(r.headers["x-dynamo-route-explain"])
     cached = r.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
-    return r.headers["x-dynamo-worker-instance-id"], int(explain["ov"]), int(cached)
+    return r.headers["x-dynamo-worker-instance-id"], int(explain["overlap_blocks"]), int(cached)
 
 
 @pytest.fixture

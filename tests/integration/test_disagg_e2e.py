@@ -234,9 +234,10 @@ async def test_conditional_disagg_follows_thresholds(tmp_path) -> None:
                 assert raw.parse().usage.completion_tokens == 4
                 return explain(raw.headers)["disagg"]
 
-            # Short prompt: effective ISL below 256 but nothing cached, ratio 1.0 -> not below 0.7: remote.
+            # Short prompt: nothing cached (ratio 1.0), but the whole prompt is below 256: local
+            # (the ratio only guards prompts at least as long as the threshold).
             short = await route("a short question")
-            assert short["mode"] == "remote" and short["reason"] == "isl_above_threshold", short
+            assert short["mode"] == "local" and short["reason"] == "isl_bounding", short
             # Long and new: effective ISL above the threshold: remote.
             first = await route(LONG_PROMPT)
             assert first["mode"] == "remote", first
@@ -250,5 +251,35 @@ async def test_conditional_disagg_follows_thresholds(tmp_path) -> None:
             loop = asyncio.get_running_loop()
             again = await asyncio.to_thread(wait_until, cached_local, 20, 0.2, "a cached prompt prefilled locally")
             assert again["reason"] == "isl_bounding" and again["effective_isl"] < 256, again
+    finally:
+        c.stop()
+
+
+async def test_cost_policy_keeps_a_short_prompt_local_and_sends_a_long_fresh_one_remote(tmp_path) -> None:
+    """The issue's live check: 1 prefill + 1 decode worker, kv routing, ``--router-conditional-disagg``
+    (the cost policy by default), ``x-dynamo-route-explain: 1``."""
+    c = DisaggCluster(tmp_path, speedup=10.0)
+    try:
+        c.start_role_worker("prefill")
+        c.start_role_worker("decode")
+        c.start_frontend("--router-mode", "kv", "--router-conditional-disagg")
+        c.wait_pools(prefill=1, decode=1)
+        async with _api(c) as api:
+
+            async def route(prompt: list[int]) -> dict:
+                raw = await api.completions.with_raw_response.create(
+                    model="tiny", prompt=prompt, max_tokens=2, extra_body={"ignore_eos": True}, extra_headers=_explain_on(),
+                )
+                assert raw.parse().usage.prompt_tokens == len(prompt)
+                return explain(raw.headers)
+
+            short = await route(list(range(100, 116)))
+            assert (short["disagg"]["mode"], short["disagg"]["reason"]) == ("local", "cost_local"), short
+            fresh = await route([(7 * i) % 4000 + 50 for i in range(5000)])  # vocabulary of 4,096
+            assert (fresh["disagg"]["mode"], fresh["disagg"]["reason"]) == ("remote", "cost_remote"), fresh
+            cost = fresh["disagg"]["cost"]
+            assert cost["local_prefill_tokens"] == 5000 and cost["local_cost_ms"] > cost["remote_cost_ms"], cost
+            assert fresh["prefill"]["worker_id"] == fresh["disagg"]["prefill_worker_id"]
+            assert len(fresh["worker_id"]) == len(fresh["disagg"]["prefill_worker_id"]) == 16
     finally:
         c.stop()

@@ -110,12 +110,12 @@ def test_prefix_in_host_memory_routes_back_and_is_onboarded(cluster: LocalCluste
 
     assert again.headers["x-dynamo-worker-instance-id"] == owner
     explain = json.loads(again.headers["x-dynamo-route-explain"])
-    assert explain["w"] == int(owner, 16)
-    host = {w: h for w, _dp, h, _disk in explain.get("tiers", [])}
+    assert int(explain["worker_id"], 16) == int(owner, 16)
+    host = {int(c["worker_id"], 16): c.get("host_overlap_blocks", 0) for c in explain["candidates"]}
     # Every evicted block of the prompt is credited, not only its first: a host-tier chain reaches
     # the router whole (the router drops a stored block whose parent it cannot find).
     router_events = [line for line in get_text(cluster.url + "/metrics").splitlines() if "kv_events_total{" in line]
-    assert host.get(int(owner, 16), 0) >= prompt_blocks - explain["ov"] > 0, (explain, router_events)
+    assert host.get(int(owner, 16), 0) >= prompt_blocks - explain["overlap_blocks"] > 0, (explain, router_events)
     router = get_text(cluster.url + "/metrics")
     assert _sum(router, r'dynamo_router_tier_overlap_blocks_total\{medium="CPU"\}') > 0
 

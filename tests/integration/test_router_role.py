@@ -150,6 +150,7 @@ async def answer_with_overlap(client: EndpointClient, tokens: list[int], instanc
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, RouterProc]]:
     c = LocalCluster(tmp_path_factory.mktemp("router-role"), speedup=20.0)
+    c.env["DYN_LORA_REMOTE_SCHEMES"] = "mock"  # the mocker's adapters need no files (lora_policy)
     router: RouterProc | None = None
     try:
         start_workers(c, 2)

@@ -251,7 +251,7 @@ async def test_two_frontends_spread_a_burst_and_explain(cluster, rt: Distributed
             resp = await http.post(f.url + "/v1/completions", headers={"x-dynamo-route-explain": "1"},
                                    json={"model": "tiny", "prompt": PRIME, "max_tokens": 1})
             ex = json.loads(resp.headers["x-dynamo-route-explain"])
-            assert (ex["w"], ex["ov"], ex["blocks"]) == (primed, PRIME_BLOCKS, PRIME_BLOCKS), ex
+            assert (int(ex["worker_id"], 16), ex["overlap_blocks"], ex["request_blocks"]) == (primed, PRIME_BLOCKS, PRIME_BLOCKS), ex
         await _sync_connected_frontends(http, a, b)
         await _sync_connected_frontends(http, b, a)
 
@@ -274,10 +274,10 @@ async def test_two_frontends_spread_a_burst_and_explain(cluster, rt: Distributed
             # The header names the winner and every candidate's terms; the second request's
             # header (other frontend) counts the first request on the first request's worker.
             for ex, wid in zip(explains, chosen, strict=True):
-                assert ex["w"] == wid and ex["n"] == 2 and len(ex["c"]) == 2
-                assert all(len(entry) == 6 for entry in ex["c"])
-            second = {entry[0]: entry for entry in explains[1]["c"]}
-            assert second[chosen[0]][4] == 2 * second[chosen[1]][4], explains[1]
+                assert int(ex["worker_id"], 16) == wid and ex["candidates_total"] == 2 and len(ex["candidates"]) == 2
+                assert all({"overlap_blocks", "prefill_blocks", "decode_blocks", "cost"} <= set(c) for c in ex["candidates"])
+            second = {int(c["worker_id"], 16): c for c in explains[1]["candidates"]}
+            assert second[chosen[0]]["decode_blocks"] == 2 * second[chosen[1]]["decode_blocks"], explains[1]
 
         for f in frontends:
             await wait_active(f, 0)

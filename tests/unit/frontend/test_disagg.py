@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from dynamod.shared.protocol.routing import STAGE_DECODE, STAGE_PREFILL, RoutingDecision
+from dynamod.shared.protocol.worker_id import worker_id_hex
 from tests.unit.frontend.disagg_cluster import DisaggCluster
 from tests.unit.frontend.test_app import expected_text
 
@@ -73,7 +74,7 @@ async def test_remote_prefill_params_reach_decode_and_cached_tokens_come_from_pr
     assert 'dynamo_frontend_prefill_duration_seconds_count{model="tiny"} 2.0' in text
     async with httpx.AsyncClient(base_url=cluster.url) as raw:
         entry = (await raw.get("/health")).json()["models"][0]
-    assert entry["ready"] == 1 and entry["prefill_ready"] == 1 and entry["prefill_workers"] == [f"{prefill.id:x}"]
+    assert entry["ready"] == 1 and entry["prefill_ready"] == 1 and entry["prefill_workers"] == [worker_id_hex(prefill.id)]
 
 
 async def test_route_explain_names_both_stages_and_the_decision(cluster: DisaggCluster) -> None:
@@ -82,10 +83,10 @@ async def test_route_explain_names_both_stages_and_the_decision(cluster: DisaggC
     resp = await _complete(cluster)
     assert resp.status_code == 200
     explain = json.loads(resp.headers["x-dynamo-route-explain"])
-    assert explain["w"] == decode.id and explain["stage"] == STAGE_DECODE
-    assert explain["prefill"]["w"] == prefill.id and explain["prefill"]["stage"] == STAGE_PREFILL
+    assert explain["worker_id"] == worker_id_hex(decode.id) and explain["stage"] == STAGE_DECODE
+    assert explain["prefill"]["worker_id"] == worker_id_hex(prefill.id) and explain["prefill"]["stage"] == STAGE_PREFILL
     assert explain["disagg"]["mode"] == "remote" and explain["disagg"]["reason"] == "always"
-    assert explain["disagg"]["prefill_worker_id"] == prefill.id and explain["disagg"]["isl"] == len(PROMPT)
+    assert explain["disagg"]["prefill_worker_id"] == worker_id_hex(prefill.id) and explain["disagg"]["isl"] == len(PROMPT)
 
 
 async def test_prefill_card_before_decode_cards_attaches_when_the_model_appears(cluster: DisaggCluster) -> None:
@@ -186,6 +187,37 @@ async def test_isl_bounding_prefills_locally_what_the_decode_worker_caches() -> 
         await c.stop()
 
 
+async def test_cost_policy_explains_a_local_short_and_a_remote_long_prompt_in_route_explain() -> None:
+    # The in-process model's context is 512 tokens: a fast link and a doubled interference weight
+    # make a 480-token fresh prompt what a 5k one is with the defaults.
+    c = await _cluster("--router-mode", "kv", "--router-conditional-disagg", "--router-conditional-disagg-config",
+                       '{"transfer_bandwidth_gb_s": 1000, "interference_weight": 2}')
+    try:
+        decode = await c.add_decode()
+        prefill = await c.add_prefill()
+        short = await _complete(c, prompt=list(range(1, 17)))
+        long_ = await _complete(c, prompt=list(range(1000, 1480)))
+        assert short.status_code == long_.status_code == 200
+        for resp, mode in ((short, "local"), (long_, "remote")):
+            body = json.loads(resp.headers["x-dynamo-route-explain"])
+            info = body["disagg"]
+            assert (info["policy"], info["mode"], info["reason"]) == ("cost", mode, f"cost_{mode}"), info
+            assert info["decode_worker_id"] == body["worker_id"] == worker_id_hex(decode.id)
+            assert info["prefill_worker_id"] == worker_id_hex(prefill.id)
+            assert resp.headers["x-dynamo-worker-instance-id"] == worker_id_hex(decode.id)
+            cost = info["cost"]
+            assert cost["compute_model"] == "profile:mocker.json"
+            assert (cost["local_cost_ms"] <= cost["remote_cost_ms"]) == (mode == "local")
+        assert len(prefill.requests) == 1 and len(prefill.requests[0]["token_ids"]) == 480
+        # Each first token taught its own path, in its prompt's size class, what it cost beyond
+        # the prediction.
+        stage = c.state.dispatcher.prefill_stage
+        assert (stage.local_overhead.samples(16), stage.remote_overhead.samples(16)) == (1, 0)
+        assert (stage.local_overhead.samples(480), stage.remote_overhead.samples(480)) == (0, 1)
+    finally:
+        await c.stop()
+
+
 async def test_prefill_load_sends_prompts_local_while_the_prefill_worker_is_busy() -> None:
     c = await _cluster(
         "--router-conditional-disagg",
@@ -264,7 +296,7 @@ async def test_kv_mode_publishes_prefill_and_decode_decisions() -> None:
         assert set(stages) == {STAGE_PREFILL, STAGE_DECODE}
         assert stages[STAGE_PREFILL].worker_id == prefill.id
         dec = stages[STAGE_DECODE]
-        assert dec.worker_id == decode.id and dec.overlap_weight == 0.0
+        assert dec.worker_id == decode.id and dec.overlap_weight == 1.0  # cache credit: cached blocks do not travel
         assert dec.disagg is not None and dec.disagg.mode == "remote" and dec.disagg.prefill_worker_id == prefill.id
     finally:
         await c.stop()

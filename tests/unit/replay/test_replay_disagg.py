@@ -53,11 +53,12 @@ def test_blocks_the_decode_worker_caches_do_not_travel() -> None:
 
 def test_conditional_isl_bounding_prefills_a_cached_prompt_locally() -> None:
     trace = requests((0.0, PROMPT, 3), (1000.0, PROMPT, 3))
+    policy = DisaggPolicyConfig(enabled=True, policy="isl_bounding", eff_isl_threshold=32)
     res = replay_disagg(trace, prefill_workers=1, decode_workers=1, mode="kv", mocker=mocker(),
-                        policy=DisaggPolicyConfig(enabled=True), transfer=transfer(0.001))
+                        policy=policy, transfer=transfer(0.001))
     d = res["disagg"]
-    # First: nothing cached, effective isl 64 is short but the ratio 1.0 is not below 0.7: remote.
-    # Repeat: the decode worker caches all of it, effective isl 0: local.
+    # First: nothing cached, effective isl 64 is not below 32: remote.
+    # Repeat: the decode worker caches all of it, effective isl 0 (ratio 0.0): local.
     assert (d["remote"], d["local"]) == (1, 1)
     assert d["reasons"] == {"isl_above_threshold": 1, "isl_bounding": 1}
     assert d["transfer_bytes_total"] == PROMPT_BYTES
@@ -136,3 +137,17 @@ def test_pool_busy_fractions_split_the_work() -> None:
     busy = res["busy_fraction"]
     assert 0.0 < busy["prefill"] <= 1.0 and 0.0 < busy["decode"] <= 1.0
     assert sum(res["requests_per_worker"]["prefill"]) == res["disagg"]["remote"] == len(mixed_trace())
+
+
+@pytest.mark.parametrize(("weight", "moved"), [(0.0, 2 * PROMPT_BYTES), (None, PROMPT_BYTES)])
+def test_remote_decode_stage_with_cache_credit_moves_fewer_bytes(weight: float | None, moved: int) -> None:
+    # The first request decodes on one worker (5 active blocks by the time the repeat arrives);
+    # the repeat's prompt is all cached there. With no cache credit (Dynamo's decode router) the
+    # idle worker is cheaper (4 new blocks < 5 active ones) and the prompt travels again; with the
+    # router's weight the cached worker wins and nothing travels.
+    trace = requests((0.0, PROMPT, 200), (100.0, PROMPT, 3))
+    policy = DisaggPolicyConfig(remote_decode_overlap_weight=weight)
+    res = replay_disagg(trace, prefill_workers=1, decode_workers=2, mode="kv", mocker=mocker(),
+                        policy=policy, transfer=transfer(1000.0))
+    assert res["disagg"]["remote"] == 2
+    assert res["disagg"]["transfer_bytes_total"] == moved

@@ -14,6 +14,7 @@ from dynamod.shared.config import RuntimeSettings
 from dynamod.shared.discovery.mem import MemStore
 from dynamod.shared.events.plane import TOPIC_ROUTER_DECISIONS
 from dynamod.shared.protocol.routing import CandidateScore, RoutingDecision, published_decision_decoder
+from dynamod.shared.protocol.worker_id import worker_id_hex
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from tests.fixtures.servers import poll
 
@@ -84,7 +85,7 @@ async def test_decisions_offered_together_go_out_in_one_round_as_messages_of_the
                     got.append(msg)
         assert [d.request_id for d in got] == [f"burst-{i}" for i in range(50)]
         assert all(d.source == "frontend" and d.model == "tiny" and d.worker_id == 7 for d in got)
-        assert all(d.router_instance_id == f"{runtime.instance_id:x}" for d in got)
+        assert all(d.router_instance_id == worker_id_hex(runtime.instance_id) for d in got)
         assert all(offered_at - 1 <= d.ts <= time.time() for d in got)  # when offered, not when sent
         assert [c.worker_id for c in got[0].candidates] == [7, 8]
         # Offered in one go, sent in one round (with any probe still queued).

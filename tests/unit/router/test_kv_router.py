@@ -61,8 +61,13 @@ def test_routes_to_the_worker_caching_the_prompt_and_explains_why(clock):
     assert by_worker[(2, 1)].tree_size == 6
     header = json.loads(decision.to_header())
     assert HEADER_NAME == "x-dynamo-route-explain"
-    assert (header["w"], header["dp"], header["ov"], header["why"]) == (2, 1, 6, "lowest_cost")
-    assert header["c"][0] == [2, 1, 6, 2.0, 2, 4.0]
+    assert (header["worker_id"], header["dp_rank"], header["overlap_blocks"], header["reason"]) == (
+        "0000000000000002", 1, 6, "lowest_cost"
+    )
+    assert header["candidates"][0] == {
+        "worker_id": "0000000000000002", "dp_rank": 1, "overlap_blocks": 6, "prefill_tokens": 2 * BS,
+        "prefill_blocks": 2.0, "decode_blocks": 2, "cost": 4.0,
+    }
     full = decision.to_dict()
     assert full["request_id"] == "req-1" and len(full["candidates"]) == 3
     json.dumps(full)  # publishable as is
@@ -153,7 +158,9 @@ def test_busy_by_load_metrics_skips_the_worker(clock):
     decision = router.select_worker("r", PROMPT)
     assert decision.worker == (2, 0)
     assert decision.busy == [(1, 0, BUSY_DECODE_BLOCKS)]
-    assert json.loads(decision.to_header())["busy"] == 1
+    header = json.loads(decision.to_header())
+    assert header["busy_total"] == 1
+    assert header["busy"] == [{"worker_id": "0000000000000001", "dp_rank": 0, "reason": BUSY_DECODE_BLOCKS}]
 
 
 def test_busy_falls_back_to_own_counts_when_metrics_are_stale(clock):

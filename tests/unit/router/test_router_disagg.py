@@ -107,7 +107,9 @@ async def test_generate_prefills_remotely_then_decodes_with_params(cluster: Rout
     assert decode.requests[0]["disaggregated_params"] == prefill.params(prefill.requests[0])
     stages = {d.stage: d for d in cluster.offered}
     assert stages[STAGE_PREFILL].worker_id == prefill.id
-    assert stages[STAGE_DECODE].overlap_weight == 0.0 and stages[STAGE_DECODE].disagg is not None
+    # The remote prompt's decode stage keeps the router's cache credit (blocks cached there do
+    # not travel): DisaggPolicyConfig.remote_decode_overlap_weight None.
+    assert stages[STAGE_DECODE].overlap_weight == 1.0 and stages[STAGE_DECODE].disagg is not None
 
 
 async def test_generate_without_prefill_workers_prefills_locally_on_a_decode_worker(cluster: RouterCluster) -> None:
@@ -131,7 +133,7 @@ async def test_best_worker_id_answers_per_stage(cluster: RouterCluster) -> None:
     dec = await ask(STAGE_DECODE)
     assert pre["worker_id"] == prefill.id and pre["explain"]["stage"] == STAGE_PREFILL
     assert dec["worker_id"] == decode.id and dec["explain"]["stage"] == STAGE_DECODE
-    assert dec["explain"]["overlap_weight"] == 0.0
+    assert dec["explain"]["overlap_weight"] == 1.0  # the policy keeps the router's cache credit for remote prompts
     assert not prefill.requests and not decode.requests  # asking routes nothing
 
 
