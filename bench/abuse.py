@@ -142,25 +142,33 @@ def _summary(results: list[tuple[bool, float]]) -> dict[str, float]:
 # -- attacks: each runs in a thread until ``stop`` is set and returns what it achieved -------------------
 
 
+def _reap_closed(socks: list[socket.socket]) -> tuple[list[socket.socket], int]:
+    """The sockets the server has not closed yet, and how many it closed (what it wrote first,
+    such as a 408, is read past); the closed ones are closed here too."""
+    alive = []
+    for s in socks:
+        s.setblocking(False)
+        try:
+            while s.recv(65536):
+                pass
+            gone = True
+        except BlockingIOError:
+            gone = False
+        except OSError:
+            gone = True
+        if gone:
+            s.close()
+        else:
+            alive.append(s)
+    return alive, len(socks) - len(alive)
+
+
 def attack_preauth_flood(cluster: Cluster, stop: threading.Event, args: argparse.Namespace) -> dict[str, Any]:
     socks: list[socket.socket] = []
     opened = cut = 0
     while not stop.is_set():
-        alive = []
-        for s in socks:
-            s.setblocking(False)
-            try:
-                gone = s.recv(4096) == b""
-            except BlockingIOError:
-                gone = False
-            except OSError:
-                gone = True
-            if gone:
-                cut += 1
-                s.close()
-            else:
-                alive.append(s)
-        socks = alive
+        socks, dropped = _reap_closed(socks)
+        cut += dropped
         while len(socks) < args.flood_connections and not stop.is_set():
             try:
                 socks.append(socket.create_connection(cluster.worker_address, timeout=2))
@@ -191,23 +199,8 @@ def attack_slow_clients(cluster: Cluster, stop: threading.Event, args: argparse.
     socks: list[socket.socket] = []
     opened = cut = 0
     while not stop.is_set():
-        alive = []
-        for s in socks:
-            s.setblocking(False)
-            try:
-                while s.recv(65536):
-                    pass
-                gone = True
-            except BlockingIOError:
-                gone = False
-            except OSError:
-                gone = True
-            if gone:
-                cut += 1
-                s.close()
-            else:
-                alive.append(s)
-        socks = alive
+        socks, dropped = _reap_closed(socks)
+        cut += dropped
         while len(socks) < 3 * args.slow and not stop.is_set():
             kind = ("idle", "headers", "body")[opened % 3]
             try:

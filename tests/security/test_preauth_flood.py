@@ -30,6 +30,7 @@ from dynamod.shared.security.settings import RequestPlaneSecurity
 from dynamod.shared.security.token import ClusterToken
 from dynamod.shared.transport.admission import PreAuthLimits
 from tests.fixtures.daemons import DaemonProcess, file_cluster_env
+from tests.security.frontend_abuse_support import closed_by_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,19 +43,6 @@ def _open_idle(host: str, port: int, count: int) -> list[socket.socket]:
         s = socket.create_connection((host, port), timeout=5)
         socks.append(s)
     return socks
-
-
-def _closed_by_server(sock: socket.socket) -> bool:
-    """True once the server closed it (an error frame it was told first is read past)."""
-    sock.setblocking(False)
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
 
 
 async def _until(done, timeout_s: float) -> None:  # noqa: ANN001
@@ -118,8 +106,8 @@ async def test_idle_unauthenticated_connections_leave_room_for_members(tmp_path:
         assert res.returncode == 0, res
 
         # Every idle connection is gone within the handshake deadline; descriptors back to bounded.
-        await _until(lambda: all(_closed_by_server(s) for s in idle), 10)
-        still = [s.getsockname() for s in idle if not _closed_by_server(s)]
+        await _until(lambda: all(closed_by_server(s) for s in idle), 10)
+        still = [s.getsockname() for s in idle if not closed_by_server(s)]
         assert not still, (len(still), worker.log()[-3000:])
         assert _fds(worker.pid) <= fds_before + 8
     finally:
