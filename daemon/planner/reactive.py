@@ -142,6 +142,8 @@ class ReactiveCore:
         self.isl: float | None = None
         self.osl: float | None = None
         self.hit_rate = 0.0
+        self.ttft_ms: float | None = None
+        self.itl_ms: float | None = None
 
     # ---- demand --------------------------------------------------------------------------------
 
@@ -178,6 +180,10 @@ class ReactiveCore:
                 self.trend_rate = max(rate, min(r_new + slope * self.startup_s, TREND_CAP * r_new))
         rate = self.trend_rate
         self.isl = _weighted(samples, "isl") or self.isl
+        # The measured means over the window, for the decision record (what the SLA was judged on
+        # is the histograms' tails, in ``ttft_over_frac`` / ``itl_over_frac``).
+        self.ttft_ms = _weighted(samples, "ttft_ms")
+        self.itl_ms = _weighted(samples, "itl_ms")
         self.osl = _weighted(samples, "osl") or self.osl
         prefill_pool = POOL_AGG if self.mode == "agg" else POOL_PREFILL
         pobs = obs.pools.get(prefill_pool) or PoolObservation(prefill_pool, 0)
@@ -233,6 +239,9 @@ class ReactiveCore:
                 "hit_rate": round(demand.hit_rate, 3), "backlog_tokens": round(demand.backlog_tokens, 1),
                 "projected_backlog_tokens": round(projected, 1), "last_interval_rate": round(self.short_rate, 4),
                 **sized.as_inputs()}
+        for name, value in (("ttft_ms", self.ttft_ms), ("itl_ms", self.itl_ms)):
+            if value is not None:
+                base[name] = round(value, 3)
         out: dict[str, list[Need]] = {}
         for pool in pools:
             pobs = obs.pools.get(pool) or PoolObservation(pool, 0)

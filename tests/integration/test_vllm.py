@@ -64,6 +64,8 @@ def cluster(paths: dict[str, Path]) -> Iterator[VllmCluster]:
     assert VLLM_PYTHON is not None
     c = VllmCluster(paths["root"], VLLM_PYTHON, paths["model"])
     try:
+        # LoRA sources must lie under a --lora-root (issue 25): the adapter is built beside the model.
+        c.env["DYN_LORA_ROOT"] = str(paths["lora"].parent)
         c.start_worker(VLLM_ARGS)
         c.start_worker(VLLM_ARGS)
         c.start_frontend("--router-mode", "kv")
