@@ -16,6 +16,7 @@ from rich.text import Text
 from dynamod.console.present import fmt_age
 from dynamod.console.state.records import ClusterEvent, RouterDecision, fmt_id, fmt_num
 from dynamod.console.state.scaling import PoolScaling
+from dynamod.console.tui.pool_facts import pool_facts
 from dynamod.console.tui.style import severity_text
 from dynamod.shared.protocol.supervisor import FailedWorker
 from dynamod.shared.security.printable import printable
@@ -75,8 +76,6 @@ def decision_detail(d: RouterDecision, now: float) -> tuple[str, RenderableType]
 
 def pool_detail(p: PoolScaling, now: float) -> tuple[str, RenderableType]:
     """The pool's facts and every decision the console holds, with its full detail."""
-    from dynamod.console.tui.views.scaling import pool_facts
-
     parts: list[RenderableType] = [pool_facts(p, 10_000)]
     if p.decisions:
         parts.append(Text("\ndecisions (newest first):", style="dim"))

@@ -24,10 +24,6 @@ from dynamod.console.actions.specs import POOL_ACTIONS
 from dynamod.console.present import (
     SCALING_COLUMNS,
     fmt_age,
-    fmt_budget,
-    fmt_ms_value,
-    fmt_rate,
-    fmt_value,
     global_router_line,
     scaling_row,
     sla_breached,
@@ -36,6 +32,8 @@ from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.scaling import PoolScaling
 from dynamod.console.tui.details import pool_detail
 from dynamod.console.tui.messages import ShowDetail
+from dynamod.console.tui.pool_facts import line as _line
+from dynamod.console.tui.pool_facts import pool_facts
 from dynamod.console.tui.style import plain
 from dynamod.console.tui.views.base import (
     Cell,
@@ -98,56 +96,6 @@ def pool_matches(p: PoolScaling, needle: str) -> bool:
         return True
     hay = f"{p.key} {p.component} {p.planner} {p.last.reason if p.last else ''}"
     return needle.lower() in hay.lower()
-
-
-def _line(text: str, width: int, style: str = "") -> Text:
-    line = Text(printable(text), style=style, no_wrap=True, overflow="ellipsis")
-    line.truncate(width, overflow="ellipsis")
-    return line
-
-
-def _sla_text(name: str, p50: float | None, p99: float | None, target: float | None) -> Text:
-    """``TTFT 45ms/200ms ok (p99 400ms)``: the live figure against the target, red when over."""
-    breached = sla_breached(p50, target)
-    out = Text(f"{name} ")
-    out.append(fmt_ms_value(p50) + (f"/{fmt_ms_value(target)}" if target is not None else ""),
-               style="bold red" if breached else "")
-    if target is not None:
-        out.append(" over" if breached else (" ok" if p50 is not None else " ?"), style="bold red" if breached else "green")
-    if p99 is not None:
-        out.append(f" (p99 {fmt_ms_value(p99)})")
-    return out
-
-
-def pool_facts(p: PoolScaling, width: int) -> Group:
-    """The selected pool in four lines (each cut to ``width``): sizes, override, prediction, SLA."""
-    room = max(20, width - 2)
-    head = f"{p.key} ({p.component})  "
-    if p.planner:
-        head += f"{p.planner} planner, {p.connector or '?'} connector{', DRY RUN' if p.dry_run else ''}"
-    else:
-        head += "no planner"
-    sizes = f"ready {p.ready} of {p.live}"
-    if p.current is not None or p.desired is not None:
-        sizes += f"  planner counts {p.current if p.current is not None else '-'}, wants {p.desired if p.desired is not None else '-'}"
-    sizes += f"  budget {fmt_budget(p)}"
-    if p.scaled is not None:
-        sizes += f"  scaled to {p.scaled}"
-    if p.override is not None:
-        o = p.override
-        over = _line(f"override {o.replicas}" + (f" by {o.set_by}" if o.set_by else "") + (f": {o.reason}" if o.reason else "")
-                     + "  (x clears)", room, "bold yellow")
-    else:
-        over = _line("no override (r sets one)", room, "dim")
-    pred = p.predicted
-    predicted = (f"predicted {fmt_rate(pred.get('request_rate'))}  ISL {fmt_value(pred.get('isl'))}  "
-                 f"OSL {fmt_value(pred.get('osl'))}") if pred else "predicted -"
-    sla = _sla_text("TTFT", p.ttft_ms, p.measured.ttft_p99, p.targets.get("ttft_ms"))
-    sla.append("  ")
-    sla.append_text(_sla_text("ITL", p.itl_ms, p.measured.itl_p99, p.targets.get("itl_ms")))
-    sla.truncate(room, overflow="ellipsis")
-    sla.no_wrap = True
-    return Group(_line(head, room, "bold"), _line(sizes, room), over, _line(predicted, room), sla)
 
 
 class ScalingView(Vertical, ViewMixin):
