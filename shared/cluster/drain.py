@@ -28,12 +28,13 @@ async def drain_instances(
     if not instance_ids:
         return False
     client = await runtime.namespace(namespace).component(component).endpoint(control.DRAIN).client()
+    request = control.DrainRequest(wait=True, timeout_s=timeout_s)
     ok = True
     try:
         for iid in instance_ids:
             try:
                 await client.instance_set.wait_for(lambda insts, i=iid: any(x.instance_id == i for x in insts), APPEAR_TIMEOUT_S)
-                replies = await client.call({"wait": True, "timeout_s": timeout_s}, instance_id=iid, timeout_s=timeout_s + 10.0)
+                replies = await client.call(control.encode_body(request), instance_id=iid, timeout_s=request.reply_timeout_s())
             except (DynamoError, TimeoutError) as exc:
                 logger.warning("drain failed component=%s instance=%016x error=%s", component, iid, exc or type(exc).__name__)
                 ok = False

@@ -139,11 +139,15 @@ def _str_map(value: Any, where: str) -> dict[str, str]:
     return {str(k): str(v) for k, v in value.items()}
 
 
-def _ssh(raw: dict[str, Any], base: SshSettings, where: str) -> SshSettings:
-    known = {"user", "key", "port", "known_hosts", "connect_timeout_s"}
+def _known_fields(raw: dict[str, Any], known: set[str], where: str) -> None:
+    """Refuses a table with a field the inventory does not have (a typo must not pass silently)."""
     extra = set(raw) - known
     if extra:
         raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(extra))}; known: {', '.join(sorted(known))}")
+
+
+def _ssh(raw: dict[str, Any], base: SshSettings, where: str) -> SshSettings:
+    _known_fields(raw, {"user", "key", "port", "known_hosts", "connect_timeout_s"}, where)
     s = SshSettings(base.user, base.key, base.port, base.known_hosts, base.connect_timeout_s)
     if "user" in raw:
         s.user = _expect(raw["user"], str, f"{where}.user")
@@ -192,9 +196,7 @@ def parse_inventory(data: dict[str, Any], path: str = "<inventory>") -> Inventor
     c_raw = _expect(data.get("cluster", {}), dict, f"{path}: [cluster]")
     c = ClusterSpec()
     c_known = {"namespace", "discovery", "etcd_endpoints", "nats_server", "file_kv", "event_plane", "dynamod", "python", "workdir", "supervisor", "env", "secret_files"}
-    extra = set(c_raw) - c_known
-    if extra:
-        raise ConfigError(f"{path}: [cluster] unknown field(s) {', '.join(sorted(extra))}")
+    _known_fields(c_raw, c_known, f"{path}: [cluster]")
     for key in ("namespace", "discovery", "nats_server", "file_kv", "event_plane", "dynamod", "python", "workdir", "supervisor"):
         if key in c_raw:
             setattr(c, key, _expect(c_raw[key], str, f"{path}: cluster.{key}"))
@@ -217,10 +219,7 @@ def parse_inventory(data: dict[str, Any], path: str = "<inventory>") -> Inventor
     for i, h in enumerate(hosts_raw):
         where = f"{path}: hosts[{i}]"
         _expect(h, dict, where)
-        h_known = {"name", "address", "cluster_address", "ssh", "roles"}
-        extra = set(h) - h_known
-        if extra:
-            raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(extra))}")
+        _known_fields(h, {"name", "address", "cluster_address", "ssh", "roles"}, where)
         address = _expect(h.get("address"), str, f"{where}.address")
         cluster_address = h.get("cluster_address")
         if cluster_address is not None:
@@ -238,10 +237,7 @@ def parse_inventory(data: dict[str, Any], path: str = "<inventory>") -> Inventor
         for j, r in enumerate(_expect(h.get("roles", []), list, f"{where}.roles")):
             rwhere = f"{where}.roles[{j}]"
             _expect(r, dict, rwhere)
-            r_known = {"role", "name", "args", "system_port", "env"}
-            extra = set(r) - r_known
-            if extra:
-                raise ConfigError(f"{rwhere}: unknown field(s) {', '.join(sorted(extra))}")
+            _known_fields(r, {"role", "name", "args", "system_port", "env"}, rwhere)
             role = _expect(r.get("role"), str, f"{rwhere}.role")
             if role not in ROLES:
                 raise ConfigError(f"{rwhere}.role must be one of {', '.join(ROLES)}, got {role!r}")

@@ -48,8 +48,14 @@ from etcd3aio._protobuf import (
 )
 
 from dynamod.shared.discovery.etcd_auth import EtcdAuth, auth_hint
-from dynamod.shared.discovery.factory import etcd_scheme, format_etcd_endpoint, split_etcd_endpoint
-from dynamod.shared.discovery.store import DEFAULT_LEASE_TTL_S, WatchEvent, WatchEventKind
+from dynamod.shared.discovery.etcd_endpoints import etcd_scheme, format_etcd_endpoint, split_etcd_endpoint
+from dynamod.shared.discovery.store import (
+    DEFAULT_LEASE_TTL_S,
+    KeptAliveLease,
+    PrefixListing,
+    WatchEvent,
+    WatchEventKind,
+)
 from dynamod.shared.errors import ConfigError, DiscoveryError
 from dynamod.shared.security.settings import EtcdSecurity
 from dynamod.shared.security.tls import read_pem
@@ -80,27 +86,15 @@ def _ip_family(host: str) -> int | None:
         return None
 
 
-class EtcdLease:
+class EtcdLease(KeptAliveLease):
     """A lease of this process. ``id`` is stable except when etcd refuses to re-grant it after
     losing it (see the module docstring); ``keys`` is what gets re-put after a re-grant."""
 
     def __init__(self, store: EtcdStore, lease_id: int, ttl: float) -> None:
+        super().__init__(lease_id, ttl)
         self._store = store
-        self._id = lease_id
-        self._ttl = ttl
-        self.keys: dict[str, bytes] = {}
-        self.revoked = False
         self.needs_reput = False
         self.lock = asyncio.Lock()  # serializes puts with re-grants so no put uses a dead id
-        self.task: asyncio.Task[None] | None = None
-
-    @property
-    def id(self) -> int:
-        return self._id
-
-    @property
-    def ttl(self) -> float:
-        return self._ttl
 
     @property
     def grant_ttl(self) -> int:
@@ -250,22 +244,8 @@ class EtcdStore:
         return lease
 
     async def _revoke(self, lease: EtcdLease) -> None:
-        if lease.revoked:
+        if not await lease.retire(self._leases):
             return
-        lease.revoked = True
-        if lease in self._leases:
-            self._leases.remove(lease)
-        if lease.task is not None and lease.task is not asyncio.current_task():
-            lease.task.cancel()
-            current = asyncio.current_task()
-            cancelling = current.cancelling() if current is not None else 0
-            try:
-                await lease.task
-            except asyncio.CancelledError:
-                # The keep-alive's own cancellation is expected; the caller's (cancelled while
-                # waiting here) must propagate: the lease's keys then expire within its TTL.
-                if current is not None and current.cancelling() > cancelling:
-                    raise
         try:
             await self._stubs()[1].LeaseRevoke(
                 LeaseRevokeRequest(ID=lease.id), timeout=_CLOSE_TIMEOUT_S, wait_for_ready=True
@@ -399,18 +379,32 @@ class EtcdStore:
         kvs, _ = await self._list(prefix)
         return {k: v for k, (v, _rev) in kvs.items()}
 
+    async def list_prefix(self, prefix: str) -> PrefixListing:
+        self._check_open()
+        kvs, revision = await self._list(prefix)
+        items = {k: v for k, (v, _rev) in kvs.items()}
+        return PrefixListing(prefix, items, revision, {k: rev for k, (_v, rev) in kvs.items()})
+
     # -- watch -------------------------------------------------------------------------------
 
-    async def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]:  # type: ignore[override]
+    async def watch_prefix(  # type: ignore[override]
+        self, prefix: str, *, after: PrefixListing | None = None
+    ) -> AsyncIterator[WatchEvent]:
         self._check_open()
         view: dict[str, tuple[bytes, int]] = {}  # key -> (value, mod_revision) as the watcher saw it
-        listed = await self._list_until_ok(prefix)
-        if listed is None:
-            return
-        kvs, last_rev = listed
-        for key in sorted(kvs):
-            view[key] = kvs[key]
-            yield WatchEvent(WatchEventKind.PUT, key, kvs[key][0])
+        if after is not None:
+            # Resumes from the listing's revision; the loop's first check re-lists and sends the
+            # difference when etcd's history no longer holds it (compacted, data lost).
+            view = {k: (v, after.versions.get(k, 0)) for k, v in after.items.items()}
+            last_rev = after.revision
+        else:
+            listed = await self._list_until_ok(prefix)
+            if listed is None:
+                return
+            kvs, last_rev = listed
+            for key in sorted(kvs):
+                view[key] = kvs[key]
+                yield WatchEvent(WatchEventKind.PUT, key, kvs[key][0])
 
         backoff = _WATCH_BACKOFF_MIN_S
         lost_at: float | None = None

@@ -58,7 +58,14 @@ from dynamod.shared.discovery.file_liveness import (
     this_process,
 )
 from dynamod.shared.discovery.file_poll import SharedPoll
-from dynamod.shared.discovery.store import DEFAULT_LEASE_TTL_S, WatchEvent, WatchEventKind
+from dynamod.shared.discovery.store import (
+    DEFAULT_LEASE_TTL_S,
+    KeptAliveLease,
+    PrefixListing,
+    WatchEvent,
+    WatchEventKind,
+    diff_events,
+)
 from dynamod.shared.errors import DiscoveryError
 from dynamod.shared.security.private_dir import ensure_private_dir, private_root_for
 
@@ -464,27 +471,15 @@ def _parse_lease_name(name: str) -> tuple[int, float] | None:
         return None
 
 
-class FileLease:
+class FileLease(KeptAliveLease):
     """A lease of this process, backed by a lease file whose heartbeat counter it advances every
     ttl/3. The id never changes: a lost lease file is re-created under the same id."""
 
     def __init__(self, store: FileStore, lease_id: int, ttl: float) -> None:
+        super().__init__(lease_id, ttl)
         self._store = store
-        self._id = lease_id
-        self._ttl = ttl
         self.beat = 0
-        self.keys: dict[str, bytes] = {}
-        self.revoked = False
         self.lock = asyncio.Lock()  # a put or delete never races a beat's check of the keys
-        self.task: asyncio.Task[None] | None = None
-
-    @property
-    def id(self) -> int:
-        return self._id
-
-    @property
-    def ttl(self) -> float:
-        return self._ttl
 
     async def revoke(self) -> None:
         await self._store._revoke(self)
@@ -593,22 +588,8 @@ class FileStore:
         self._layout.write_entry(key, value, lease.id)
 
     async def _revoke(self, lease: FileLease) -> None:
-        if lease.revoked:
+        if not await lease.retire(self._leases):
             return
-        lease.revoked = True
-        if lease in self._leases:
-            self._leases.remove(lease)
-        if lease.task is not None and lease.task is not asyncio.current_task():
-            lease.task.cancel()
-            current = asyncio.current_task()
-            cancelling = current.cancelling() if current is not None else 0
-            try:
-                await lease.task
-            except asyncio.CancelledError:
-                # The keep-alive's own cancellation is expected; the caller's (cancelled while
-                # waiting here) must propagate: the lease's keys then expire within its TTL.
-                if current is not None and current.cancelling() > cancelling:
-                    raise
         keys = list(lease.keys)
         lease.keys.clear()
 
@@ -684,14 +665,23 @@ class FileStore:
         entries = await self._io(f"get_prefix {prefix}", _Scanner(self._layout).scan, prefix, self._own_ids())
         return {k: e.value for k, e in entries.items()}
 
-    async def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]:  # type: ignore[override]
+    async def list_prefix(self, prefix: str) -> PrefixListing:
+        return PrefixListing(prefix, await self.get_prefix(prefix))
+
+    async def watch_prefix(  # type: ignore[override]
+        self, prefix: str, *, after: PrefixListing | None = None
+    ) -> AsyncIterator[WatchEvent]:
         self._check_open()
         watcher = self._poll.subscribe()
         try:
             read_at = asyncio.get_running_loop().time()
             view = await self._io(f"watch {prefix}", _Scanner(self._layout).scan, prefix, self._own_ids())
-            for key in sorted(view):
-                yield WatchEvent(WatchEventKind.PUT, key, view[key].value)
+            if after is None:
+                for key in sorted(view):
+                    yield WatchEvent(WatchEventKind.PUT, key, view[key].value)
+            else:  # what changed since the listing (no history here: its values against this scan's)
+                for ev in diff_events(after.items, {k: e.value for k, e in view.items()}):
+                    yield ev
             while True:
                 snapshot = await watcher.next(read_at, self._closed)
                 if snapshot is None:

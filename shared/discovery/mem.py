@@ -12,28 +12,25 @@ import random
 import time
 from collections.abc import AsyncIterator
 
-from dynamod.shared.discovery.store import DEFAULT_LEASE_TTL_S, WatchEvent, WatchEventKind
+from dynamod.shared.discovery.store import (
+    DEFAULT_LEASE_TTL_S,
+    LeaseBase,
+    PrefixListing,
+    WatchEvent,
+    WatchEventKind,
+    diff_events,
+)
 from dynamod.shared.errors import DiscoveryError
 
 _WATCH_QUEUE_SIZE = 10_000
 
 
-class MemLease:
+class MemLease(LeaseBase):
     def __init__(self, store: MemStore, lease_id: int, ttl: float) -> None:
+        super().__init__(lease_id, ttl)
         self._store = store
-        self._id = lease_id
-        self._ttl = ttl
         self.expires_at = time.monotonic() + ttl
         self.keys: set[str] = set()
-        self.revoked = False
-
-    @property
-    def id(self) -> int:
-        return self._id
-
-    @property
-    def ttl(self) -> float:
-        return self._ttl
 
     def refresh(self) -> None:
         self.expires_at = time.monotonic() + self._ttl
@@ -106,12 +103,22 @@ class MemStore:
     async def get_prefix(self, prefix: str) -> dict[str, bytes]:
         return {k: v for k, v in self._data.items() if k.startswith(prefix)}
 
-    async def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]:  # type: ignore[override]
+    async def list_prefix(self, prefix: str) -> PrefixListing:
+        return PrefixListing(prefix, await self.get_prefix(prefix))
+
+    async def watch_prefix(  # type: ignore[override]
+        self, prefix: str, *, after: PrefixListing | None = None
+    ) -> AsyncIterator[WatchEvent]:
         self._check_open()
         queue: asyncio.Queue[WatchEvent | None] = asyncio.Queue(_WATCH_QUEUE_SIZE)
-        for k, v in list(self._data.items()):
-            if k.startswith(prefix):
+        now = {k: v for k, v in self._data.items() if k.startswith(prefix)}
+        # No await from here to the registration below: no change can fall between the two.
+        if after is None:
+            for k, v in now.items():
                 queue.put_nowait(WatchEvent(WatchEventKind.PUT, k, v))
+        else:
+            for ev in diff_events(after.items, now):
+                queue.put_nowait(ev)
         entry = (prefix, queue)
         self._watchers.append(entry)
         try:

@@ -32,7 +32,6 @@ import os
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import nats
@@ -44,10 +43,11 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
 from dynamod.shared.errors import EventPlaneError, InvalidRequestError
-from dynamod.shared.events.dropqueue import DropOldestQueue, QueueClosed
+from dynamod.shared.events.dropqueue import DropOldestQueue
 from dynamod.shared.events.nats_jetstream import NatsDurableSubscriber, StreamLimits, ensure_stream
 from dynamod.shared.events.nats_subjects import scope_subject
 from dynamod.shared.events.plane import ConnectionListener, EventMessage
+from dynamod.shared.events.queued_subscriber import QueuedSubscriber
 from dynamod.shared.security import nats as nats_security
 from dynamod.shared.security.settings import NatsSecurity
 from dynamod.shared.transport.nats_connect import connect_within
@@ -447,29 +447,16 @@ class NatsEventPublisher:
         self._plane._forget(self)
 
 
-class NatsEventSubscriber:
+class NatsEventSubscriber(QueuedSubscriber):
     """A core NATS subscription feeding a bounded drop-oldest queue."""
 
     def __init__(
         self, plane: NatsEventPlane, namespace: str, component: str, topic: str, *, queue_size: int
     ) -> None:
-        self.namespace = namespace
-        self.component = component
-        self.topic = topic
+        super().__init__(namespace, component, topic, queue_size=queue_size)
         self.subject = scope_subject(namespace, component, topic)
         self._plane = plane
-        self._queue: DropOldestQueue[EventMessage] = DropOldestQueue(queue_size)
         self._sub: Subscription | None = None
-        self._closed = False
-
-    @property
-    def dropped(self) -> int:
-        """Messages discarded (oldest first) because the consumer fell behind."""
-        return self._queue.dropped
-
-    @property
-    def received(self) -> int:
-        return self._queue.put_count
 
     async def start(self, nc: NatsClient) -> None:
         try:
@@ -489,15 +476,6 @@ class NatsEventSubscriber:
 
     async def _on_msg(self, msg: Msg) -> None:
         self._queue.put_nowait(EventMessage(topic=self.topic, payload=msg.data))
-
-    def __aiter__(self) -> AsyncIterator[EventMessage]:
-        return self
-
-    async def __anext__(self) -> EventMessage:
-        try:
-            return await self._queue.get()
-        except QueueClosed:
-            raise StopAsyncIteration from None
 
     async def close(self) -> None:
         if self._closed:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -30,8 +30,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from dynamod.shared.discovery.store import DiscoveryStore, WatchEvent, WatchEventKind
 from dynamod.shared.errors import DiscoveryError
-from dynamod.shared.events.dropqueue import DropOldestQueue, QueueClosed
 from dynamod.shared.events.plane import EventMessage
+from dynamod.shared.events.queued_subscriber import QueuedSubscriber
 from dynamod.shared.events.seq import Arrival, EventSequences
 from dynamod.shared.protocol.keys import EVENT_CHANNELS_ROOT, event_channels_prefix, parse_key
 from dynamod.shared.security.curve import CurveKeys
@@ -63,7 +63,7 @@ class _Connection:
     handshake_failures: int = 0
 
 
-class ZmqEventSubscriber:
+class ZmqEventSubscriber(QueuedSubscriber):
     """Iterates events of one topic from every matching publisher; counts drops and seq gaps."""
 
     def __init__(
@@ -79,9 +79,7 @@ class ZmqEventSubscriber:
         on_close: Callable[[ZmqEventSubscriber], None] | None = None,
         curve: CurveKeys | None = None,
     ) -> None:
-        self.namespace = namespace
-        self.component = component
-        self.topic = topic
+        super().__init__(namespace, component, topic, queue_size=queue_size)
         self._topic_bytes = topic.encode()
         self._ctx = ctx
         self._store = store
@@ -94,13 +92,11 @@ class ZmqEventSubscriber:
             if component == "*"
             else event_channels_prefix(namespace, component, topic)
         )
-        self._queue: DropOldestQueue[EventMessage] = DropOldestQueue(queue_size)
         self._conns: dict[str, _Connection] = {}
         # Publishers number from 1, but a subscriber joins running ones: the first frame seen is
         # the baseline (the slow-joiner window is not a loss).
         self._seqs: EventSequences[str] = EventSequences(first=None)
         self._watcher: asyncio.Task[None] | None = None
-        self._closed = False
         self.malformed = 0
         self._past_handshake_failures = 0  # of publishers already disconnected
 
@@ -115,15 +111,6 @@ class ZmqEventSubscriber:
     def missed(self) -> int:
         """Events known lost: the sum of the holes in every publisher's ``seq``."""
         return self._seqs.counts.missed
-
-    @property
-    def dropped(self) -> int:
-        """Events discarded (oldest first) because the consumer fell behind."""
-        return self._queue.dropped
-
-    @property
-    def received(self) -> int:
-        return self._queue.put_count
 
     @property
     def handshake_failures(self) -> int:
@@ -154,15 +141,6 @@ class ZmqEventSubscriber:
         self._queue.close()
         if self._on_close is not None:
             self._on_close(self)
-
-    def __aiter__(self) -> AsyncIterator[EventMessage]:
-        return self
-
-    async def __anext__(self) -> EventMessage:
-        try:
-            return await self._queue.get()
-        except QueueClosed:
-            raise StopAsyncIteration from None
 
     # -- discovery ---------------------------------------------------------------------------
 

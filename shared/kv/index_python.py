@@ -230,9 +230,8 @@ class PythonKvIndexer(KvIndexerBase):
     def store(self, worker: WorkerKey, parent_hash: int | None, blocks: Sequence[StoredBlock]) -> str:
         """``KvStored``: the worker now holds ``blocks``, a chain under ``parent_hash``.
 
-        The hot path of event application: the chain is hashed inline and the loop reads the
-        event's blocks directly (``_store`` is the same loop over precomputed hashes; they are two
-        loops because a per-block call or branch would cost more than the duplication).
+        The hot path of event application: the chain's sequence hashes are computed in one tight
+        pass over the event's blocks, then ``_store`` (shared with ``store_chain``) links them in.
         """
         holder = self._holders.get(worker) or self._register(worker)
         if parent_hash is None:
@@ -243,52 +242,16 @@ class PythonKvIndexer(KvIndexerBase):
                 logger.debug("kv stored parent missing worker=%s parent_hash=%d", worker, parent_hash)
                 return PARENT_MISSING
             parent = found
-        bit = holder.bit
-        by_hash = holder.by_hash
-        hash_of = holder.hash_of
-        name_block = by_hash.setdefault
-        masks = self._mask
-        mask_get = masks.get
-        parents = self._parent
-        key_of = self._key
-        first_child = self._first_child
-        first_get = first_child.get
-        nxt = self._next
-        prv = self._prev
         xxh3 = _xxh3
         pack = _pack_pair
         seed = KV_HASH_SEED
-        added = 0
-        for blk in blocks:
-            key = blk.tokens_hash
-            ext = blk.block_hash
-            s = key if parent == _ROOT else xxh3(pack(parent, key), seed)  # the node is its prefix
-            old = name_block(ext, s)  # names the block unless the hash already names one
-            if old != s:
-                added = self._rename(worker, holder, ext, old, s, parent, added)
-                if added < 0:
-                    break
-            mask = mask_get(s)
-            if mask is None:
-                masks[s] = bit
-                parents[s] = parent
-                key_of[s] = key
-                head = first_get(parent)
-                if head is not None:
-                    nxt[s] = head
-                    prv[head] = s
-                first_child[parent] = s
-                hash_of[s] = ext
-                added += 1
-            elif not mask & bit:
-                masks[s] = mask | bit
-                hash_of[s] = ext
-                added += 1
-            elif hash_of[s] != ext:
-                self._extra_name(holder, s, ext)
-            parent = s
-        if added > 0:
-            self._add_size(worker, added)
+        keys = [blk.tokens_hash for blk in blocks]
+        seqs = []
+        s = parent
+        for key in keys:
+            s = key if s == _ROOT else xxh3(pack(s, key), seed)  # the node is its prefix
+            seqs.append(s)
+        self._store(worker, holder, parent, [blk.block_hash for blk in blocks], keys, seqs)
         return APPLIED
 
     def store_chain(
@@ -312,7 +275,8 @@ class PythonKvIndexer(KvIndexerBase):
         keys: Sequence[int],
         seqs: Sequence[int],
     ) -> None:
-        """``store``'s loop over precomputed sequence hashes (keep the two in step)."""
+        """Links a chain whose sequence hashes are computed into the tree under ``parent``: the
+        one loop both ``store`` and ``store_chain`` run (a per-block call would cost more)."""
         bit = holder.bit
         by_hash = holder.by_hash
         hash_of = holder.hash_of

@@ -51,16 +51,11 @@ class KvEventBatch(msgspec.Struct, array_like=True):
 
 
 _native_decoder = msgspec.msgpack.Decoder(KvEventBatch)
-_native_encoder = msgspec.msgpack.Encoder()
 
 
 def decode_native_batch(payload: bytes) -> KvEventBatch:
     """Decodes a vLLM/SGLang batch; unknown extra fields (group_idx, extra_keys, ...) are ignored."""
     return _native_decoder.decode(payload)
-
-
-def encode_native_batch(batch: KvEventBatch) -> bytes:
-    return _native_encoder.encode(batch)
 
 
 # --------------------------------------------------------------------------------------------

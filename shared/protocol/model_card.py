@@ -16,6 +16,13 @@ MODEL_TYPE_COMPLETIONS = "completions"
 MODEL_TYPE_PREFILL = "prefill"
 MODEL_TYPE_EMBEDDING = "embedding"  # serves ``embed`` (shared/protocol/embedding.py), not ``generate``
 
+# The output parsers a worker may name in its card (``--tool-call-parser``, ``--reasoning-parser``)
+# and the frontend looks up (daemon/frontend/parsers/registry.py holds the parsers under these
+# names). Here so that the worker checks its flags without importing the frontend. The names follow
+# Dynamo's and vLLM's where they have one, so a deployment's flags carry over.
+TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json", "mistral", "pythonic")
+REASONING_PARSER_NAMES = ("basic", "qwen3", "deepseek_r1", "gpt_oss")
+
 
 class RuntimeConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     total_kv_blocks: int = 0
@@ -47,9 +54,8 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     base_model: str | None = None  # for LoRA cards: the served name of the base model
     eos_token_ids: list[int] = []
     migration_limit: int = 3
-    # How the frontend reads this model's output (names in daemon/frontend/parsers/registry.py):
-    # tool calls (hermes, llama3_json, mistral, pythonic) and reasoning (basic, qwen3, deepseek_r1,
-    # gpt_oss). None: the text is content as it comes.
+    # How the frontend reads this model's output (one of TOOL_CALL_PARSER_NAMES and of
+    # REASONING_PARSER_NAMES). None: the text is content as it comes.
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     embedding: EmbeddingSpec | None = None  # set on cards of model type ``embedding``

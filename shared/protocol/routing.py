@@ -27,6 +27,13 @@ REASON_TIE_SMALLEST_TREE = "tie_smallest_tree"
 REASON_TIE_RANDOM = "tie_random"
 REASON_SAMPLED = "sampled"
 
+# How a frontend (or ``--role router``) picks a worker (``--router-mode``); here so that the
+# supervisor offers the same choices without importing the frontend.
+ROUTER_MODE_ROUND_ROBIN = "round-robin"
+ROUTER_MODE_RANDOM = "random"
+ROUTER_MODE_KV = "kv"
+ROUTER_MODES = (ROUTER_MODE_ROUND_ROBIN, ROUTER_MODE_RANDOM, ROUTER_MODE_KV)
+
 HEADER_NAME = "x-dynamo-route-explain"
 HEADER_MAX_CANDIDATES = 8  # keeps the header well under common 8 KiB header limits
 # The header's JSON layout: every value under a label, worker ids as ``worker_id_hex``. Version 2
@@ -81,7 +88,8 @@ class DisaggCost(msgspec.Struct, kw_only=True, omit_defaults=True):
     one), weighted into ``local_cost_ms``. Remote: the prefill
     worker's queue and the prompt not cached there (``remote_compute_ms``), the transfer of the
     blocks the decode worker lacks (``transfer_bytes`` at ``bandwidth_gb_s``, ``bandwidth_source``
-    ``measured`` or ``config``), the decode worker's first step and the remote path's measured
+    ``measured`` or ``config``; ``transfer_exposed_ms`` the part of it still running when the
+    prefill ends, all of it when ``transfer_overlap`` is ``none``), the decode worker's first step and the remote path's measured
     extra cost (``remote_overhead_ms``: request hops, the pull's wait for an engine step). The
     lower cost wins; ties go local."""
 
@@ -101,6 +109,8 @@ class DisaggCost(msgspec.Struct, kw_only=True, omit_defaults=True):
     bandwidth_gb_s: float = 0.0
     bandwidth_source: str = ""
     transfer_ms: float = 0.0
+    transfer_exposed_ms: float = 0.0  # the part of ``transfer_ms`` after the prefill ends (in the TTFT)
+    transfer_overlap: str = ""  # ``none``: blocks move after the prefill; ``chunk``/``layer``: as each chunk/layer is computed
     decode_start_ms: float = 0.0
     remote_overhead_ms: float = 0.0
     remote_ttft_ms: float = 0.0

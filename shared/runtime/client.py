@@ -19,16 +19,14 @@ import logging
 import random
 import weakref
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from dynamod.shared.discovery.store import DiscoveryStore
 from dynamod.shared.errors import NoInstancesError, TransportError
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.keys import instances_prefix
 from dynamod.shared.runtime.instances import InstanceSet
-from dynamod.shared.transport.plane import ServerAddress
-
-if TYPE_CHECKING:
-    from dynamod.shared.runtime.distributed import DistributedRuntime
+from dynamod.shared.transport.plane import RequestPlaneClient, ServerAddress
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +48,17 @@ def endpoint_path(namespace: str, component: str, endpoint: str, instance_id: in
 
 
 class EndpointClient:
-    def __init__(self, runtime: DistributedRuntime, namespace: str, component: str, endpoint: str) -> None:
-        self._rt = runtime
+    """Built by ``Endpoint.client()`` from the runtime's discovery store and request-plane client
+    (the two pieces it uses, so it does not depend on the runtime that makes it)."""
+
+    def __init__(
+        self, store: DiscoveryStore, request_client: RequestPlaneClient, namespace: str, component: str, endpoint: str
+    ) -> None:
+        self._request_client = request_client
         self.namespace = namespace
         self.component = component
         self.endpoint = endpoint
-        self.instance_set = InstanceSet(runtime.store, instances_prefix(namespace, component, endpoint))
+        self.instance_set = InstanceSet(store, instances_prefix(namespace, component, endpoint))
         self.instance_set.add_gone_listener(self._instance_gone)
         self._rr = itertools.count()
         # Open streams by instance id, held weakly: a finished stream its caller dropped goes by itself.
@@ -112,7 +115,7 @@ class EndpointClient:
     ) -> AsyncIterator[Any]:
         """Streams one request to a chosen instance; it fails with InstanceGoneError if the
         instance leaves discovery before the stream ends."""
-        stream = self._rt.request_client.stream(
+        stream = self._request_client.stream(
             ServerAddress(instance.transport, instance.address),
             endpoint_path(self.namespace, self.component, self.endpoint, instance.instance_id),
             body,

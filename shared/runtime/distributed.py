@@ -375,7 +375,10 @@ class Endpoint:
         return served
 
     async def client(self) -> EndpointClient:
-        return await EndpointClient(self.runtime, self.namespace_name, self.component.name, self.name).start()
+        rt = self.runtime
+        return await EndpointClient(
+            rt.store, rt.request_client, self.namespace_name, self.component.name, self.name
+        ).start()
 
 
 class ServedInstance:

@@ -6,28 +6,21 @@ watch latency and a removed one is dropped the moment its DELETE arrives. Instan
 key and by instance id: the request path looks workers up by id, so that lookup is a dict hit and
 callers need no copy of their own.
 
-The set is seeded from ``get_prefix`` and then follows a watch, and a key deleted between the two
-reads never produces a DELETE (the watch's snapshot simply lacks it; instance ids are never reused),
-so without repair a dead instance would be listed, and routed to, for ever. A slow reconciliation
-beside the watch re-reads the prefix and applies what the watch cannot tell (a ghost away, a missed
-key in). A difference must be seen by two reads in a row before it is applied, so a read racing
-with the watch never undoes a fresh change.
+The set is a ``WatchedMap`` of the prefix (seeded from a listing, then a watch that starts right
+after it, re-listed after a failure). A slow reconciliation beside the watch re-reads the prefix
+and applies what the watch did not tell (a ghost away, a missed key in); a difference must be seen
+by two reads in a row before it is applied, so a read racing with the watch never undoes a fresh
+change.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
-import msgspec
-
-from dynamod.shared.discovery.store import DiscoveryStore, WatchEventKind
-from dynamod.shared.errors import DynamoError
+from dynamod.shared.discovery.store import DiscoveryStore
 from dynamod.shared.protocol.instance import Instance, decode_instance
-
-logger = logging.getLogger(__name__)
+from dynamod.shared.runtime.watched_map import WatchedMap
 
 RECONCILE_INTERVAL_S = 5.0
 
@@ -43,39 +36,25 @@ class InstanceSet:
     def __init__(
         self, store: DiscoveryStore, prefix: str, *, reconcile_interval_s: float = RECONCILE_INTERVAL_S
     ) -> None:
-        self._store = store
-        self._prefix = prefix
-        self._by_key: dict[str, Instance] = {}
+        self._map: WatchedMap[Instance] = WatchedMap(
+            store, prefix, lambda _key, raw: decode_instance(raw), what="instance record",
+            reconcile_interval_s=reconcile_interval_s,
+        )
+        self._map.add_listener(self._on_change)
+        self._by_key: dict[str, Instance] = {}  # the map's records, kept here to tell who is gone
         self._by_id: dict[int, Instance] = {}
         self._key_of: dict[int, str] = {}  # instance id -> the key its index entry came from
         self._by_id_view: Mapping[int, Instance] = MappingProxyType(self._by_id)
         self._listeners: list[Listener] = []
         self._gone_listeners: list[GoneListener] = []
-        self._changed = asyncio.Condition()
-        self._task: asyncio.Task[None] | None = None
-        self._reconciler: asyncio.Task[None] | None = None
-        self._reconcile_interval_s = reconcile_interval_s
-        self._suspect_gone: set[str] = set()  # differences the previous read showed
-        self._suspect_new: set[str] = set()
 
     async def start(self) -> None:
-        if self._task is None:
-            # Seed synchronously so callers see the current instances as soon as start() returns.
-            for key, value in (await self._store.get_prefix(self._prefix)).items():
-                self._apply_put(key, value)
-            self._task = asyncio.create_task(self._watch(), name=f"instances-watch:{self._prefix}")
-            self._reconciler = asyncio.create_task(
-                self._reconcile_loop(), name=f"instances-reconcile:{self._prefix}"
-            )
+        """Seeds synchronously (callers see the current instances as soon as it returns), then
+        follows the watch."""
+        await self._map.start()
 
     async def close(self) -> None:
-        tasks = [t for t in (self._task, self._reconciler) if t is not None]
-        self._task = self._reconciler = None
-        for task in tasks:
-            task.cancel()
-        # gather(return_exceptions=True) absorbs the tasks' own cancellation only: if the caller
-        # is cancelled while waiting here, gather raises CancelledError and it propagates.
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._map.close()
 
     def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
@@ -99,15 +78,18 @@ class InstanceSet:
 
     async def wait_for(self, predicate: Callable[[list[Instance]], bool], timeout: float) -> list[Instance]:
         """Waits until ``predicate(instances)`` holds; raises TimeoutError after ``timeout``."""
-        async with self._changed:
-            await asyncio.wait_for(self._changed.wait_for(lambda: predicate(self.instances)), timeout)
-            return self.instances
+        await self._map.wait_for(lambda: predicate(self.instances), timeout)
+        return self.instances
 
-    def _apply_put(self, key: str, value: bytes) -> None:
-        try:
-            inst = decode_instance(value)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            logger.warning("ignoring malformed instance record key=%s error=%s", key, exc)
+    async def reconcile(self, live: dict[str, bytes]) -> bool:
+        """Applies the differences between ``live`` (a fresh read of the prefix) and this view that
+        the previous read showed too; returns whether the view changed."""
+        return await self._map.reconcile(live)
+
+    def _on_change(self, key: str, inst: Instance | None) -> None:
+        """The map changed ``key``: keeps the index by id, then tells the listeners."""
+        if inst is None:
+            self._remove(key)
             return
         previous = self._by_key.get(key)
         if previous is not None and previous.instance_id != inst.instance_id:
@@ -118,7 +100,7 @@ class InstanceSet:
         for listener in self._listeners:
             listener(key, inst)
 
-    def _apply_delete(self, key: str) -> None:
+    def _remove(self, key: str) -> None:
         inst = self._by_key.pop(key, None)
         if inst is not None:
             self._unindex(key, inst.instance_id)
@@ -140,42 +122,3 @@ class InstanceSet:
                 self._by_id[instance_id] = other
                 self._key_of[instance_id] = other_key
                 return
-
-    async def _reconcile_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._reconcile_interval_s)
-            try:
-                live = await self._store.get_prefix(self._prefix)
-            except DynamoError as exc:  # discovery briefly unreachable: the watch resumes by itself
-                logger.debug("instance reconcile skipped prefix=%s error=%s", self._prefix, exc)
-                continue
-            if self.reconcile(live):
-                async with self._changed:
-                    self._changed.notify_all()
-
-    def reconcile(self, live: dict[str, bytes]) -> bool:
-        """Applies the differences between ``live`` (a fresh read of the prefix) and this view that
-        the previous read showed too; returns whether the view changed."""
-        gone = {k for k in self._by_key if k not in live}
-        new = {k for k in live if k not in self._by_key}
-        changed = False
-        for key in sorted(gone & self._suspect_gone):
-            logger.info("instance reconciled away (its DELETE was never seen) key=%s", key)
-            self._apply_delete(key)
-            changed = True
-        for key in sorted(new & self._suspect_new):
-            logger.info("instance reconciled in (its PUT was never seen) key=%s", key)
-            self._apply_put(key, live[key])
-            changed = True
-        self._suspect_gone = gone - self._suspect_gone
-        self._suspect_new = new - self._suspect_new
-        return changed
-
-    async def _watch(self) -> None:
-        async for ev in self._store.watch_prefix(self._prefix):
-            if ev.kind is WatchEventKind.PUT and ev.value is not None:
-                self._apply_put(ev.key, ev.value)
-            else:
-                self._apply_delete(ev.key)
-            async with self._changed:
-                self._changed.notify_all()

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import msgspec
 
-from dynamod.shared.discovery.store import DiscoveryStore, Lease, WatchEventKind
+from dynamod.shared.discovery.store import DiscoveryStore, Lease
 from dynamod.shared.errors import ConfigError, DynamoError, UnavailableError
 from dynamod.shared.protocol.keys import (
     mdc_files_chunk_key,
@@ -51,6 +51,7 @@ from dynamod.shared.protocol.model_files import (
     decode_copy,
     encode_copy,
 )
+from dynamod.shared.runtime.watched_map import WatchedMap
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +195,11 @@ class ModelFilesPublisher:
         self.holding = False
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
+        # Any change among the holders wakes the balancer, which re-reads them itself.
+        self._holder_records: WatchedMap[int] = WatchedMap(
+            store, self._prefix, lambda key, _raw: self._holder_of(key), what="model files holder"
+        )
+        self._holder_records.add_listener(lambda _key, _holder: self._changed.set())
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -205,42 +211,31 @@ class ModelFilesPublisher:
         On return a copy exists (ours or another live worker's), so a card may name the bundle."""
         self._holders = self._parse_holders(await self._store.get_prefix(self._prefix))
         await self._balance(jitter=False)
+        await self._holder_records.start()
         name = f"model-files:{self.files.sha256[:12]}"
-        self._tasks = [
-            asyncio.create_task(self._watch(), name=f"{name}:watch"),
-            asyncio.create_task(self._keep_balanced(), name=f"{name}:balance"),
-        ]
+        self._tasks = [asyncio.create_task(self._keep_balanced(), name=f"{name}:balance")]
 
     async def close(self) -> None:
         """Stops following and withdraws this worker's copy (the lease would take it anyway)."""
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(self._holder_records.close(), *self._tasks, return_exceptions=True)
         self._tasks = []
         if self.holding:
             with contextlib.suppress(DynamoError):
                 await self._withdraw()
 
+    def _holder_of(self, key: str) -> int:
+        return int(key[len(self._prefix) :], 16)
+
     def _parse_holders(self, records: Mapping[str, bytes]) -> set[int]:
         holders = set()
         for key in records:
             try:
-                holders.add(int(key[len(self._prefix) :], 16))
+                holders.add(self._holder_of(key))
             except ValueError:
                 continue
         return holders
-
-    async def _watch(self) -> None:
-        """Any change among the holders wakes the balancer (which re-reads them: a watch that
-        started after a holder left never reports that it left)."""
-        while True:
-            try:
-                async for _ in self._store.watch_prefix(self._prefix):
-                    self._changed.set()
-                return
-            except DynamoError as exc:
-                logger.warning("model files watch failed sha=%s error=%s", self.files.sha256[:12], exc)
-                await asyncio.sleep(1.0)
 
     async def _keep_balanced(self) -> None:
         """On every change, and every ``recheck_s`` regardless: list the holders and balance."""
@@ -318,30 +313,41 @@ class ModelFilesReader:
         Waits for a holder up to ``timeout_s``; then ``UnavailableError``."""
         prefix = mdc_files_copies_prefix(self._namespace, ref.sha256)
         tried: list[str] = []
+        found: asyncio.Future[ModelFiles] = asyncio.get_running_loop().create_future()
+
+        def decode(key: str, raw: bytes) -> tuple[int, ModelFilesCopy]:
+            return int(key[len(prefix) :], 16), decode_copy(raw)
+
+        async def consider(key: str, copy: tuple[int, ModelFilesCopy] | None) -> None:
+            if copy is not None and not found.done():
+                files = await self._try_copy(ref, key[len(prefix) :], *copy, tried)
+                if files is not None and not found.done():
+                    found.set_result(files)
+
+        copies: WatchedMap[tuple[int, ModelFilesCopy]] = WatchedMap(
+            self._store, prefix, decode, what="model files copy",
+            on_invalid=lambda key, exc: tried.append(f"{key[len(prefix) :]}: bad record ({exc})"),
+        )
+        copies.add_listener(consider)  # every copy listed or put meanwhile, until one is good
         try:
             async with asyncio.timeout(self.timeout_s):
-                async with contextlib.aclosing(self._store.watch_prefix(prefix)) as events:
-                    async for ev in events:
-                        if ev.kind is not WatchEventKind.PUT or ev.value is None:
-                            continue
-                        files = await self._try_copy(ref, ev.key[len(prefix) :], ev.value, tried)
-                        if files is not None:
-                            return files
+                await copies.start()
+                return await found
         except TimeoutError:
             pass
+        except DynamoError as exc:
+            tried.append(f"discovery: {exc}")
+        finally:
+            await copies.close()
         detail = f"; copies tried: {'; '.join(tried)}" if tried else "; no live worker holds a copy"
         raise UnavailableError(
             f"the tokenizer files of model {model!r} (sha256 {ref.sha256[:16]}) are not in discovery "
             f"after {self.timeout_s:g}s{detail}"
         )
 
-    async def _try_copy(self, ref: ModelFilesRef, holder: str, value: bytes, tried: list[str]) -> ModelFiles | None:
-        try:
-            record = decode_copy(value)
-            instance_id = int(holder, 16)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-            tried.append(f"{holder}: bad record ({exc})")
-            return None
+    async def _try_copy(
+        self, ref: ModelFilesRef, holder: str, instance_id: int, record: ModelFilesCopy, tried: list[str]
+    ) -> ModelFiles | None:
         if record.sha256 != ref.sha256 or record.codec != CODEC_ZLIB or record.format != BUNDLE_FORMAT:
             tried.append(f"{holder}: unsupported copy (codec {record.codec}, format {record.format})")
             return None

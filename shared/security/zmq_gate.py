@@ -13,7 +13,6 @@ the request plane), and the pyzmq authenticator's credentials callback is never 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import zmq
@@ -22,6 +21,7 @@ from zmq.utils import z85
 
 from dynamod.shared.security.curve import CurveKeys
 from dynamod.shared.security.token import RejectionLog
+from dynamod.shared.tasks import stop_task
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +51,8 @@ class CurveGate:
         self._task = asyncio.create_task(self._serve(), name="zmq-zap")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None

@@ -17,7 +17,7 @@ import logging
 import weakref
 from abc import ABC, abstractmethod
 from collections import deque
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from dynamod.shared.errors import DeadlineExceededError
 from dynamod.shared.transport.plane import ServerAddress
@@ -31,6 +31,7 @@ class ClientStream(ABC):
     __slots__ = (
         "__weakref__",
         "_body",
+        "_client",
         "_deadline_handle",
         "_done",
         "_endpoint",
@@ -52,15 +53,16 @@ class ClientStream(ABC):
 
     def __init__(
         self,
+        client: Any,
         address: ServerAddress,
         endpoint_path: str,
         body: Any,
         headers: dict[str, str] | None,
-        request_id: str | None,
-        *,
-        window: int,
         timeout_s: float | None,
+        request_id: str | None,
+        window: int,
     ) -> None:
+        self._client = client  # the transport's client that opened this stream
         # The request, kept until the transport sends it (which drops the body).
         self.address = address
         self._endpoint = endpoint_path
@@ -269,6 +271,29 @@ class ClientStream(ABC):
                 loop.call_soon_threadsafe(self._abandon)
         except RuntimeError:
             logger.debug("request_plane.stream_gc_cancel_skipped reason=loop_closed")
+
+
+S = TypeVar("S", bound=ClientStream)
+
+
+class StreamingClient(Generic[S]):
+    """``stream()`` of a request-plane client (the ``RequestPlaneClient`` protocol): one
+    ``stream_class`` object per request, with the client's flow-control window."""
+
+    stream_class: type[S]
+    window_frames: int
+
+    def stream(
+        self,
+        address: ServerAddress,
+        endpoint_path: str,
+        body: Any,
+        *,
+        headers: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+        request_id: str | None = None,
+    ) -> S:
+        return self.stream_class(self, address, endpoint_path, body, headers, timeout_s, request_id, self.window_frames)
 
 
 def _deadline_fired(ref: weakref.ref[ClientStream]) -> None:

@@ -25,7 +25,7 @@ from msgspec import UNSET
 from dynamod.shared.errors import FrameTooLargeError, ProtocolError, TransportError, error_from_wire
 from dynamod.shared.security.settings import NatsSecurity, RequestPlaneSecurity
 from dynamod.shared.transport import nats_wire as wire
-from dynamod.shared.transport.client_stream import ClientStream
+from dynamod.shared.transport.client_stream import ClientStream, StreamingClient
 from dynamod.shared.transport.framing import DEFAULT_WINDOW_FRAMES
 from dynamod.shared.transport.liveness import RequestPlaneMetrics
 from dynamod.shared.transport.plane import DEFAULT_MAX_FRAME_BYTES, ServerAddress
@@ -38,24 +38,15 @@ _NO_RESPONDERS = "503"
 class NatsClientStream(ClientStream):
     """One request over NATS."""
 
-    __slots__ = ("_client", "_expected_seq", "_granted", "_last_rx", "_watchdog", "inbox")
+    __slots__ = ("_expected_seq", "_granted", "_last_rx", "_watchdog", "inbox")
+    _client: NatsRequestClient
 
-    def __init__(
-        self,
-        client: NatsRequestClient,
-        address: ServerAddress,
-        endpoint_path: str,
-        body: Any,
-        headers: dict[str, str] | None,
-        timeout_s: float | None,
-        request_id: str | None,
-        window: int,
-    ) -> None:
-        super().__init__(address, endpoint_path, body, headers, request_id, window=window, timeout_s=timeout_s)
-        self._client = client
+    def __init__(self, *request: Any) -> None:
+        """``ClientStream``'s arguments (``StreamingClient.stream`` passes them)."""
+        super().__init__(*request)
         self.inbox = ""
         self._expected_seq = 1
-        self._granted = window
+        self._granted = self.window
         self._last_rx = 0.0
         self._watchdog: asyncio.TimerHandle | None = None
 
@@ -190,9 +181,11 @@ def _watchdog_fired(ref: weakref.ref[NatsClientStream]) -> None:
         stream._check_alive()
 
 
-class NatsRequestClient:
+class NatsRequestClient(StreamingClient[NatsClientStream]):
     """Opens request streams to NATS request-plane servers. ``connection`` lets a process share
     one NATS connection; otherwise the client connects to ``nats_url`` on first use."""
+
+    stream_class = NatsClientStream
 
     def __init__(
         self,
@@ -228,20 +221,6 @@ class NatsRequestClient:
         self._next_sid = 1
         self._background: set[asyncio.Task[None]] = set()
         self._closed = False
-
-    def stream(
-        self,
-        address: ServerAddress,
-        endpoint_path: str,
-        body: Any,
-        *,
-        headers: dict[str, str] | None = None,
-        timeout_s: float | None = None,
-        request_id: str | None = None,
-    ) -> NatsClientStream:
-        return NatsClientStream(
-            self, address, endpoint_path, body, headers, timeout_s, request_id, self.window_frames
-        )
 
     # -- connection ---------------------------------------------------------------------------
 

@@ -33,8 +33,8 @@ from dynamod.shared.transport import nats_wire as wire
 from dynamod.shared.transport.framing import DEFAULT_WINDOW_FRAMES, MAX_WINDOW_FRAMES
 from dynamod.shared.transport.guard import ServerGuard
 from dynamod.shared.transport.liveness import RequestPlaneMetrics
-from dynamod.shared.transport.plane import DEFAULT_MAX_FRAME_BYTES, Handler, RequestContext, ServerAddress
-from dynamod.shared.transport.server_stream import ServerStream, ServingState
+from dynamod.shared.transport.plane import DEFAULT_MAX_FRAME_BYTES, RequestContext, ServerAddress
+from dynamod.shared.transport.server_stream import ServerStream, ServesFromState, ServingState
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class _NatsServerStream(ServerStream):
             self._hb_handle = None
 
 
-class NatsRequestServer:
+class NatsRequestServer(ServesFromState):
     """The NATS request-plane server. ``connection`` lets a process share one NATS connection;
     otherwise the server opens (and closes) its own to ``nats_url``."""
 
@@ -167,25 +167,6 @@ class NatsRequestServer:
         self._address = ServerAddress("nats", self.base)
         logger.info("request_plane.nats.serving url=%s base=%s", self.nats_url, self.base)
         return self._address
-
-    @property
-    def address(self) -> ServerAddress | None:
-        return self._address
-
-    def register(self, endpoint_path: str, handler: Handler) -> None:
-        self._state.register(endpoint_path, handler)
-
-    def unregister(self, endpoint_path: str) -> None:
-        self._state.unregister(endpoint_path)
-
-    @property
-    def inflight(self) -> int:
-        return self._state.inflight
-
-    @property
-    def stopping(self) -> bool:
-        """True once ``stop()`` began: new requests are refused with UnavailableError."""
-        return self._state.stopping
 
     def connection_closed(self) -> bool:
         return self._nc is None or self._nc.is_closed

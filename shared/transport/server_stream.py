@@ -26,7 +26,7 @@ from dynamod.shared.errors import (
     UnavailableError,
     error_to_wire,
 )
-from dynamod.shared.transport.plane import Handler, RequestContext
+from dynamod.shared.transport.plane import Handler, RequestContext, ServerAddress
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +213,34 @@ async def _close_generator(agen: Any, ctx: RequestContext) -> None:
         logger.exception(
             "request_plane.handler_close_failed endpoint=%s request_id=%s", ctx.endpoint, ctx.request_id
         )
+
+
+class ServesFromState:
+    """The members a request-plane server (TCP, NATS) answers from its ``ServingState`` and its
+    address; the server sets both in its constructor."""
+
+    _state: ServingState
+    _address: ServerAddress | None
+
+    @property
+    def address(self) -> ServerAddress | None:
+        """Where clients reach this server; None until ``start()``."""
+        return self._address
+
+    def register(self, endpoint_path: str, handler: Handler) -> None:
+        self._state.register(endpoint_path, handler)
+
+    def unregister(self, endpoint_path: str) -> None:
+        self._state.unregister(endpoint_path)
+
+    @property
+    def inflight(self) -> int:
+        return self._state.inflight
+
+    @property
+    def stopping(self) -> bool:
+        """True once ``stop()`` began: new requests are refused with UnavailableError."""
+        return self._state.stopping
 
 
 class ServingState:

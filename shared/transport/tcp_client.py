@@ -40,7 +40,7 @@ from dynamod.shared.errors import (
     error_from_wire,
 )
 from dynamod.shared.security.settings import RequestPlaneSecurity
-from dynamod.shared.transport.client_stream import ClientStream
+from dynamod.shared.transport.client_stream import ClientStream, StreamingClient
 from dynamod.shared.transport.framing import (
     CONNECTION_STREAM_ID,
     DEFAULT_WINDOW_FRAMES,
@@ -346,21 +346,12 @@ class _ClientConnection(FrameConnection):
 class TcpClientStream(ClientStream):
     """One request on a shared TCP connection."""
 
-    __slots__ = ("_client", "_conn")
+    __slots__ = ("_conn",)
+    _client: TcpRequestClient
 
-    def __init__(
-        self,
-        client: TcpRequestClient,
-        address: ServerAddress,
-        endpoint_path: str,
-        body: Any,
-        headers: dict[str, str] | None,
-        timeout_s: float | None,
-        request_id: str | None,
-        window: int,
-    ) -> None:
-        super().__init__(address, endpoint_path, body, headers, request_id, window=window, timeout_s=timeout_s)
-        self._client = client
+    def __init__(self, *request: Any) -> None:
+        """``ClientStream``'s arguments (``StreamingClient.stream`` passes them)."""
+        super().__init__(*request)
         self._conn: _ClientConnection | None = None
 
     async def _open(self) -> None:
@@ -398,8 +389,10 @@ class TcpClientStream(ClientStream):
             conn.write_frame(ClientFrame(self._sid, cancel=True))
 
 
-class TcpRequestClient:
+class TcpRequestClient(StreamingClient[TcpClientStream]):
     """Opens request streams to TCP request-plane servers; one connection per server address."""
+
+    stream_class = TcpClientStream
 
     def __init__(
         self,
@@ -420,20 +413,6 @@ class TcpRequestClient:
         self._conns: dict[str, _ClientConnection] = {}
         self._connecting: dict[str, asyncio.Task[_ClientConnection]] = {}
         self._closed = False
-
-    def stream(
-        self,
-        address: ServerAddress,
-        endpoint_path: str,
-        body: Any,
-        *,
-        headers: dict[str, str] | None = None,
-        timeout_s: float | None = None,
-        request_id: str | None = None,
-    ) -> TcpClientStream:
-        return TcpClientStream(
-            self, address, endpoint_path, body, headers, timeout_s, request_id, self.window_frames
-        )
 
     def connection_count(self) -> int:
         return sum(1 for c in self._conns.values() if not c.closed)

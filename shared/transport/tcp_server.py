@@ -83,11 +83,10 @@ from dynamod.shared.transport.guard import DEFAULT_HANDSHAKE_TIMEOUT_S, ServerGu
 from dynamod.shared.transport.liveness import DEFAULT_HEARTBEAT_TIMEOUT_S, RequestPlaneMetrics
 from dynamod.shared.transport.plane import (
     DEFAULT_MAX_FRAME_BYTES,
-    Handler,
     RequestContext,
     ServerAddress,
 )
-from dynamod.shared.transport.server_stream import ServerStream, ServingState
+from dynamod.shared.transport.server_stream import ServerStream, ServesFromState, ServingState
 from dynamod.shared.transport.tcp_connection import FrameConnection
 from dynamod.shared.transport.tls_session import ServerTlsSession, TlsClosed
 
@@ -561,7 +560,7 @@ class _ServerConnection(FrameConnection):
         self.close_transport()
 
 
-class TcpRequestServer:
+class TcpRequestServer(ServesFromState):
     """The default request-plane server: endpoints of this process behind one TCP listener."""
 
     def __init__(
@@ -619,15 +618,6 @@ class TcpRequestServer:
         )
         return self._address
 
-    @property
-    def address(self) -> ServerAddress | None:
-        return self._address
-
-    @property
-    def stopping(self) -> bool:
-        """True once ``stop()`` began: new requests are refused with UnavailableError."""
-        return self._state.stopping
-
     def log_over_limit(self, peer: str) -> None:
         """Counts a connection refused at ``max_connections``; logs at most one line a minute."""
         self.refused_over_limit += 1
@@ -645,16 +635,6 @@ class TcpRequestServer:
     def next_request_id(self) -> str:
         """An id for a request that came without one: unique, and cheaper than a uuid per request."""
         return f"{self._request_id_prefix}-{next(self._request_ids)}"
-
-    def register(self, endpoint_path: str, handler: Handler) -> None:
-        self._state.register(endpoint_path, handler)
-
-    def unregister(self, endpoint_path: str) -> None:
-        self._state.unregister(endpoint_path)
-
-    @property
-    def inflight(self) -> int:
-        return self._state.inflight
 
     def stats(self) -> dict[str, int]:
         """Connections, streams and bytes queued for sending (for status pages and tests)."""

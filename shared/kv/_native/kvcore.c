@@ -30,7 +30,7 @@
 #include <string.h>
 
 #define XXH_INLINE_ALL
-#include "xxhash.h"
+#include "vendor/xxhash.h"
 
 #define KV_HASH_SEED 1337ULL
 #define ROOT 0u
@@ -60,6 +60,23 @@ static inline int as_u64(PyObject *o, uint64_t *out) {
     *out = PyLong_AsUnsignedLongLongMask(o);
     if (*out == (uint64_t)-1 && PyErr_Occurred()) return -1;
     return 0;
+}
+
+/* ``p`` reallocated to ``n`` items of ``size`` bytes; NULL with MemoryError set (``p`` still
+ * valid) when that fails. How every growing array here grows. */
+static void *grow(void *p, size_t n, size_t size) {
+    void *q = PyMem_Realloc(p, n * size);
+    if (q == NULL) PyErr_NoMemory();
+    return q;
+}
+
+/* The attribute ``name`` of ``o`` as u64 (``as_u64``); -1 with an error set. */
+static inline int attr_u64(PyObject *o, PyObject *name, uint64_t *out) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL) return -1;
+    int rc = as_u64(v, out);
+    Py_DECREF(v);
+    return rc;
 }
 
 /* A token id from an exact int: small ints (every real token id) read directly from the object,
@@ -233,11 +250,8 @@ static int scratch_reserve(Index *ix, size_t n) {
     if (n <= ix->scap) return 0;
     size_t cap = ix->scap ? ix->scap : 256;
     while (cap < n) cap *= 2;
-    uint32_t *p = PyMem_Realloc(ix->scratch, cap * sizeof(uint32_t));
-    if (p == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    uint32_t *p = grow(ix->scratch, cap, sizeof(uint32_t));
+    if (p == NULL) return -1;
     ix->scratch = p;
     ix->scap = cap;
     return 0;
@@ -249,17 +263,11 @@ static int nodes_grow(Index *ix) {
         PyErr_SetString(PyExc_MemoryError, "kv index: too many blocks");
         return -1;
     }
-    Node *n = PyMem_Realloc(ix->nodes, (size_t)cap * sizeof(Node));
-    if (n == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    Node *n = grow(ix->nodes, cap, sizeof(Node));
+    if (n == NULL) return -1;
     ix->nodes = n;
-    uint64_t *m = PyMem_Realloc(ix->masks, (size_t)cap * ix->W * sizeof(uint64_t));
-    if (m == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    uint64_t *m = grow(ix->masks, (size_t)cap * ix->W, sizeof(uint64_t));
+    if (m == NULL) return -1;
     ix->masks = m;
     ix->ncap = cap;
     return 0;
@@ -368,11 +376,11 @@ static int extra_add(Index *ix, uint32_t h, uint32_t node, uint64_t ext) {
     } else {
         if (ix->xused >= ix->xcap) {
             uint32_t cap = ix->xcap ? ix->xcap * 2 : 64;
-            uint64_t *e = PyMem_Realloc(ix->xext, (size_t)cap * sizeof(uint64_t));
-            if (e == NULL) return (PyErr_NoMemory(), -1);
+            uint64_t *e = grow(ix->xext, cap, sizeof(uint64_t));
+            if (e == NULL) return -1;
             ix->xext = e;
-            uint32_t *nx = PyMem_Realloc(ix->xnext, (size_t)cap * sizeof(uint32_t));
-            if (nx == NULL) return (PyErr_NoMemory(), -1);
+            uint32_t *nx = grow(ix->xnext, cap, sizeof(uint32_t));
+            if (nx == NULL) return -1;
             ix->xnext = nx;
             ix->xcap = cap;
         }
@@ -513,21 +521,9 @@ static PyObject *Index_store(Index *ix, PyObject *args) {
     int rc = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t ext, key;
-        PyObject *e = PyObject_GetAttr(items[i], str_block_hash);
-        if (e == NULL) {
-            rc = -1;
-            break;
-        }
-        rc = as_u64(e, &ext);
-        Py_DECREF(e);
+        rc = attr_u64(items[i], str_block_hash, &ext);
         if (rc < 0) break;
-        PyObject *k = PyObject_GetAttr(items[i], str_tokens_hash);
-        if (k == NULL) {
-            rc = -1;
-            break;
-        }
-        rc = as_u64(k, &key);
-        Py_DECREF(k);
+        rc = attr_u64(items[i], str_tokens_hash, &key);
         if (rc < 0) break;
         uint64_t s = parent == ROOT ? key : chain(ix->nodes[parent].seq, key);
         rc = store_one(ix, (uint32_t)h, &parent, ext, key, s, &added);
@@ -659,8 +655,8 @@ static PyObject *Index_register(Index *ix, PyObject *key) {
     while (h < ix->hcap && ix->holders[h].used) h++;
     if (h == ix->hcap) {
         uint32_t cap = ix->hcap ? ix->hcap * 2 : 64;
-        Holder *p = PyMem_Realloc(ix->holders, (size_t)cap * sizeof(Holder));
-        if (p == NULL) return PyErr_NoMemory();
+        Holder *p = grow(ix->holders, cap, sizeof(Holder));
+        if (p == NULL) return NULL;
         memset(p + ix->hcap, 0, (size_t)(cap - ix->hcap) * sizeof(Holder));
         ix->holders = p;
         ix->hcap = cap;
@@ -810,13 +806,18 @@ static PyObject *Index_match_local(Index *ix, PyObject *locals) { return match(i
 /* match_seq(sequence hashes) -> {key: leading blocks held} */
 static PyObject *Index_match_seq(Index *ix, PyObject *seqs) { return match(ix, seqs, 0); }
 
+/* The (holder, engine hash) arguments of ``holds`` and ``node_hash``; -1 with an error set. */
+static int holder_ext_args(Index *ix, PyObject *args, Py_ssize_t *h, uint64_t *ext) {
+    PyObject *ext_obj;
+    if (!PyArg_ParseTuple(args, "nO", h, &ext_obj)) return -1;
+    if (check_holder(ix, *h) < 0) return -1;
+    return as_u64(ext_obj, ext);
+}
+
 static PyObject *Index_holds(Index *ix, PyObject *args) {
     Py_ssize_t h;
-    PyObject *ext_obj;
-    if (!PyArg_ParseTuple(args, "nO", &h, &ext_obj)) return NULL;
-    if (check_holder(ix, h) < 0) return NULL;
     uint64_t ext, v;
-    if (as_u64(ext_obj, &ext) < 0) return NULL;
+    if (holder_ext_args(ix, args, &h, &ext) < 0) return NULL;
     return PyBool_FromLong(map_get(&ix->holders[h].by_hash, ext, &v));
 }
 
@@ -825,11 +826,8 @@ static PyObject *Index_holds(Index *ix, PyObject *args) {
  * holds only on its device: this finds where that chain is in the tree. */
 static PyObject *Index_node_hash(Index *ix, PyObject *args) {
     Py_ssize_t h;
-    PyObject *ext_obj;
-    if (!PyArg_ParseTuple(args, "nO", &h, &ext_obj)) return NULL;
-    if (check_holder(ix, h) < 0) return NULL;
     uint64_t ext, v;
-    if (as_u64(ext_obj, &ext) < 0) return NULL;
+    if (holder_ext_args(ix, args, &h, &ext) < 0) return NULL;
     if (!map_get(&ix->holders[h].by_hash, ext, &v)) Py_RETURN_NONE;
     return PyLong_FromUnsignedLongLong(ix->nodes[(uint32_t)v].seq);
 }
@@ -945,10 +943,10 @@ static PyObject *Index_check(Index *ix, PyObject *unused) {
             seen++;
             CHECK(seen <= ix->nlive, "a node linked twice");
             if (top == cap) {
-                uint64_t *p = PyMem_Realloc(stack, 2 * cap * sizeof(uint64_t));
+                uint64_t *p = grow(stack, 2 * cap, sizeof(uint64_t));
                 if (p == NULL) {
                     PyMem_Free(stack);
-                    return PyErr_NoMemory();
+                    return NULL;
                 }
                 stack = p;
                 cap *= 2;
@@ -1094,9 +1092,6 @@ static PyMethodDef module_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-/* The router's per-decision loops (schedcore.c). */
-int kv_sched_init(PyObject *module);
-
 static struct PyModuleDef kvcore_module = {
     PyModuleDef_HEAD_INIT, "_kvcore", "Compiled core of the KV index and block hashing.", -1, module_methods,
     NULL, NULL, NULL, NULL,
@@ -1109,10 +1104,6 @@ PyMODINIT_FUNC PyInit__kvcore(void) {
     if (PyType_Ready(&IndexType) < 0) return NULL;
     PyObject *m = PyModule_Create(&kvcore_module);
     if (m == NULL) return NULL;
-    if (kv_sched_init(m) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
     Py_INCREF(&IndexType);
     if (PyModule_AddObject(m, "Index", (PyObject *)&IndexType) < 0) {
         Py_DECREF(&IndexType);

@@ -2,20 +2,19 @@
 
 A worker publishes its agent's ``KvTransferMetadata`` under its lease, so the record vanishes with
 the worker. A decode worker looks up the prefill worker named in ``KvTransferParams`` on every
-disaggregated request, so lookups are served from a cache that a prefix watch keeps right: a
-deleted key drops its entry, and a re-put key (a restarted prefill worker has a new agent, with new
-NIXL metadata and a new port) replaces it before the next lookup sees it.
+disaggregated request, so lookups are served from a cache that a prefix watch (one ``WatchedMap``
+per component, started by the first lookup) keeps right: a deleted key drops its entry, and a re-put
+key (a restarted prefill worker has a new agent, with new NIXL metadata and a new port) replaces it
+before the next lookup sees it. A record that does not decode drops its entry too: the agent it
+replaced is gone. While a watch is failing its entries are not served (the store is read instead).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
-import msgspec
-
-from dynamod.shared.discovery.store import DiscoveryStore, Lease, WatchEventKind
+from dynamod.shared.discovery.store import DiscoveryStore, Lease
 from dynamod.shared.errors import NotFoundError
 from dynamod.shared.protocol.keys import kv_transfer_key, kv_transfer_prefix
 from dynamod.shared.protocol.kv_transfer import (
@@ -23,6 +22,7 @@ from dynamod.shared.protocol.kv_transfer import (
     decode_transfer_metadata,
     encode_transfer_metadata,
 )
+from dynamod.shared.runtime.watched_map import WatchedMap
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +33,7 @@ class KvTransferDirectory:
     def __init__(self, store: DiscoveryStore, namespace: str) -> None:
         self._store = store
         self._namespace = namespace
-        self._cache: dict[str, dict[int, KvTransferMetadata]] = {}  # component -> worker id -> record
-        self._watches: dict[str, asyncio.Task[None]] = {}
-        self._changed = asyncio.Condition()
+        self._watched: dict[str, WatchedMap[KvTransferMetadata]] = {}  # component -> its records
         self._closed = False
 
     async def publish(self, component: str, meta: KvTransferMetadata, lease: Lease) -> None:
@@ -52,85 +50,69 @@ class KvTransferDirectory:
     async def withdraw(self, component: str, worker_id: int) -> None:
         key = kv_transfer_key(self._namespace, component, worker_id)
         await self._store.delete(key)
-        self._cache.get(component, {}).pop(worker_id, None)
+        watched = self._watched.get(component)
+        if watched is not None:
+            await watched.apply(key, None)  # before the watch reports it: no lookup returns it
         logger.info("kv_transfer.withdrawn key=%s", key)
+
+    def cached(self, worker_id: int, component: str = "prefill") -> KvTransferMetadata | None:
+        """The agent of ``worker_id`` as the watch has it (no store read); None when not known or
+        while the watch cannot vouch for its entries."""
+        watched = self._watched.get(component)
+        if watched is None or not watched.in_sync:
+            return None
+        return watched.get(kv_transfer_key(self._namespace, component, worker_id))
 
     async def lookup(
         self, worker_id: int, component: str = "prefill", *, timeout_s: float = 5.0
     ) -> KvTransferMetadata:
         """The agent of ``worker_id``, waiting up to ``timeout_s`` for a worker that has not
         published yet; NotFoundError when it does not appear."""
-        cached = self._cache.get(component, {}).get(worker_id)
+        cached = self.cached(worker_id, component)
         if cached is not None:
             return cached
-        self._ensure_watch(component)
         key = kv_transfer_key(self._namespace, component, worker_id)
+        watched = await self._ensure_watch(component)
+        cached = self.cached(worker_id, component)  # the seed listing may have it
+        if cached is not None:
+            return cached
         raw = await self._store.get(key)
         if raw is not None:
-            meta = self._decode(key, raw)
-            if meta is not None:
-                return meta
+            try:
+                return decode_transfer_metadata(raw)
+            except ValueError as exc:  # msgspec's decode and validation errors are ValueErrors
+                logger.warning("kv_transfer.malformed_record key=%s error=%s", key, exc)
         try:
-            async with asyncio.timeout(timeout_s), self._changed:
-                await self._changed.wait_for(lambda: worker_id in self._cache.get(component, {}))
+            await watched.wait_for(lambda: watched.in_sync and key in watched, timeout_s)
         except TimeoutError:
             raise NotFoundError(
                 f"no KV transfer agent for worker {worker_id:x} in {self._namespace}/{component} "
                 f"(key {key}) within {timeout_s}s; the worker is gone or has not started its transfer agent"
             ) from None
-        return self._cache[component][worker_id]
+        meta = watched.get(key)
+        assert meta is not None
+        return meta
 
     async def close(self) -> None:
         self._closed = True
-        tasks = list(self._watches.values())
-        self._watches.clear()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._cache.clear()
+        watched = list(self._watched.values())
+        self._watched.clear()
+        await asyncio.gather(*(w.close() for w in watched), return_exceptions=True)
 
-    def _ensure_watch(self, component: str) -> None:
-        task = self._watches.get(component)
-        if self._closed or (task is not None and not task.done()):
-            return
-        self._watches[component] = asyncio.create_task(
-            self._watch(component), name=f"kv-transfer-watch:{self._namespace}/{component}"
-        )
+    async def _ensure_watch(self, component: str) -> WatchedMap[KvTransferMetadata]:
+        """The component's map, started (seeded) on first use; one start however many lookups
+        ask at once."""
+        watched = self._watched.get(component)
+        if watched is None:
+            if self._closed:
+                raise NotFoundError(f"the KV transfer directory of {self._namespace} is closed")
+            prefix = kv_transfer_prefix(self._namespace, component)
 
-    async def _watch(self, component: str) -> None:
-        prefix = kv_transfer_prefix(self._namespace, component)
-        records = self._cache.setdefault(component, {})
-        try:
-            async for event in self._store.watch_prefix(prefix):
-                try:
-                    worker_id = int(event.key[len(prefix) :], 16)
-                except ValueError:
-                    logger.warning("kv_transfer.ignored_key key=%s reason=not_a_worker_id", event.key)
-                    continue
-                if event.kind is WatchEventKind.PUT and event.value is not None:
-                    meta = self._decode(event.key, event.value)
-                    if meta is None:
-                        records.pop(worker_id, None)
-                    else:
-                        records[worker_id] = meta
-                else:
-                    records.pop(worker_id, None)
-                async with self._changed:
-                    self._changed.notify_all()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            # Entries that can no longer be kept right must not be served; the next lookup
-            # reads the store and starts a new watch.
-            records.clear()
-            logger.warning("kv_transfer.watch_failed prefix=%s error=%s", prefix, exc)
+            def decode(key: str, raw: bytes) -> KvTransferMetadata:
+                int(key[len(prefix) :], 16)  # a key that names no worker id holds no agent's record
+                return decode_transfer_metadata(raw)
 
-    @staticmethod
-    def _decode(key: str, raw: bytes) -> KvTransferMetadata | None:
-        try:
-            return decode_transfer_metadata(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            logger.warning("kv_transfer.malformed_record key=%s error=%s", key, exc)
-            return None
+            watched = WatchedMap(self._store, prefix, decode, what="kv_transfer record", drop_invalid=True)
+            self._watched[component] = watched
+        await watched.start()
+        return watched

@@ -51,6 +51,7 @@ from dynamod.shared.kv.transfer.tcp import TcpKvAgent, check_read_args, new_agen
 from dynamod.shared.kv.transfer.tcp_wire import MAX_NOTIFY_BYTES
 from dynamod.shared.protocol.kv_transfer import BACKEND_NIXL, KvLayout, KvTransferMetadata
 from dynamod.shared.security.settings import RequestPlaneSecurity
+from dynamod.shared.tasks import stop_task
 from dynamod.shared.transport.liveness import RequestPlaneMetrics
 
 logger = logging.getLogger(__name__)
@@ -209,10 +210,7 @@ class NixlKvAgent:
         if self._closed:
             return
         self._closed = True
-        if self._notif_task is not None:
-            self._notif_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._notif_task
+        await stop_task(self._notif_task)
         await self._tcp.close()
         if self._agent is not None:
             with contextlib.suppress(Exception):
