@@ -4,16 +4,24 @@ The tree keeps the layer folders at the top (``shared/``, ``daemon/``, ``console
 card asks, while the installed package is ``dynamod.shared``, ``dynamod.daemon`` and
 ``dynamod.console`` so that no bare top-level ``shared`` module ever lands in site-packages.
 
-It also builds the KV index's optional compiled core (``dynamod.shared.kv._kvcore``, plain C
-against the CPython API, shared/kv/_native/). Optional because the router works without it: when
-no C compiler or Python headers are present the build says why and goes on, and the pure-Python
-index and hashing are used (``pip install -e .`` builds it in place, beside its package).
+It also builds two optional compiled cores, plain C against the CPython API: the KV index and
+block hashing (``dynamod.shared.kv._kvcore``, shared/kv/_native/) and the router's per-decision
+scheduler loops (``dynamod.daemon.router.core._schedcore``, daemon/router/core/_native/). Optional
+because the router works without them: when no C compiler or Python headers are present the build
+says why and goes on, and the pure-Python twins are used (``pip install -e .`` builds them in
+place, beside their packages).
+``DYN_REQUIRE_NATIVE=1`` (CI sets it) makes a failed compile fail the build instead, so a C error
+cannot pass as a quiet fallback that merely skips the native tests.
 """
+
+import os
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 LAYERS = ("shared", "daemon", "console")
+# The same switch makes ``dynamod.shared.kv.native`` refuse to run without the core.
+REQUIRE_NATIVE = os.environ.get("DYN_REQUIRE_NATIVE", "").strip() == "1"
 
 packages = ["dynamod"]
 package_dir = {"dynamod": "dynamod"}
@@ -39,16 +47,27 @@ class OptionalBuildExt(build_ext):
             self._fallback(exc)
 
     def _fallback(self, exc: Exception) -> None:
-        self.warn(f"dynamod: compiled KV core not built ({exc}); the pure-Python KV index will be used")
+        if REQUIRE_NATIVE:
+            raise RuntimeError(f"dynamod: compiled core not built and DYN_REQUIRE_NATIVE=1: {exc}") from exc
+        self.warn(f"dynamod: compiled core not built ({exc}); its pure-Python twin will be used")
 
 
 kvcore = Extension(
     "dynamod.shared.kv._kvcore",
-    sources=["shared/kv/_native/kvcore.c", "shared/kv/_native/schedcore.c"],
-    depends=["shared/kv/_native/xxhash.h", "shared/kv/_native/u64map.h"],
+    sources=["shared/kv/_native/kvcore.c"],
+    depends=["shared/kv/_native/vendor/xxhash.h", "shared/kv/_native/u64map.h"],
     include_dirs=["shared/kv/_native"],
     extra_compile_args=["-O2"],
-    optional=True,
+    optional=not REQUIRE_NATIVE,
+)
+
+schedcore = Extension(
+    "dynamod.daemon.router.core._schedcore",
+    sources=["daemon/router/core/_native/schedcore.c"],
+    depends=["shared/kv/_native/u64map.h"],
+    include_dirs=["shared/kv/_native"],
+    extra_compile_args=["-O2"],
+    optional=not REQUIRE_NATIVE,
 )
 
 setup(
@@ -56,6 +75,6 @@ setup(
     package_dir=package_dir,
     package_data={"dynamod.daemon": ["assets/**/*"]},
     include_package_data=True,
-    ext_modules=[kvcore],
+    ext_modules=[kvcore, schedcore],
     cmdclass={"build_ext": OptionalBuildExt},
 )

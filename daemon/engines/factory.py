@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from dynamod.daemon.engines.base import Engine
 from dynamod.daemon.models.local import LocalModel
-from dynamod.daemon.worker.engine import Engine
 from dynamod.shared.errors import ConfigError
 
 ENGINES: dict[str, str] = {

@@ -105,10 +105,6 @@ class AggStrategy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froz
     isl_resolution: int | None = None
     priority_overrides: list[PriorityOverride] = []
 
-    @property
-    def has_isl(self) -> bool:
-        return self.isl_resolution is not None
-
 
 Strategy = PrefillStrategy | DecodeStrategy | AggStrategy
 

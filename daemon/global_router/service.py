@@ -28,7 +28,6 @@ When the last pool fails too, an ``unavailable``/transport failure becomes ``poo
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -47,6 +46,7 @@ from dynamod.daemon.global_router.config import (
 )
 from dynamod.daemon.global_router.metrics import GlobalRouterMetrics
 from dynamod.daemon.global_router.pool_selection import RequestTraits, retry_order, select_pool
+from dynamod.shared.drain import InFlight
 from dynamod.shared.errors import (
     DeadlineExceededError,
     DynamoError,
@@ -129,9 +129,7 @@ class GlobalRouterService:
         for stage, pools in grid.stages.items():
             for ns in pools.namespaces:
                 self._stages_of.setdefault(ns, []).append(stage)
-        self.inflight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._inflight = InFlight()
 
     @property
     def namespace(self) -> str:
@@ -172,6 +170,11 @@ class GlobalRouterService:
             self.model_name or "from-first-card",
         )
 
+    @property
+    def inflight(self) -> int:
+        """Requests being served now."""
+        return self._inflight.count
+
     async def stop(self, grace_s: float) -> None:
         """Marks its records draining and withdraws the cards (frontends stop sending new work),
         waits up to ``grace_s`` for streams in flight, deregisters, then stops following the
@@ -185,12 +188,7 @@ class GlobalRouterService:
                 await self._rt.store.delete(key)
             except DynamoError as exc:
                 logger.warning("model card withdraw failed key=%s error=%s", key, exc)
-        if self.inflight:
-            logger.info("global router draining inflight=%d grace_s=%.1f", self.inflight, grace_s)
-            try:
-                await asyncio.wait_for(self._idle.wait(), grace_s)
-            except TimeoutError:
-                logger.warning("global router stopping with requests in flight count=%d", self.inflight)
+        await self._inflight.drain(grace_s, "global router")
         await deregister_all(self._served)
         for publisher in self._files.values():
             await publisher.close()
@@ -206,9 +204,6 @@ class GlobalRouterService:
     def _refresh_health(self) -> None:
         """``/health`` shows each pool's ready targets, so an operator sees a pool without a router."""
         self._rt.ready_probe_extra["pools"] = {ns: len(c.routable) for ns, c in self._clients.items()}
-
-    def pool_ready(self, namespace: str) -> int:
-        return len(self._clients[namespace].routable)
 
     async def _on_pool_card(self, ns: str, key: str, card: ModelCard | None) -> None:
         """Publishes, once per stage, a copy of the first fitting card a pool's workers publish."""
@@ -285,8 +280,7 @@ class GlobalRouterService:
             list(choice.cell), pools.namespaces[choice.pool], choice.reason,
             ",".join(pools.namespaces[i] for i in order),
         )
-        self.inflight += 1
-        self._idle.clear()
+        self._inflight.enter()
         gauge = self.metrics.inflight.labels(stage)
         gauge.inc()
         try:
@@ -296,9 +290,7 @@ class GlobalRouterService:
                     yield out
         finally:
             gauge.dec()
-            self.inflight -= 1
-            if not self.inflight:
-                self._idle.set()
+            self._inflight.leave()
 
     async def _forward(
         self, stage: str, pools: StagePools, order: list[int], request: PreprocessedRequest, ctx: RequestContext

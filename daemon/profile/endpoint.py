@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from dynamod.daemon.planner.perf_profile import DecodeRow, DecodeTable, PerfProfile, PrefillTable
-from dynamod.daemon.profile.sweep import SweepPlan, _prompt
+from dynamod.daemon.perf.profile import DecodeRow, DecodeTable, PerfProfile, PrefillTable
+from dynamod.daemon.profile.sweep import SweepPlan, fresh_prompt
 from dynamod.shared.config import RuntimeSettings
 from dynamod.shared.errors import ConfigError, DynamoError
 from dynamod.shared.protocol.keys import mdc_prefix
@@ -105,7 +105,7 @@ async def sweep_endpoint(settings: RuntimeSettings, target: EndpointTarget, plan
         live = _Live(client, inst.instance_id, model, vocab, timeout_s)
         isls, ttfts, p_thpt = [], [], []
         for isl in plan.prefill_points(context_length):
-            times = await live.stream_times(_prompt(isl + int(time.time()), isl, vocab), 1)
+            times = await live.stream_times(fresh_prompt(isl + int(time.time()), isl, vocab), 1)
             if len(times) > 1:
                 ttft_ms = (times[1] - times[0]) * 1000.0
                 isls.append(float(isl))
@@ -116,7 +116,7 @@ async def sweep_endpoint(settings: RuntimeSettings, target: EndpointTarget, plan
             usage, itls, d_thpt = [], [], []
             for n in plan.decode_points(context, max_kv, max_seqs, context_length):
                 seed = int(time.time() * 1000)
-                runs = await asyncio.gather(*(live.stream_times(_prompt(seed + i, context, vocab), plan.decode_osl)
+                runs = await asyncio.gather(*(live.stream_times(fresh_prompt(seed + i, context, vocab), plan.decode_osl)
                                               for i in range(n)))
                 start = max(t[1] for t in runs if len(t) > 1)  # every prefill done
                 gaps = [b - a for t in runs for a, b in itertools.pairwise(t[1:]) if a >= start]

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from dynamod.daemon.engines.mocker.config import add_mocker_flags, config_from_args
-from dynamod.daemon.planner.perf_profile import PerfProfile
+from dynamod.daemon.perf.profile import PerfProfile
 from dynamod.daemon.profile.sweep import (
     DEFAULT_CONCURRENCIES,
     DEFAULT_CONTEXTS,

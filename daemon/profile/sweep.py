@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from dynamod.daemon.engines.mocker.config import MockerConfig
 from dynamod.daemon.engines.mocker.core import MockerCore
-from dynamod.daemon.planner.perf_profile import DecodeRow, DecodeTable, PerfProfile, PrefillTable
+from dynamod.daemon.perf.profile import DecodeRow, DecodeTable, PerfProfile, PrefillTable
 
 DEFAULT_ISLS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -48,7 +48,7 @@ class SweepPlan:
         return [n for n in self.concurrencies if n <= max_num_seqs and n * per <= KV_HEADROOM * max_kv_tokens]
 
 
-def _prompt(seed: int, length: int, vocab: int) -> list[int]:
+def fresh_prompt(seed: int, length: int, vocab: int) -> list[int]:
     """Tokens no other point shares (no prefix-cache hits across points or requests)."""
     base = (seed * 7919) % (vocab - 1)
     return [(base + k) % (vocab - 1) + 1 for k in range(length)]
@@ -57,7 +57,7 @@ def _prompt(seed: int, length: int, vocab: int) -> list[int]:
 def measure_prefill(config: MockerConfig, isl: int) -> float:
     """TTFT (ms) of one ``isl``-token prompt on an idle mocker."""
     core = MockerCore(config)
-    core.add_request("p", _prompt(isl, isl, config.vocab_size), max_tokens=1, ignore_eos=True)
+    core.add_request("p", fresh_prompt(isl, isl, config.vocab_size), max_tokens=1, ignore_eos=True)
     elapsed = 0.0
     while core.has_unfinished_requests():
         out = core.step()
@@ -74,7 +74,7 @@ def measure_decode(config: MockerConfig, context: int, n: int, osl: int) -> floa
     # finish before the last one joins, or no step ever decodes the whole batch.
     admission_steps = -(-n * context // config.max_num_batched_tokens) + 1
     for i in range(n):
-        core.add_request(f"d{i}", _prompt(context * 1000 + i, context, config.vocab_size),
+        core.add_request(f"d{i}", fresh_prompt(context * 1000 + i, context, config.vocab_size),
                          max_tokens=osl + admission_steps, ignore_eos=True, kv_transferred=True)
     total, steps = 0.0, 0
     while core.has_unfinished_requests():

@@ -40,13 +40,15 @@ from dynamod.daemon.replay.simulator import (
     DEFAULT_KV_TRANSFER_LATENCY_MS,
     MODES,
     TransferModel,
+    check_disagg_pools,
     replay,
     replay_disagg,
 )
 from dynamod.daemon.replay.trace import build_requests, load_trace
-from dynamod.daemon.router.config import add_router_args
-from dynamod.daemon.router.config import config_from_args as router_config_from_args
-from dynamod.daemon.router.disagg_policy import add_disagg_args, disagg_config_from_args
+from dynamod.daemon.router.core.config import add_router_args
+from dynamod.daemon.router.core.config import config_from_args as router_config_from_args
+from dynamod.daemon.router.core.disagg_cost import DEFAULT_NUM_LAYERS, OVERLAP_CHUNK, OVERLAPS
+from dynamod.daemon.router.core.disagg_policy import add_disagg_args, disagg_config_from_args
 from dynamod.shared.errors import ConfigError, DynamoError
 
 REPLAY_VOCAB = 32000  # Llama-sized vocabulary: room for the trace's block ids
@@ -77,6 +79,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help=f"prefill-to-decode bandwidth per transfer, GB/s (10^9 bytes) [default {DEFAULT_KV_TRANSFER_BANDWIDTH_GB_S:g}]")
     t.add_argument("--kv-transfer-latency-ms", type=float, default=DEFAULT_KV_TRANSFER_LATENCY_MS,
                    help=f"fixed cost of each transfer, ms [default {DEFAULT_KV_TRANSFER_LATENCY_MS:g}]")
+    t.add_argument("--kv-transfer-overlap", choices=OVERLAPS, default=OVERLAP_CHUNK,
+                   help="chunk: each prefill chunk's blocks move to the decode worker as the chunk is computed, over "
+                   "the decode worker's link in order; layer: the same, layer by layer within each chunk's step; "
+                   "none: the whole transfer starts when the prefill ends, transfers independent [default chunk]")
+    t.add_argument("--kv-num-layers", type=int, default=DEFAULT_NUM_LAYERS,
+                   help=f"model layers, for --kv-transfer-overlap layer [default {DEFAULT_NUM_LAYERS}]")
     add_mocker_flags(parser.add_argument_group("mocker engine"))
     add_router_args(parser)
     add_disagg_args(parser)
@@ -113,12 +121,7 @@ def _topology(args: argparse.Namespace) -> tuple[int, int] | None:
         raise ConfigError("--workers is for aggregated replay; --prefill-workers and --decode-workers replace it")
     if p is None or d is None:
         raise ConfigError("a disaggregated replay needs both --prefill-workers and --decode-workers")
-    if p < 0:
-        raise ConfigError(f"--prefill-workers must be >= 0, got {p}")
-    if d < 1:
-        raise ConfigError(f"--decode-workers must be at least 1, got {d}")
-    if p == 0 and not args.decode_fallback:
-        raise ConfigError("--prefill-workers 0 with --no-decode-fallback leaves no worker to prefill")
+    check_disagg_pools(p, d, decode_fallback=args.decode_fallback)
     return p, d
 
 
@@ -147,7 +150,8 @@ def main_sync(args: argparse.Namespace) -> int:
         mocker = config_from_args(args, vocab_size=REPLAY_VOCAB)
         router_config = router_config_from_args(args)
         policy = disagg_config_from_args(args) if topology else None
-        transfer = TransferModel(args.kv_bytes_per_token, args.kv_transfer_bandwidth, args.kv_transfer_latency_ms)
+        transfer = TransferModel(args.kv_bytes_per_token, args.kv_transfer_bandwidth, args.kv_transfer_latency_ms,
+                                 overlap=args.kv_transfer_overlap, num_layers=args.kv_num_layers)
         planner = _planner(args, topology, mocker)
     except ConfigError as exc:
         print(f"{_PROG}: error: {exc}", file=sys.stderr)

@@ -25,10 +25,8 @@ import bisect
 import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from dynamod.daemon.frontend.metrics import _ITL_BUCKETS as ITL_BUCKETS_S
-from dynamod.daemon.frontend.metrics import _TOKEN_BUCKETS as TOKEN_BUCKETS
 from dynamod.daemon.planner.budget import ReplicaBudget
 from dynamod.daemon.planner.policy import (
     Observation,
@@ -37,12 +35,10 @@ from dynamod.daemon.planner.policy import (
     TrafficSample,
     WorkerLoad,
 )
+from dynamod.daemon.replay.fleet import DRAINING, READY, STARTING, STOPPED, SimulatedFleet, SimulatedPool
 from dynamod.daemon.replay.report import RequestStats
-from dynamod.shared.observability.metrics import LATENCY_BUCKETS
+from dynamod.shared.observability.metrics import ITL_BUCKETS_S, LATENCY_BUCKETS, TOKEN_BUCKETS
 from dynamod.shared.protocol.planner import ACTION_HOLD, POOL_AGG, POOL_DECODE, POOL_PREFILL
-
-if TYPE_CHECKING:
-    from dynamod.daemon.replay.simulator import _Pool, _Simulation
 
 DEFAULT_STARTUP_S = 30.0  # a worker's launch to ready: engine start, weights loaded, registered
 TTFT_BOUNDS_MS = tuple(b * 1000.0 for b in LATENCY_BUCKETS)  # the frontend's histogram buckets
@@ -75,13 +71,12 @@ class ReplayPlanner:
         self._window.append(st)
 
     @staticmethod
-    def pools(sim: _Simulation) -> dict[str, _Pool]:
+    def pools(sim: SimulatedFleet) -> dict[str, SimulatedPool]:
         if sim.policy is None:
             return {POOL_AGG: sim.decode}
         return {POOL_PREFILL: sim.prefill, POOL_DECODE: sim.decode}
 
-    def tick(self, sim: _Simulation) -> None:
-        from dynamod.daemon.replay.simulator import READY, STARTING
+    def tick(self, sim: SimulatedFleet) -> None:
 
         observation = self.observe(sim)
         plans = self.policy.plan(observation)
@@ -125,8 +120,7 @@ class ReplayPlanner:
         if budget is not None:
             self.max_gpus_held = max(self.max_gpus_held, gpus_held(pools, budget))
 
-    def observe(self, sim: _Simulation) -> Observation:
-        from dynamod.daemon.replay.simulator import DRAINING, READY, STARTING
+    def observe(self, sim: SimulatedFleet) -> Observation:
 
         now_ms = sim.now
         startup_ms = self.startup_s * 1000.0
@@ -173,7 +167,7 @@ class ReplayPlanner:
         self._streaming = still
         return out
 
-    def _first_tokens(self, sim: _Simulation) -> list[RequestStats]:
+    def _first_tokens(self, sim: SimulatedFleet) -> list[RequestStats]:
         """Requests whose first token came since the last tick (the frontend observes TTFT then)."""
         stats = sim.stats
         if len(stats) > self._seen:
@@ -184,7 +178,7 @@ class ReplayPlanner:
             self._awaiting = [s for s in self._awaiting if not s.token_times]
         return got
 
-    def report(self, sim: _Simulation, done: list[RequestStats], end_ms: float) -> dict[str, Any]:
+    def report(self, sim: SimulatedFleet, done: list[RequestStats], end_ms: float) -> dict[str, Any]:
         pools = self.pools(sim)
         return {
             "policy": self.policy.name,
@@ -207,9 +201,8 @@ def _budget_of(policy: PlannerPolicy) -> ReplicaBudget | None:
     return budget if isinstance(budget, ReplicaBudget) else None
 
 
-def gpus_held(pools: dict[str, _Pool], budget: ReplicaBudget) -> int:
+def gpus_held(pools: dict[str, SimulatedPool], budget: ReplicaBudget) -> int:
     """GPUs held now: every core launched and not stopped (starting, ready or draining)."""
-    from dynamod.daemon.replay.simulator import STOPPED
 
     return sum(sum(1 for st in pool.state if st != STOPPED) * budget.gpus_for(name) for name, pool in pools.items())
 
@@ -260,7 +253,7 @@ def traffic_sample(window: list[RequestStats], duration_s: float, arrivals: int 
     )
 
 
-def peak_workers(pool: _Pool, end_ms: float) -> int:
+def peak_workers(pool: SimulatedPool, end_ms: float) -> int:
     """Most cores alive (launched, not stopped) at once."""
     edges = sorted([(t, 1) for t in pool.launched_ms] +
                    [(t if t >= 0 else end_ms, -1) for t in pool.stopped_ms], key=lambda e: (e[0], e[1]))

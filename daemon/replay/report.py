@@ -12,6 +12,8 @@ import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from dynamod.shared.stats import percentile_of_sorted
+
 
 @dataclass(slots=True)
 class RequestStats:
@@ -36,17 +38,8 @@ class RequestStats:
     reason: str = ""
     prefill_done_ms: float = -1.0
     transfer_bytes: int = 0
-    transfer_ms: float = 0.0
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile of an already sorted sequence; 0 when empty."""
-    if not sorted_values:
-        return 0.0
-    k = (len(sorted_values) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+    transfer_ms: float = 0.0  # the transfer's own time: its bytes over the link plus the latency
+    exposed_transfer_ms: float = 0.0  # prefill end to the decode worker's admission (all of it without overlap)
 
 
 P50, P90, P99, P999 = ("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999)
@@ -57,7 +50,7 @@ def summary(values: Iterable[float], *qs: tuple[str, float]) -> dict[str, float]
     ordered = sorted(values)
     res = {"mean": round(sum(ordered) / len(ordered), 3) if ordered else 0.0}
     for name, q in qs:
-        res[name] = round(percentile(ordered, q), 3)
+        res[name] = round(percentile_of_sorted(ordered, q), 3)
     return res
 
 

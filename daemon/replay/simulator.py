@@ -36,10 +36,12 @@ over its own cores' KV events. Per request, at arrival:
 4. the decode stage is routed for real, as the frontend does: with the policy's
    ``decode_overlap_weight`` when the prompt goes remote (the blocks it caches do not travel; 0 is
    Dynamo's decode stage), with the usual weight when local;
-5. remote: the prefill core runs the prompt with ``max_tokens=1``; when that step ends, the KV
-   blocks the decode worker lacks travel in ``TransferModel.time_ms``; then the decode core takes
-   the request with ``kv_transferred=True`` (its prompt occupies the decode cache at no compute)
-   and decodes. Local: the decode core prefills it itself, exactly as in agg mode.
+5. remote: the prefill core runs the prompt with ``max_tokens=1``. The KV blocks the decode
+   worker lacks (at dispatch) move chunk by chunk as the prefill computes them, over the decode
+   worker's link (``TransferModel``, ``--kv-transfer-overlap chunk``), or all at once after the
+   prefill's last step (``none``); when the last lands, the decode core takes the request with
+   ``kv_transferred=True`` (its prompt occupies the decode cache at no compute) and decodes.
+   Local: the decode core prefills it itself, exactly as in agg mode.
 
 TTFT is what the client sees: arrival to the first token the *decode* worker streams. The token
 the prefill worker samples is discarded (Dynamo's frontend takes only the transfer parameters from
@@ -65,6 +67,7 @@ from dynamod.daemon.engines.mocker.config import MockerConfig
 from dynamod.daemon.engines.mocker.core import MockerCore, StepOutput
 from dynamod.daemon.engines.mocker.request import MockRequest
 from dynamod.daemon.engines.mocker.scheduler import DecodeStretch
+from dynamod.daemon.replay.fleet import DRAINING, READY, STARTING, STOPPED
 from dynamod.daemon.replay.report import (
     P50,
     P99,
@@ -80,10 +83,19 @@ from dynamod.daemon.replay.trace import TraceRequest
 
 if TYPE_CHECKING:
     from dynamod.daemon.replay.planner_loop import ReplayPlanner
-from dynamod.daemon.router.config import KvRouterConfig
-from dynamod.daemon.router.disagg_cost import MockerCompute, TransferEstimate
-from dynamod.daemon.router.disagg_policy import DisaggInputs, DisaggPolicyConfig, decide
-from dynamod.daemon.router.kv_router import KvRouter
+from dynamod.daemon.router.core.config import KvRouterConfig
+from dynamod.daemon.router.core.disagg_cost import (
+    DEFAULT_NUM_LAYERS,
+    OVERLAP_CHUNK,
+    OVERLAP_LAYER,
+    OVERLAP_NONE,
+    OVERLAPS,
+    MockerCompute,
+    TransferEstimate,
+    pipelined_end_ms,
+)
+from dynamod.daemon.router.core.disagg_policy import DisaggInputs, DisaggPolicyConfig, decide
+from dynamod.daemon.router.core.kv_router import KvRouter
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.kv.hashing import hash_tokens
 from dynamod.shared.protocol.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, RouterEvent
@@ -101,16 +113,31 @@ DEFAULT_KV_TRANSFER_LATENCY_MS = 1.0  # per transfer: metadata round trip and co
 class TransferModel:
     """How long moving a prompt's KV blocks from a prefill worker to a decode worker takes.
 
-    Transfers are independent (no link contention): one prefill worker finishes a long prompt
-    every few hundred milliseconds while one transfer of it takes tens, so they rarely overlap.
+    ``overlap`` ``chunk`` (the default): the decode worker is chosen when the prefill is
+    dispatched and each prefill chunk's blocks start moving when that chunk's step ends (the
+    prefix the prefill worker caches when its first step begins); the decode worker's inbound link
+    moves them in the order they became ready, shared by every transfer into that worker; the
+    decode worker takes the request ``latency_ms`` (the completion notice) after its last block
+    lands. ``layer``: the same, but a step's blocks move layer by layer as the step computes them
+    (``num_layers`` equal parts, the first ready ``1/num_layers`` into the step).
+
+    ``none`` (the replay before issue 23): the whole transfer starts when the prefill ends and
+    transfers are independent (no link contention).
+
     ``bandwidth_gb_s`` is in 10^9 bytes per second.
     """
 
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
     bandwidth_gb_s: float = DEFAULT_KV_TRANSFER_BANDWIDTH_GB_S
     latency_ms: float = DEFAULT_KV_TRANSFER_LATENCY_MS
+    overlap: str = OVERLAP_CHUNK
+    num_layers: int = DEFAULT_NUM_LAYERS
 
     def __post_init__(self) -> None:
+        if self.overlap not in OVERLAPS:
+            raise ConfigError(f"--kv-transfer-overlap must be one of {', '.join(OVERLAPS)}, got {self.overlap!r}")
+        if self.num_layers < 1:
+            raise ConfigError(f"--kv-num-layers must be at least 1, got {self.num_layers}")
         if self.kv_bytes_per_token < 1:
             raise ConfigError(f"--kv-bytes-per-token must be at least 1, got {self.kv_bytes_per_token}")
         if not self.bandwidth_gb_s > 0:
@@ -125,6 +152,25 @@ class TransferModel:
     def time_ms(self, nbytes: int) -> float:
         return self.latency_ms + nbytes / (self.bandwidth_gb_s * 1e9) * 1000.0
 
+    def link_ms(self, nbytes: int) -> float:
+        """The link time of ``nbytes``, without the per-transfer latency."""
+        return nbytes / (self.bandwidth_gb_s * 1e9) * 1000.0
+
+
+@dataclass(slots=True)
+class _Transfer:
+    """A remote prefill's KV blocks on their way to its decode worker (chunk-wise transfer).
+
+    Blocks ``[0, first_block)`` are cached on the decode worker and do not travel; blocks up to
+    ``queued`` have been handed to the worker's link, the last of them landing at ``lands_ms``."""
+
+    worker: int
+    prompt_tokens: int
+    first_block: int
+    queued: int
+    lands_ms: float
+    link_ms: float = 0.0  # link time of its own bytes
+
 
 @functools.lru_cache(maxsize=8)
 def _mocker_compute(max_num_batched_tokens: int, speedup_ratio: float) -> MockerCompute:
@@ -133,9 +179,9 @@ def _mocker_compute(max_num_batched_tokens: int, speedup_ratio: float) -> Mocker
 
 
 @functools.lru_cache(maxsize=8)
-def _transfer_estimate(kv_bytes_per_token: int, bandwidth_gb_s: float, latency_ms: float) -> TransferEstimate:
+def _transfer_estimate(t: TransferModel) -> TransferEstimate:
     """The cost policy's transfer estimate in a replay: the replay's own transfer model."""
-    return TransferEstimate(kv_bytes_per_token, bandwidth_gb_s, latency_ms)
+    return TransferEstimate(t.kv_bytes_per_token, t.bandwidth_gb_s, t.latency_ms, overlap=t.overlap, num_layers=t.num_layers)
 
 
 class _PromptHashes:
@@ -268,8 +314,7 @@ class _Picker:
 # the time), which keeps a replay deterministic.
 _ARRIVAL, _STEP_DONE, _TRANSFER_DONE, _PLANNER_TICK, _WORKER_READY, _DECODE_RUN_DONE = 0, 1, 2, 3, 4, 5
 
-# Core lifecycle (planner replays): launched -> STARTING -> READY -> DRAINING -> STOPPED.
-STARTING, READY, DRAINING, STOPPED = "starting", "ready", "draining", "stopped"
+# Core lifecycle (planner replays, fleet.py's states): launched -> STARTING -> READY -> DRAINING -> STOPPED.
 
 
 @dataclass(slots=True)
@@ -291,6 +336,8 @@ class _Pool:
     # Requests routed to a core that have not reached it yet (a KV transfer in flight): a
     # draining decode core must wait for them too.
     incoming: list[int] = field(default_factory=list)
+    # When each core's inbound KV link is next free (chunk-wise transfer into a decode core).
+    link_free_ms: list[float] = field(default_factory=list)
     # The stretch of decode steps each core is in, if any (``_DecodeRun``).
     runs: list[_DecodeRun | None] = field(default_factory=list)
     # Where the cores' admitted prompts' hashes come from (``_PromptHashes.for_core``), or None.
@@ -301,7 +348,7 @@ class _Pool:
                prompt_hasher: Callable[[MockRequest], tuple[list[int], list[int]]] | None = None) -> _Pool:
         return cls(name, [MockerCore(mocker, prompt_hasher=prompt_hasher) for _ in range(n)], [False] * n, [0] * n,
                    state=[READY] * n, launched_ms=[0.0] * n, stopped_ms=[-1.0] * n, incoming=[0] * n,
-                   runs=[None] * n, prompt_hasher=prompt_hasher)
+                   link_free_ms=[0.0] * n, runs=[None] * n, prompt_hasher=prompt_hasher)
 
     def ids(self, state: str) -> list[int]:
         return [w for w, st in enumerate(self.state) if st == state]
@@ -315,6 +362,7 @@ class _Pool:
         self.launched_ms.append(now_ms)
         self.stopped_ms.append(-1.0)
         self.incoming.append(0)
+        self.link_free_ms.append(now_ms)
         self.runs.append(None)
         return len(self.cores) - 1
 
@@ -408,6 +456,8 @@ class _Simulation:
         self.reasons: dict[str, int] = {}
         # Remote prefills in flight: the request and its prompt, until its KV reaches the decode core.
         self._requests: dict[str, tuple[TraceRequest, list[int]]] = {}
+        # Chunk-wise transfers in flight, from the prefill's dispatch to the decode core's admission.
+        self._transfers: dict[str, _Transfer] = {}
         # (time, time it was pushed, push order, kind, payload): pushes happen in time order, so
         # this orders events exactly as (time, push order) does, and lets a stretch of plain decode
         # steps key its last step as the step-by-step reference would.
@@ -534,6 +584,12 @@ class _Simulation:
         pool.busy[w] = True
         pool.inflight_prefill[w] = out.num_prefill_tokens
         pool.log.record(out.duration_ms, out.num_decode_reqs, out.num_prefill_tokens)
+        if self._transfers and out.prefill_progress and pool is self.prefill:
+            layers = self.transfer.num_layers if self.transfer.overlap == OVERLAP_LAYER else 0
+            for rid, before, after in out.prefill_progress:
+                self._ship(rid, before)  # its cached prefix is ready now
+                if layers:  # the step's blocks move layer by layer while it computes them
+                    self._ship(rid, after, self.now + out.duration_ms, layers)
         if stretches and self._end_unseen(out):
             stretch = core.decode_stretch()
             if stretch.plain + stretch.then_fills:
@@ -690,6 +746,11 @@ class _Simulation:
         # load now and keeps only its blocks as decode load.
         self.decode_picker.on_first_token(rid)
         self._requests[rid] = (req, prompt)
+        if self.transfer.overlap != OVERLAP_NONE:
+            # The decode worker is known now: the blocks it lacks move as the prefill computes them.
+            cached = self.decode_picker.cached_blocks(dw, prompt, rid)
+            self._transfers[rid] = _Transfer(dw, len(prompt), cached, cached, self.now)
+            self.decode.incoming[dw] += 1
         self._interrupt_run(self.prefill, pw)
         self.prefill.cores[pw].add_request(rid, prompt, max_tokens=1, ignore_eos=True, seed=req.index,
                                            check_tokens=False)
@@ -734,7 +795,7 @@ class _Simulation:
             decode_queued_tokens=decode_load.active_prefill_tokens + self.decode.inflight_prefill[dw],
             running_decodes=decode_load.num_running,
             prefill_cached_tokens=prefill_cached,
-            transfer=_transfer_estimate(t.kv_bytes_per_token, t.bandwidth_gb_s, t.latency_ms),
+            transfer=_transfer_estimate(t),
         )
         info = decide(self.policy, inputs, _mocker_compute(self.mocker.max_num_batched_tokens, self.mocker.speedup_ratio))
         if info.mode != DISAGG_REMOTE and self.prefill_picker is not None and pw >= 0:
@@ -746,21 +807,54 @@ class _Simulation:
         assert picker is not None
         picker.on_step(w, out)
         bs = self.mocker.block_size
+        if self._transfers:
+            for rid, _, after in out.prefill_progress:  # this step's chunks are ready now
+                self._ship(rid, after)
         for fin in out.finished:
             rid = fin.request_id
             picker.on_finish(rid)
             st = self.stats[rid]
             st.prefill_done_ms = self.now
             st.cached_tokens = fin.usage.cached_tokens
+            tr = self._transfers.get(rid)
+            if tr is not None:
+                st.transfer_bytes = self.transfer.bytes_for(tr.queued - tr.first_block, bs)
+                st.transfer_ms = self.transfer.latency_ms + tr.link_ms
+                landed = max(tr.lands_ms, self.now) + self.transfer.latency_ms
+                st.exposed_transfer_ms = landed - self.now
+                self._push(landed, _TRANSFER_DONE, rid)
+                continue
             _, prompt = self._requests[rid]
             # Only the blocks the decode worker lacks travel; it caches the rest already.
             lacking = -(-len(prompt) // bs) - self.decode_picker.cached_blocks(st.worker, prompt, rid)
             st.transfer_bytes = self.transfer.bytes_for(lacking, bs)
-            st.transfer_ms = self.transfer.time_ms(st.transfer_bytes)
+            st.transfer_ms = st.exposed_transfer_ms = self.transfer.time_ms(st.transfer_bytes)
             self.decode.incoming[st.worker] += 1
             self._push(self.now + st.transfer_ms, _TRANSFER_DONE, rid)
 
+    def _ship(self, rid: str, computed_tokens: int, computed_ms: float | None = None, layers: int = 1) -> None:
+        """The blocks of request ``rid`` within its first ``computed_tokens`` prompt tokens are
+        computed (by ``computed_ms``, from now, in ``layers`` parts; None: now, at once): those its
+        decode worker lacks and that were not handed to the link yet join the link's queue (a
+        partial last block goes with the prompt's end)."""
+        tr = self._transfers.get(rid)
+        if tr is None:
+            return
+        bs = self.mocker.block_size
+        ready = -(-tr.prompt_tokens // bs) if computed_tokens >= tr.prompt_tokens else computed_tokens // bs
+        if ready <= tr.queued:
+            return
+        ms = self.transfer.link_ms(self.transfer.bytes_for(ready - tr.queued, bs))
+        tr.queued = ready
+        link = self.decode.link_free_ms
+        if computed_ms is None:
+            tr.lands_ms = link[tr.worker] = max(self.now, link[tr.worker]) + ms
+        else:
+            tr.lands_ms = link[tr.worker] = pipelined_end_ms(link[tr.worker], ms, self.now, computed_ms, layers)
+        tr.link_ms += ms
+
     def _transfer_done(self, rid: str) -> None:
+        self._transfers.pop(rid, None)
         req, prompt = self._requests.pop(rid)
         dw = self.stats[rid].worker
         self.decode.incoming[dw] -= 1
@@ -816,7 +910,9 @@ class _Simulation:
                 "local": sum(1 for s in self.stats.values() if not s.remote),
                 "reasons": dict(sorted(self.reasons.items())),
                 "transfer_bytes_total": sum(s.transfer_bytes for s in remote),
+                "transfer_overlap": self.transfer.overlap,
                 "transfer_ms": summary((s.transfer_ms for s in remote), P50, P99),
+                "exposed_transfer_ms": summary((s.exposed_transfer_ms for s in remote), P50, P99),
                 "remote_prefill_ms": summary((s.prefill_done_ms - s.arrival_ms for s in remote), P50, P99),
             }
             res["busy_fraction"] = {
@@ -888,6 +984,17 @@ def replay(
     return sim.report(mode)
 
 
+def check_disagg_pools(prefill_workers: int, decode_workers: int, *, decode_fallback: bool) -> None:
+    """``ConfigError`` for pool sizes a disaggregated replay cannot run: no decode worker, a
+    negative prefill pool, or no prefill pool without the decode fallback to prefill locally."""
+    if prefill_workers < 0:
+        raise ConfigError(f"--prefill-workers must be >= 0, got {prefill_workers}")
+    if decode_workers < 1:
+        raise ConfigError(f"--decode-workers must be at least 1, got {decode_workers}")
+    if prefill_workers == 0 and not decode_fallback:
+        raise ConfigError("--prefill-workers 0 with --no-decode-fallback leaves no worker to prefill")
+
+
 def replay_disagg(
     requests: list[TraceRequest],
     *,
@@ -908,12 +1015,7 @@ def replay_disagg(
     ``policy`` None means Dynamo's default: unconditional disaggregation with decode fallback.
     """
     policy = policy or DisaggPolicyConfig()
-    if decode_workers < 1:
-        raise ConfigError(f"--decode-workers must be at least 1, got {decode_workers}")
-    if prefill_workers < 0:
-        raise ConfigError(f"--prefill-workers must be >= 0, got {prefill_workers}")
-    if prefill_workers == 0 and not policy.decode_fallback:
-        raise ConfigError("--prefill-workers 0 with --no-decode-fallback leaves no worker to prefill")
+    check_disagg_pools(prefill_workers, decode_workers, decode_fallback=policy.decode_fallback)
     sim = _Simulation(prefill_workers=prefill_workers, decode_workers=decode_workers, mode=mode, mocker=mocker,
                       router_config=router_config, seed=seed, policy=policy, transfer=transfer or TransferModel(),
                       planner=planner, sla_targets=sla_targets, fast_forward=fast_forward)

@@ -1,19 +1,6 @@
-"""The KV-aware router: picks the worker whose cache and load make a request cheapest.
+"""The standalone router role (``dynamod --role router``): serves routing decisions to workers'
+clients over the request plane (service.py) with its own prefill pool (prefill_pool.py).
 
-``KvRouter`` (kv_router.py) is the facade the frontend and the standalone router call; the pieces
-are the KV index (shared/kv/), active sequences, busy detection, the scheduler and the wait queue.
+The routing itself is the router core library (daemon/router/core/), which the frontend embeds
+too; this package is only the role around it.
 """
-
-from dynamod.daemon.router.config import KvRouterConfig, add_router_args, config_from_args
-from dynamod.daemon.router.kv_router import KvRouter
-from dynamod.shared.protocol.routing import HEADER_NAME, CandidateScore, RoutingDecision
-
-__all__ = [
-    "HEADER_NAME",
-    "CandidateScore",
-    "KvRouter",
-    "KvRouterConfig",
-    "RoutingDecision",
-    "add_router_args",
-    "config_from_args",
-]

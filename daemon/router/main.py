@@ -16,10 +16,10 @@ import argparse
 import asyncio
 import logging
 
-from dynamod.daemon.router.config import add_router_args, config_from_args
-from dynamod.daemon.router.decision_publisher import add_decision_args, sample_rate_from_args
-from dynamod.daemon.router.disagg_policy import add_disagg_args, disagg_config_from_args
-from dynamod.daemon.router.prefill_stage import DEFAULT_PREFILL_TIMEOUT_S, DisaggMetrics, PrefillStage
+from dynamod.daemon.router.core.config import add_router_args, config_from_args
+from dynamod.daemon.router.core.decision_publisher import add_decision_args, sample_rate_from_args
+from dynamod.daemon.router.core.disagg_policy import add_disagg_args, disagg_config_from_args
+from dynamod.daemon.router.core.prefill_stage import DEFAULT_PREFILL_TIMEOUT_S, DisaggMetrics, PrefillStage
 from dynamod.daemon.router.service import RouterService, RouterServiceConfig
 from dynamod.shared.config import add_runtime_args, env_or, settings_from_args
 from dynamod.shared.errors import ConfigError

@@ -17,12 +17,12 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from dynamod.daemon.router.config import KvRouterConfig, prefill_router_config
-from dynamod.daemon.router.decision_publisher import DecisionPublisher
-from dynamod.daemon.router.feed import KvFeed
-from dynamod.daemon.router.kv_router import KvRouter
-from dynamod.daemon.router.prefill_stage import PrefillPick
-from dynamod.daemon.router.worker_load import prefill_queue_tokens
+from dynamod.daemon.router.core.config import KvRouterConfig, prefill_router_config
+from dynamod.daemon.router.core.decision_publisher import DecisionPublisher
+from dynamod.daemon.router.core.feed import KvFeed
+from dynamod.daemon.router.core.kv_router import KvRouter
+from dynamod.daemon.router.core.prefill_stage import PrefillPick
+from dynamod.daemon.router.core.worker_load import prefill_queue_tokens
 from dynamod.shared.errors import NoInstancesError
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.keys import parse_key

@@ -42,19 +42,20 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from dynamod.daemon.router.config import KvRouterConfig
-from dynamod.daemon.router.decision_publisher import DecisionPublisher
-from dynamod.daemon.router.feed import KvFeed
-from dynamod.daemon.router.kv_router import KvRouter
-from dynamod.daemon.router.prefill_pool import RouterPrefillPool
-from dynamod.daemon.router.prefill_stage import (
+from dynamod.daemon.router.core.config import KvRouterConfig
+from dynamod.daemon.router.core.decision_publisher import DecisionPublisher
+from dynamod.daemon.router.core.feed import KvFeed
+from dynamod.daemon.router.core.kv_router import KvRouter
+from dynamod.daemon.router.core.prefill_stage import (
     DecodeHint,
     PrefillOutcome,
     PrefillStage,
     close_drains,
     decode_body,
 )
-from dynamod.daemon.router.worker_load import decode_load
+from dynamod.daemon.router.core.worker_load import decode_load
+from dynamod.daemon.router.prefill_pool import RouterPrefillPool
+from dynamod.shared.drain import InFlight
 from dynamod.shared.errors import DynamoError, InvalidRequestError, NoInstancesError, NotFoundError
 from dynamod.shared.protocol.best_worker import BestWorkerAnswer, BestWorkerRequest
 from dynamod.shared.protocol.instance import Instance
@@ -119,9 +120,7 @@ class RouterService:
         self._changed = asyncio.Event()
         self._served: list[ServedInstance] = []
         self._ids = itertools.count()
-        self.inflight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._inflight = InFlight()
         if config.block_size is not None:
             self._make_router(config.block_size)
 
@@ -150,17 +149,17 @@ class RouterService:
             self.kv.block_size if self.kv else "from-card", len(client.instances),
         )
 
+    @property
+    def inflight(self) -> int:
+        """Requests being served now."""
+        return self._inflight.count
+
     async def stop(self, grace_s: float) -> None:
         """Marks its records draining (callers stop sending new work), waits up to ``grace_s``
         for streams in flight, deregisters, then closes. Deregistering first would make every
         caller fail its open streams over at once."""
         await mark_all_draining(self._served)
-        if self.inflight:
-            logger.info("router draining inflight=%d grace_s=%.1f", self.inflight, grace_s)
-            try:
-                await asyncio.wait_for(self._idle.wait(), grace_s)
-            except TimeoutError:
-                logger.warning("router stopping with requests in flight count=%d", self.inflight)
+        await self._inflight.drain(grace_s, "router")
         await deregister_all(self._served)
         await self.card_set.close()
         if self._client is not None:
@@ -307,8 +306,7 @@ class RouterService:
             request = msgspec.convert(body, PreprocessedRequest)
         except msgspec.ValidationError as exc:
             raise InvalidRequestError(f"bad generate request: {exc}") from None
-        self.inflight += 1
-        self._idle.clear()
+        self._inflight.enter()
         try:
             # aclosing: a cancelled caller must free the request and cancel the worker's stream
             # now, not whenever the abandoned inner generator is collected.
@@ -316,9 +314,7 @@ class RouterService:
                 async for out in outputs:
                     yield out
         finally:
-            self.inflight -= 1
-            if not self.inflight:
-                self._idle.set()
+            self._inflight.leave()
 
     async def _route_and_stream(self, request: PreprocessedRequest, ctx: RequestContext) -> AsyncIterator[Any]:
         kv = await self._wait_for_workers()

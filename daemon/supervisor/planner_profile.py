@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dynamod.daemon.engines.mocker.config import MockerConfig, add_mocker_flags, config_from_args
-from dynamod.daemon.planner.perf_profile import PerfProfile
+from dynamod.daemon.perf.profile import PerfProfile
 from dynamod.daemon.profile.main import PROFILE_VOCAB
 from dynamod.daemon.profile.sweep import SweepPlan, sweep_mocker
 from dynamod.shared.errors import ConfigError

@@ -28,9 +28,9 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dynamod.daemon.frontend.auth import parse_keys
 from dynamod.daemon.supervisor.passthrough import flag_value
 from dynamod.shared.errors import ConfigError
+from dynamod.shared.security.api_keys import parse_keys
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from dynamod.daemon.supervisor.children import Supervisor
 from dynamod.shared.discovery.factory import make_store
 from dynamod.shared.discovery.store import DiscoveryStore
 from dynamod.shared.observability.file_sd import TargetGroup, read_target_groups, write_file
+from dynamod.shared.tasks import stop_task
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +85,7 @@ class PrometheusSdWriter:
 
     async def close(self) -> None:
         """Stops refreshing and empties the file: a stopped cluster is no set of down targets."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_task(self._task)
         if self._store is not None:
             await self._store.close()
         with contextlib.suppress(OSError):

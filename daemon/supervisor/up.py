@@ -49,7 +49,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynamod.daemon.frontend.routing import ROUTER_MODES
 from dynamod.daemon.supervisor.children import ChildSpec, CrashLoopError, CrashLoopPolicy, Supervisor
 from dynamod.daemon.supervisor.cluster_lock import ClusterLock
 from dynamod.daemon.supervisor.failed import FailedWorkers
@@ -60,11 +59,11 @@ from dynamod.daemon.supervisor.planner_profile import write_profile
 from dynamod.daemon.supervisor.probe import HttpTarget, frontend_target, probe_host
 from dynamod.daemon.supervisor.prometheus_sd import PrometheusSdWriter
 from dynamod.daemon.supervisor.scaler import DEFAULT_DRAIN_TIMEOUT_S, PoolBudget, PoolTemplate, Scaler
-from dynamod.daemon.worker.main import COMPONENT_BY_ROLE
 from dynamod.shared.config import DEFAULT_NAMESPACE, RuntimeSettings
 from dynamod.shared.discovery.factory import default_file_kv_dir
 from dynamod.shared.errors import ConfigError
-from dynamod.shared.protocol.planner import POOL_AGG, POOL_DECODE, POOL_PREFILL
+from dynamod.shared.protocol.planner import POOL_AGG, POOL_COMPONENT, POOL_DECODE, POOL_PREFILL
+from dynamod.shared.protocol.routing import ROUTER_MODES
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from dynamod.shared.security.settings import add_security_args, security_env, security_from_args
 
@@ -73,8 +72,8 @@ logger = logging.getLogger(__name__)
 FRONTEND = "frontend"
 PLANNER = "planner"
 ROLE_AGG, ROLE_PREFILL, ROLE_DECODE = "agg", "prefill", "decode"
-# The worker daemon's components per role (daemon/worker/main.py, as Dynamo names them).
-PREFILL_COMPONENT, DECODE_COMPONENT = COMPONENT_BY_ROLE[ROLE_PREFILL], COMPONENT_BY_ROLE[ROLE_DECODE]
+# The worker daemon's components per pool (shared/protocol/planner.py, as Dynamo names them).
+PREFILL_COMPONENT, DECODE_COMPONENT = POOL_COMPONENT[POOL_PREFILL], POOL_COMPONENT[POOL_DECODE]
 # Mocker flags `up` passes through to every worker when given.
 _WORKER_PASSTHROUGH = ("speedup_ratio", "block_size", "num_gpu_blocks", "max_num_seqs")
 

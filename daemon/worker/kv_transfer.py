@@ -1,12 +1,12 @@
-"""The worker's part of disaggregated serving: transfer settings, the context an engine is handed,
-and the transfer statistics behind the load metrics and the Prometheus counters.
+"""The worker's part of disaggregated serving: the transfer flags and the transfer statistics
+behind the load metrics and the Prometheus counters.
 
 A worker of role ``prefill`` or ``decode`` whose engine keeps its own KV block memory (the mocker;
-``KvTransferEngine`` in ``engine.py``) gets a transfer agent over that memory, publishes the
+``KvTransferEngine`` in daemon/engines/base.py) gets a transfer agent over that memory, publishes the
 agent's metadata in discovery before it serves ``generate``, and hands the engine a
-``KvTransferContext``: the agent, the directory to find peers in, the deadlines and the stats.
-Engines with their own connector (vLLM's NixlConnector, SGLang's bootstrap) do not implement the
-protocol and move KV themselves.
+``KvTransferContext`` (daemon/engines/kv_transfer.py) built from these settings, with
+``KvTransferStats`` as its sink. Engines with their own connector (vLLM's NixlConnector, SGLang's
+bootstrap) do not implement the protocol and move KV themselves.
 """
 
 from __future__ import annotations
@@ -14,40 +14,21 @@ from __future__ import annotations
 import argparse
 import os
 from collections import deque
-from dataclasses import dataclass
-from typing import Protocol
 
+from dynamod.daemon.engines.kv_transfer import (
+    DEFAULT_HOLD_TIMEOUT_S,
+    DEFAULT_TRANSFER_TIMEOUT_S,
+    KvTransferSettings,
+)
 from dynamod.daemon.worker.metrics import KvTransferMetrics
 from dynamod.shared.errors import ConfigError
-from dynamod.shared.kv.transfer.base import KvTransferAgent, TransferResult
-from dynamod.shared.protocol.kv_transfer import KvTransferMetadata
+from dynamod.shared.kv.transfer.base import TransferResult
 from dynamod.shared.protocol.worker_id import worker_id_hex
 from dynamod.shared.security.settings import RequestPlaneSecurity
+from dynamod.shared.stats import percentiles
 
-DEFAULT_HOLD_TIMEOUT_S = 60.0
-DEFAULT_TRANSFER_TIMEOUT_S = 10.0
 TRANSFER_BACKENDS = ("auto", "nixl", "tcp")
 _WINDOW = 512  # transfers the p50/p99 figures are taken over
-
-# Failure reasons (dynamo_component_kv_transfer_failures_total{reason}).
-REASON_TIMEOUT = "timeout"
-REASON_PEER_LOST = "peer_lost"  # no agent record, connection refused or broken
-REASON_CHECKSUM = "checksum"
-REASON_ERROR = "error"  # anything else: layout mismatch, a refusal, a bug
-
-
-@dataclass(frozen=True, slots=True)
-class KvTransferSettings:
-    """``--kv-transfer-*`` and ``--kv-hold-timeout``: how a prefill/decode worker moves KV."""
-
-    backend: str = "auto"
-    host: str = "127.0.0.1"
-    port: int = 0
-    hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S
-    transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
-    peer_component: str = "prefill"  # where decode workers look prefill workers' agents up
-    advertise_host: str | None = None  # what the agent's metadata names instead of ``host``
-    security: RequestPlaneSecurity | None = None  # the request plane's TLS and token guard the block server too
 
 
 def add_kv_transfer_args(group: argparse._ActionsContainer) -> None:
@@ -93,12 +74,6 @@ def kv_transfer_settings(
         advertise_host=advertise_host,
         security=security,
     )
-
-
-class TransferDirectory(Protocol):
-    """What an engine needs of ``KvTransferDirectory``: finding a peer's agent."""
-
-    async def lookup(self, worker_id: int, component: str = "prefill", *, timeout_s: float = 5.0) -> KvTransferMetadata: ...
 
 
 class KvTransferStats:
@@ -150,18 +125,5 @@ class KvTransferStats:
 
     def percentiles_ms(self) -> tuple[float, float]:
         """(p50, p99) of the transfer times in the window; zeros before the first transfer."""
-        if not self._ms:
-            return 0.0, 0.0
-        ordered = sorted(self._ms)
-        last = len(ordered) - 1
-        return ordered[round(0.5 * last)], ordered[round(0.99 * last)]
-
-
-@dataclass(slots=True)
-class KvTransferContext:
-    """What a ``KvTransferEngine`` is handed once its agent serves and is published."""
-
-    agent: KvTransferAgent
-    directory: TransferDirectory
-    stats: KvTransferStats
-    settings: KvTransferSettings
+        p50, p99 = percentiles(self._ms, (0.5, 0.99))
+        return p50, p99

@@ -16,12 +16,11 @@ import asyncio
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection
 
+from dynamod.daemon.engines.base import EngineInfo
 from dynamod.daemon.engines.factory import ENGINES, add_engine_args, create_engine
-from dynamod.daemon.frontend.parsers.registry import REASONING_PARSERS, TOOL_CALL_PARSERS
 from dynamod.daemon.models.local import LocalModel, resolve_model
-from dynamod.daemon.worker.engine import EngineInfo
 from dynamod.daemon.worker.kv_transfer import add_kv_transfer_args, kv_transfer_settings
 from dynamod.daemon.worker.lora_policy import add_lora_args, lora_policy_from_args
 from dynamod.daemon.worker.metrics import WorkerMetrics
@@ -33,9 +32,12 @@ from dynamod.shared.protocol.model_card import (
     MODEL_TYPE_COMPLETIONS,
     MODEL_TYPE_EMBEDDING,
     MODEL_TYPE_PREFILL,
+    REASONING_PARSER_NAMES,
+    TOOL_CALL_PARSER_NAMES,
     ModelCard,
 )
 from dynamod.shared.protocol.model_files import ModelFilesRef
+from dynamod.shared.protocol.planner import POOL_COMPONENT, ROLE_POOL
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from dynamod.shared.runtime.intent import IntentRecorder
 from dynamod.shared.runtime.model_files import ModelFiles, ModelFilesPublisher
@@ -43,7 +45,8 @@ from dynamod.shared.transport.address import is_loopback_host
 
 logger = logging.getLogger(__name__)
 
-COMPONENT_BY_ROLE = {"agg": "backend", "decode": "backend", "prefill": "prefill"}
+# The component each role registers under (Dynamo's names: decode and agg share ``backend``).
+COMPONENT_BY_ROLE = {role: POOL_COMPONENT[pool] for role, pool in ROLE_POOL.items()}
 DISAGG_ROLES = ("prefill", "decode")
 MODEL_TYPE_CHOICES = ("chat", MODEL_TYPE_EMBEDDING)  # chat: chat and text completions (``generate``)
 EMBEDDING_ENGINES = ("mocker", "vllm")
@@ -61,12 +64,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "(/v1/embeddings, endpoint embed; role agg, engines mocker and vllm) "
                         "[env DYN_MODEL_TYPE, default chat]")
     g.add_argument("--component", help="component name (default: backend for agg/decode, prefill for prefill)")
-    g.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), type=_parser_name(TOOL_CALL_PARSERS),
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSER_NAMES), type=_parser_name(TOOL_CALL_PARSER_NAMES),
                    default=os.environ.get("DYN_TOOL_CALL_PARSER") or None,
                    help="how the frontend finds tool calls in this model's output, published in the model card "
                         "(hermes: Qwen 2.5/3 and Hermes; llama3_json: Llama 3.1+; mistral; pythonic: Llama 3.2/4) "
                         "[env DYN_TOOL_CALL_PARSER, default none: no tool calls are parsed]")
-    g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), type=_parser_name(REASONING_PARSERS),
+    g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSER_NAMES), type=_parser_name(REASONING_PARSER_NAMES),
                    default=os.environ.get("DYN_REASONING_PARSER") or None,
                    help="how the frontend separates this model's reasoning into reasoning_content, published in "
                         "the model card (basic/qwen3: <think>...</think> when the reply opens with it; deepseek_r1: "
@@ -87,7 +90,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_runtime_args(parser)
 
 
-def _parser_name(known: Mapping[str, object]) -> Callable[[str], str]:
+def _parser_name(known: Collection[str]) -> Callable[[str], str]:
     """argparse checks ``choices`` on the command line only; this checks a DYN_* default too."""
 
     def check(value: str) -> str:

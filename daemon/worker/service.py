@@ -28,17 +28,9 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from dynamod.daemon.worker.control_types import (
-    ClearKvRequest,
-    DrainRequest,
-    EmptyRequest,
-    LoadLoraRequest,
-    SleepRequest,
-    UnloadLoraRequest,
-    parse_body,
-)
-from dynamod.daemon.worker.engine import EmbeddingEngine, Engine, EngineInfo, KvTransferEngine, LoraInfo
-from dynamod.daemon.worker.kv_transfer import KvTransferContext, KvTransferSettings, KvTransferStats
+from dynamod.daemon.engines.base import EmbeddingEngine, Engine, EngineInfo, KvTransferEngine, LoraInfo
+from dynamod.daemon.engines.kv_transfer import KvTransferContext, KvTransferSettings
+from dynamod.daemon.worker.kv_transfer import KvTransferStats
 from dynamod.daemon.worker.lora_policy import LoraSourcePolicy, check_lora_name
 from dynamod.daemon.worker.metrics import WorkerMetrics
 from dynamod.shared.discovery.store import Lease
@@ -53,6 +45,15 @@ from dynamod.shared.events.plane import TOPIC_KV_EVENTS, TOPIC_KV_METRICS, Event
 from dynamod.shared.kv.transfer.directory import KvTransferDirectory
 from dynamod.shared.kv.transfer.factory import create_agent
 from dynamod.shared.protocol import control
+from dynamod.shared.protocol.control import (
+    ClearKvRequest,
+    DrainRequest,
+    EmptyRequest,
+    LoadLoraRequest,
+    SleepRequest,
+    UnloadLoraRequest,
+    parse_body,
+)
 from dynamod.shared.protocol.embedding import EMBED_ENDPOINT, EmbedRequest
 from dynamod.shared.protocol.instance import STATUS_DRAINING, STATUS_READY, STATUS_SLEEPING
 from dynamod.shared.protocol.keys import mdc_key

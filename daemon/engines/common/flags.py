@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import Sequence
+from typing import Any
 
 from dynamod.shared.errors import ConfigError
 
@@ -78,15 +79,20 @@ def int_flag(tokens: Sequence[str], *names: str) -> int | None:
         raise ConfigError(f"{names[0]} must be an integer, got {value!r}") from None
 
 
-def user_kv_events_config(tokens: Sequence[str]) -> dict[str, object] | None:
-    """The operator's ``--kv-events-config`` JSON, if any."""
-    raw = flag_value(tokens, KV_EVENTS_FLAG)
+def json_object_flag(tokens: Sequence[str], name: str) -> dict[str, Any] | None:
+    """The JSON object the operator gave as ``name`` (engines take their configs this way), if any."""
+    raw = flag_value(tokens, name)
     if raw is None:
         return None
     try:
         value = json.loads(raw)
     except ValueError as exc:
-        raise ConfigError(f"{KV_EVENTS_FLAG} must be JSON: {exc}") from None
+        raise ConfigError(f"{name} must be JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise ConfigError(f"{KV_EVENTS_FLAG} must be a JSON object")
+        raise ConfigError(f"{name} must be a JSON object")
     return value
+
+
+def user_kv_events_config(tokens: Sequence[str]) -> dict[str, Any] | None:
+    """The operator's ``--kv-events-config`` JSON, if any."""
+    return json_object_flag(tokens, KV_EVENTS_FLAG)

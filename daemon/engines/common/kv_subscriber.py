@@ -26,6 +26,7 @@ import zmq.asyncio
 from dynamod.daemon.engines.common.kv_endpoints import SubscriberEndpoint
 from dynamod.shared.events.seq import Arrival, EventSequences
 from dynamod.shared.protocol.kv_events import KvEventBatch
+from dynamod.shared.tasks import stop_task
 
 logger = logging.getLogger(__name__)
 
@@ -104,17 +105,8 @@ class NativeKvSubscriber:
     async def close(self) -> None:
         task, self._task = self._task, None
         try:
-            if task is not None:
-                task.cancel()
-                current = asyncio.current_task()
-                cancelling = current.cancelling() if current is not None else 0
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    # The task's own cancellation is expected; the caller's (cancelled while
-                    # waiting here) is not ours to absorb: it propagates, after the cleanup below.
-                    if current is not None and current.cancelling() > cancelling:
-                        raise
+            # A caller cancelled while waiting here gets its CancelledError, after the cleanup below.
+            await stop_task(task)
         finally:
             for sock in [self._sub, *self._dealers.values()]:
                 if sock is not None:

@@ -12,10 +12,10 @@ the gap and re-reads ``kv_dump``, which the table answers as if nothing had been
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterable
 
+from dynamod.daemon.engines.common.event_queue import RouterEventQueue
 from dynamod.daemon.engines.common.kv_table import KvBlockTable
 from dynamod.daemon.engines.common.native_events import NativeEventConverter
 from dynamod.shared.protocol.kv_events import MEDIA, MEDIUM_GPU, KvEvent, KvEventBatch, KvStored, RouterEvent
@@ -41,13 +41,15 @@ class NativeKvEventQueue:
         self.worker_id = worker_id
         self._converter = NativeEventConverter(worker_id, mediums=mediums, cleared_medium=cleared_medium)
         self.table = KvBlockTable()
-        self._queue: asyncio.Queue[RouterEvent | None] = asyncio.Queue(maxsize=buffer)
-        self._closed = False
-        self._dropping = False
-        self.dropped = 0
+        self._queue = RouterEventQueue(worker_id, buffer)
         self.gaps = 0
         # Blocks stored per (dp rank, lower tier) since start: an offloading engine's offloads.
         self.lower_stored: dict[tuple[int, str], int] = {}
+
+    @property
+    def dropped(self) -> int:
+        """Events the full queue dropped (each an id gap the router recovers from)."""
+        return self._queue.dropped
 
     @property
     def last_event_id(self) -> int:
@@ -65,7 +67,7 @@ class NativeKvEventQueue:
             if isinstance(stored, KvStored) and stored.medium != MEDIUM_GPU:
                 key = (ev.dp_rank, stored.medium)
                 self.lower_stored[key] = self.lower_stored.get(key, 0) + len(stored.blocks)
-            self._enqueue(ev)
+            self._queue.offer(ev)
 
     def on_gap(self, rank: int, missing: int) -> None:
         """Native batches were lost for good: skip an id so the router resyncs from the dump."""
@@ -80,38 +82,15 @@ class NativeKvEventQueue:
         """An event the adapter knows of before the engine publishes it (a cleared cache)."""
         ev = self._converter.stamp(rank, event)
         self.table.apply(rank, event)
-        self._enqueue(ev)
+        self._queue.offer(ev)
         return ev
 
-    def _enqueue(self, ev: RouterEvent) -> None:
-        if self._closed:
-            return
-        if self._queue.full():
-            # The daemon fell behind: drop. The id gap makes the router re-read kv_dump.
-            if not self._dropping:
-                self._dropping = True
-                logger.warning("kv event buffer full worker_id=%016x event_id=%d", self.worker_id, ev.event_id)
-            self.dropped += 1
-            return
-        self._dropping = False
-        self._queue.put_nowait(ev)
-
-    async def events(self) -> AsyncIterator[RouterEvent]:
+    def events(self) -> AsyncIterator[RouterEvent]:
         """The router events in order (one consumer); ends after ``close()``."""
-        while True:
-            ev = await self._queue.get()
-            if ev is None:
-                return
-            yield ev
+        return self._queue.stream()
 
     def dump(self) -> list[RouterEvent]:
         return self.table.dump(self.worker_id, max(self.last_event_id, 0))
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._queue.full():
-            self._queue.get_nowait()
-            self.dropped += 1
-        self._queue.put_nowait(None)
+        self._queue.close()

@@ -13,21 +13,20 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from dynamod.daemon.perf.mocker_timing import DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.security.private_dir import user_runtime_dir
 
 DEFAULT_NUM_GPU_BLOCKS = 16384
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_MAX_NUM_SEQS = 256
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_WATERMARK = 0.01
 DEFAULT_SPEEDUP_RATIO = 1.0
 DEFAULT_DATA_PARALLEL_SIZE = 1
 DEFAULT_VOCAB_SIZE = 32000
 # KV tiers. Bytes per token size the blocks the tiers move when the engine keeps no bytes of its
-# own (Llama-3-8B in bf16, as the trace replayer's transfer model); bandwidths are decimal GB/s
+# own (DEFAULT_KV_BYTES_PER_TOKEN, daemon/perf/mocker_timing.py); bandwidths are decimal GB/s
 # (PCIe Gen4 x16 for host <-> device, an NVMe Gen4 drive for the disk), 0 meaning unlimited.
-DEFAULT_KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
 DEFAULT_HOST_D2H_GBPS = 25.0
 DEFAULT_HOST_H2D_GBPS = 25.0
 DEFAULT_DISK_WRITE_GBPS = 3.0

@@ -38,7 +38,7 @@ from dynamod.daemon.engines.mocker.scheduler import (
     SchedulerOutput,
 )
 from dynamod.daemon.engines.mocker.tiers import TierBandwidth, TieredKvCache
-from dynamod.daemon.engines.mocker.timing import decode_time_ms, prefill_time_ms
+from dynamod.daemon.perf.mocker_timing import decode_time_ms, prefill_time_ms
 from dynamod.shared.errors import ContextLengthError, InvalidRequestError
 from dynamod.shared.kv.transfer.memory import KvBlockMemory
 from dynamod.shared.protocol.kv_events import (
@@ -113,6 +113,11 @@ class StepOutput:
     kv_usage: float = 0.0
     kv_events: list[KvEvent] = field(default_factory=list)
     remote_loads: list[RemoteLoad] | None = None  # reads the engine must start
+    # (request id, prompt tokens computed before this step, after it) for each request this step
+    # prefilled: which of a prompt's blocks are ready for a decode worker to read as each chunk
+    # ends (chunk-wise KV transfer overlapped with the prefill). Tokens before the first figure
+    # were ready when the step began (the prefix cache's hits), those up to the second at its end.
+    prefill_progress: list[tuple[str, int, int]] = field(default_factory=list)
     # (request id, logprob, top alternatives) for the tokens of requests that asked for them.
     logprobs: list[tuple[str, float, list[tuple[int, float]] | None]] = field(default_factory=list)
 
@@ -433,6 +438,11 @@ class MockerCore:
             self._write_kv(sched)
         if sched.remote_loads is not None:
             out.remote_loads = [self._remote_load(request) for request in sched.remote_loads]
+        if sched.prefill_reqs:
+            out.prefill_progress = [
+                (request.request_id, request.num_computed_tokens, request.num_computed_tokens + num_new)
+                for request, num_new in zip(sched.prefill_reqs, sched.prefill_num_tokens, strict=True)
+            ]
         result = self.scheduler.update_from_output(sched)
         out.req_ids = result.req_ids
         out.token_ids = result.token_ids

@@ -26,14 +26,11 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dynamod.daemon.engines.mocker.disk_tier import DiskStore
-
-if TYPE_CHECKING:
-    from dynamod.daemon.engines.mocker.tiers import TierEntry
+from dynamod.daemon.engines.mocker.tier_entry import TierEntry
 
 logger = logging.getLogger(__name__)
 

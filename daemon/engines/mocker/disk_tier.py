@@ -20,13 +20,11 @@ import shutil
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 
-if TYPE_CHECKING:
-    from dynamod.daemon.engines.mocker.tiers import TierEntry
+from dynamod.daemon.engines.mocker.tier_entry import TierEntry
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +104,6 @@ class DiskStore:
     def load_existing(self, capacity: int) -> Iterator[TierEntry]:
         """The blocks a previous run left (persistence), least recently written first; files of
         another layout, unreadable ones and those beyond ``capacity`` are deleted."""
-        from dynamod.daemon.engines.mocker.tiers import TierEntry
-
         found: list[tuple[float, Path, BlockMeta]] = []
         for path in self.directory.glob(f"*{SUFFIX}"):
             try:

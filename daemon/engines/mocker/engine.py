@@ -1,4 +1,4 @@
-"""``MockerEngine``: the Engine Protocol (daemon/worker/engine.py) around one core per DP rank.
+"""``MockerEngine``: the Engine Protocol (daemon/engines/base.py) around one core per DP rank.
 
 Each data-parallel rank is a ``MockerCore`` driven by its own step-loop task, as each vLLM DP rank
 is its own engine: the loop runs ``core.step()``, publishes the step's KV events at once (vLLM
@@ -27,19 +27,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from dynamod.daemon.engines.base import EngineInfo, EngineState, LoraInfo
+from dynamod.daemon.engines.common.engine_base import EngineBookkeeping
+from dynamod.daemon.engines.common.event_queue import RouterEventQueue
+from dynamod.daemon.engines.kv_transfer import KvTransferContext
 from dynamod.daemon.engines.mocker.config import MockerConfig
 from dynamod.daemon.engines.mocker.core import CoreLoad, MockerCore, StepOutput
 from dynamod.daemon.engines.mocker.guided import GuidedState, GuidedVocab
 from dynamod.daemon.engines.mocker.request import request_seed
 from dynamod.daemon.engines.mocker.streams import RequestStream
 from dynamod.daemon.engines.mocker.transfer import REPORT_KEY, MockerKvTransfer, parse_transfer_params
-from dynamod.daemon.worker.engine import EngineInfo, EngineState, LoraInfo
-from dynamod.daemon.worker.kv_transfer import KvTransferContext
 from dynamod.shared.errors import (
     ConfigError,
     EngineError,
     InvalidRequestError,
-    NotFoundError,
     UnavailableError,
 )
 from dynamod.shared.kv.transfer.memory import KvBlockMemory
@@ -75,8 +76,10 @@ class LoopStats:
         return self.lag_sum_s / self.steps if self.steps else 0.0
 
 
-class MockerEngine:
+class MockerEngine(EngineBookkeeping):
     """A simulated vLLM worker: real KV block management and scheduling, modelled step times."""
+
+    ENGINE_NAME = "mocker"
 
     def __init__(
         self,
@@ -87,8 +90,8 @@ class MockerEngine:
         kv_layout: KvLayout | None = None,
         tokenizer_path: Path | str | None = None,
     ) -> None:
+        super().__init__(worker_id, self._engine_info(config))
         self.config = config
-        self.worker_id = worker_id
         # The model's vocabulary for structured outputs (``tokenizer_path``: its tokenizer.json);
         # loaded on the first constrained request.
         self._guided_vocab = GuidedVocab(tokenizer_path, config.vocab_size, list(config.eos_token_ids))
@@ -100,7 +103,16 @@ class MockerEngine:
         ]
         self._kv: MockerKvTransfer | None = None
         self._no_agent_logged = False
-        self._info = EngineInfo(
+        self.sleep_level = 0  # 2 means the "weights" were released too
+        self._event_id = -1  # last event id handed out; the first event is 0, as routers expect
+        self._events = RouterEventQueue(worker_id, kv_event_buffer)
+        self._wake = [asyncio.Event() for _ in self.cores]
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stats = [LoopStats() for _ in self.cores]
+
+    @staticmethod
+    def _engine_info(config: MockerConfig) -> EngineInfo:
+        return EngineInfo(
             kv_block_size=config.block_size,
             context_length=config.context_length,
             runtime_config=RuntimeConfig(
@@ -112,28 +124,8 @@ class MockerEngine:
             vocab_size=config.vocab_size,
             eos_token_ids=list(config.eos_token_ids),
         )
-        self._streams: dict[str, RequestStream] = {}
-        self._loras: dict[str, LoraInfo] = {}
-        self._next_lora_id = 1
-        self._status = EngineState.CREATED
-        self.sleep_level = 0  # 2 means the "weights" were released too
-        self._event_id = -1  # last event id handed out; the first event is 0, as routers expect
-        self._events: asyncio.Queue[RouterEvent | None] = asyncio.Queue(maxsize=kv_event_buffer)
-        self.events_dropped = 0
-        self._dropping = False  # in a burst of drops (log once per burst)
-        self._wake = [asyncio.Event() for _ in self.cores]
-        self._tasks: list[asyncio.Task[None]] = []
-        self._stats = [LoopStats() for _ in self.cores]
 
     # ---- lifecycle -----------------------------------------------------------------------------
-
-    @property
-    def info(self) -> EngineInfo:
-        return self._info
-
-    @property
-    def status(self) -> EngineState:
-        return self._status
 
     async def start(self) -> None:
         if self._status == EngineState.STOPPED:
@@ -181,11 +173,7 @@ class MockerEngine:
                 if self._kv is not None:
                     await self._kv.close()
             finally:
-                # End kv_events(): make room for the end marker if the buffer is full.
-                if self._events.full():
-                    self._events.get_nowait()
-                    self.events_dropped += 1
-                self._events.put_nowait(None)
+                self._events.close()  # ends kv_events()
         logger.info("mocker stopped worker_id=%016x", self.worker_id)
 
     def _close_cores(self) -> None:
@@ -236,7 +224,7 @@ class MockerEngine:
         """A decode request's read ended: it runs with its KV in place, or prefills here."""
         core = self.cores[rank]
         if core.finish_remote_load(request_id, ok):
-            stream = self._streams.get(request_id)
+            stream = self._active.get(request_id)
             if stream is not None:
                 stream.final_params = {REPORT_KEY: report}
         self._publish(rank, core.take_events())
@@ -257,13 +245,9 @@ class MockerEngine:
         guided = await self._guided_state(request)
         if guided is not None:
             self._check_serving()  # the engine may have gone to sleep while the grammar compiled
-        if request.lora_name and request.lora_name not in self._loras:
-            loaded = ", ".join(sorted(self._loras)) or "none"
-            raise InvalidRequestError(
-                f"LoRA adapter {request.lora_name!r} is not loaded on this worker (loaded: {loaded})", param="model"
-            )
-        if request.request_id in self._streams:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in flight", param="request_id")
+        if request.lora_name:
+            self._request_lora(request.lora_name)
+        self._check_new_request(request.request_id)
         remote = self._remote_params(request)
         rank = self._pick_rank(request)
         core = self.cores[rank]
@@ -276,7 +260,7 @@ class MockerEngine:
         stream = RequestStream(request_id, rank, len(request.token_ids))
         if request.disaggregated_params is not None and remote is None and not request.prefill_only:
             stream.final_params = {REPORT_KEY: {"ok": False, "reason": "this worker has no KV transfer agent"}}
-        self._streams[request_id] = stream
+        self._active[request_id] = stream
         self._wake[rank].set()
         done = False
         try:
@@ -289,8 +273,8 @@ class MockerEngine:
                 yield out
         finally:
             if not done:
-                if self._streams.get(request_id) is stream:
-                    del self._streams[request_id]
+                if self._active.get(request_id) is stream:
+                    del self._active[request_id]
                 if core.abort(request_id):
                     self._wake[rank].set()
                     if self._kv is not None:
@@ -298,7 +282,7 @@ class MockerEngine:
                     logger.debug("mocker request aborted request_id=%s dp_rank=%d", request_id, rank)
 
     async def abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
+        stream = self._active.pop(request_id, None)
         if stream is None:
             return
         self.cores[stream.dp_rank].abort(request_id)
@@ -359,10 +343,6 @@ class MockerEngine:
                 best, best_score = rank, score
         return best
 
-    @property
-    def num_active_requests(self) -> int:
-        return len(self._streams)
-
     # ---- the step loop -------------------------------------------------------------------------
 
     async def _step_loop(self, rank: int) -> None:
@@ -421,7 +401,7 @@ class MockerEngine:
             self._deliver(rank, out)
 
     def _deliver(self, rank: int, out: StepOutput) -> None:
-        streams = self._streams
+        streams = self._active
         for request_id, token in zip(out.req_ids, out.token_ids, strict=True):
             stream = streams.get(request_id)
             if stream is not None:
@@ -445,13 +425,13 @@ class MockerEngine:
 
     def _fail_rank(self, rank: int, exc: BaseException) -> None:
         for request_id in self.cores[rank].abort_all():
-            stream = self._streams.pop(request_id, None)
+            stream = self._active.pop(request_id, None)
             if stream is not None:
                 stream.fail(exc)
 
     def _end_all(self, exc: BaseException | None) -> None:
         """Ends every in-flight stream: with ``exc``, or as aborted when None."""
-        streams, self._streams = self._streams, {}
+        streams, self._active = self._active, {}
         for stream in streams.values():
             if exc is None:
                 stream.finish(FINISH_ABORT, Usage(prompt_tokens=stream.prompt_tokens, completion_tokens=stream.num_tokens))
@@ -465,30 +445,20 @@ class MockerEngine:
     # ---- KV events -----------------------------------------------------------------------------
 
     def _publish(self, rank: int, events: list[KvEvent]) -> None:
-        queue = self._events
+        # A full queue drops (and ``_event_id`` still advances): the gap makes the router re-read
+        # this worker through kv_dump, which is the designed recovery.
+        offer = self._events.offer
         for event in events:
             self._event_id += 1
-            if queue.full():
-                # The consumer fell behind: drop. The gap in event ids makes the router re-read
-                # this worker through kv_dump, which is the designed recovery.
-                if not self._dropping:
-                    self._dropping = True
-                    logger.warning(
-                        "mocker kv event buffer full worker_id=%016x event_id=%d dropped_total=%d",
-                        self.worker_id, self._event_id, self.events_dropped + 1,
-                    )
-                self.events_dropped += 1
-                continue
-            self._dropping = False
-            queue.put_nowait(RouterEvent(worker_id=self.worker_id, dp_rank=rank, event_id=self._event_id, event=event))
+            offer(RouterEvent(worker_id=self.worker_id, dp_rank=rank, event_id=self._event_id, event=event))
 
-    async def kv_events(self) -> AsyncIterator[RouterEvent]:
+    def kv_events(self) -> AsyncIterator[RouterEvent]:
         """The KV events of every rank in order (one consumer); ends when the engine stops."""
-        while True:
-            event = await self._events.get()
-            if event is None:
-                return
-            yield event
+        return self._events.stream()
+
+    @property
+    def events_dropped(self) -> int:
+        return self._events.dropped
 
     @property
     def last_event_id(self) -> int:
@@ -567,7 +537,7 @@ class MockerEngine:
             return
         self._status = EngineState.SLEEPING
         self.sleep_level = level
-        aborted = len(self._streams)
+        aborted = len(self._active)
         self._end_all(None)
         dropped = 0
         for core in self.cores:
@@ -599,28 +569,18 @@ class MockerEngine:
     async def load_lora(self, name: str, source: str) -> LoraInfo:
         if not name:
             raise InvalidRequestError("lora_name must not be empty", param="lora_name")
-        existing = self._loras.get(name)
+        existing = self._loaded_lora(name, source)
         if existing is not None:
-            if existing.source == source:
-                return existing
-            raise InvalidRequestError(
-                f"LoRA adapter {name!r} is already loaded from {existing.source!r}; unload it first",
-                param="lora_name",
-            )
-        info = LoraInfo(name=name, source=source, lora_id=self._next_lora_id)
-        self._next_lora_id += 1
+            return existing
+        info = self._new_lora(name, source)
         self._loras[name] = info
         logger.info("mocker lora loaded worker_id=%016x lora=%s lora_id=%d source=%s", self.worker_id, name, info.lora_id, source)
         return info
 
     async def unload_lora(self, name: str) -> None:
         if self._loras.pop(name, None) is None:
-            raise NotFoundError(f"LoRA adapter {name!r} is not loaded on worker {self.worker_id:x}")
+            raise self._unknown_lora(name)
         logger.info("mocker lora unloaded worker_id=%016x lora=%s", self.worker_id, name)
-
-    def list_loras(self) -> list[LoraInfo]:
-        return list(self._loras.values())
-
 
 def _threadsafe_setter(loop: asyncio.AbstractEventLoop, event: asyncio.Event):
     """A callable for another thread that sets ``event`` on ``loop`` (ignored once the loop closed)."""

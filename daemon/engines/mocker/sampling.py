@@ -21,7 +21,7 @@ requests.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -29,10 +29,22 @@ from dynamod.daemon.engines.mocker.guided import GuidedState
 from dynamod.shared.errors import InvalidRequestError
 from dynamod.shared.protocol.llm import SamplingOptions
 
-if TYPE_CHECKING:
-    from dynamod.daemon.engines.mocker.request import MockRequest
-
 _BOOSTED = 3  # tokens per step the "model" is confident in
+
+
+class SampledRequest(Protocol):
+    """What the sampler reads of the request it samples for (``request.MockRequest`` is one). A
+    protocol here, so that the request, which holds a sampler, is the only one of the two that
+    imports the other."""
+
+    @property
+    def num_output_tokens(self) -> int: ...
+    @property
+    def max_output_tokens(self) -> int: ...
+    @property
+    def min_tokens(self) -> int: ...
+    @property
+    def stop_ids(self) -> frozenset[int]: ...
 
 
 def needs_sampler(options: SamplingOptions) -> bool:
@@ -117,7 +129,7 @@ class TokenSampler:
         """The output constraint is satisfied and the request should end with "stop"."""
         return self.guided is not None and self.guided.complete
 
-    def sample(self, request: MockRequest) -> int:
+    def sample(self, request: SampledRequest) -> int:
         """The next token of ``request``; sets ``last_logprob``/``last_top`` when asked for."""
         num_output = request.num_output_tokens
         mask = self._mask(request, num_output)
@@ -153,7 +165,7 @@ class TokenSampler:
             guided.advance(token, may_stop=may_stop, steering=steering)
         return token
 
-    def _sample_uniform(self, request: MockRequest, mask: np.ndarray | None, num_output: int) -> int:
+    def _sample_uniform(self, request: SampledRequest, mask: np.ndarray | None, num_output: int) -> int:
         guided = self.guided
         assert guided is not None and mask is not None
         steering = guided.steering(num_output, request.max_output_tokens)
@@ -167,7 +179,7 @@ class TokenSampler:
 
     # ---- the pipeline ----------------------------------------------------------------------------
 
-    def _mask(self, request: MockRequest, num_output: int) -> np.ndarray | None:
+    def _mask(self, request: SampledRequest, num_output: int) -> np.ndarray | None:
         """Allowed tokens this step (None: all): allowed_token_ids, stop tokens below min_tokens,
         and the grammar's mask. An intersection left empty keeps the grammar's (it must hold)."""
         mask = None if self._allowed is None else self._allowed.copy()

@@ -44,6 +44,7 @@ import numpy as np
 from dynamod.daemon.engines.mocker.block_pool import KVBlock
 from dynamod.daemon.engines.mocker.disk_io import READ, WRITE, DiskIo
 from dynamod.daemon.engines.mocker.disk_tier import DiskStore
+from dynamod.daemon.engines.mocker.tier_entry import TierEntry
 from dynamod.shared.protocol.kv_events import (
     MEDIUM_CPU,
     MEDIUM_DISK,
@@ -55,26 +56,6 @@ from dynamod.shared.protocol.kv_events import (
 
 RowReader = Callable[[int], np.ndarray]
 RowWriter = Callable[[int, np.ndarray], None]
-
-
-class TierEntry:
-    """One block in a lower tier: its identity (for events and lookups) and, in the host tier of a
-    core that keeps bytes, a copy of its contents."""
-
-    __slots__ = ("block_hash", "tokens_hash", "parent_hash", "lora_name", "data")
-
-    def __init__(
-        self, block_hash: int, tokens_hash: int, parent_hash: int | None, lora_name: str | None,
-        data: np.ndarray | None = None,
-    ) -> None:
-        self.block_hash = block_hash
-        self.tokens_hash = tokens_hash
-        self.parent_hash = parent_hash
-        self.lora_name = lora_name
-        self.data = data
-
-    def __repr__(self) -> str:
-        return f"TierEntry(hash={self.block_hash})"
 
 
 class LruTier:

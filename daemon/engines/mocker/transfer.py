@@ -35,14 +35,14 @@ from typing import Any
 
 import msgspec
 
-from dynamod.daemon.engines.mocker.core import KvHold, MockerCore, RemoteLoad
-from dynamod.daemon.worker.kv_transfer import (
+from dynamod.daemon.engines.kv_transfer import (
     REASON_CHECKSUM,
     REASON_ERROR,
     REASON_PEER_LOST,
     REASON_TIMEOUT,
     KvTransferContext,
 )
+from dynamod.daemon.engines.mocker.core import KvHold, MockerCore, RemoteLoad
 from dynamod.shared.errors import InvalidRequestError, NotFoundError
 from dynamod.shared.kv.transfer.base import KvTransferError, KvTransferTimeout
 from dynamod.shared.kv.transfer.memory import KvBlockMemory

@@ -29,6 +29,7 @@ lease alive), so that one call is made a no-op off the main thread during the bu
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from dynamod.daemon.engines.base import EngineInfo, EngineState, LoraInfo
 from dynamod.daemon.engines.common import flags
 from dynamod.daemon.engines.common.disagg import (
     ROLE_AGG,
@@ -50,10 +52,11 @@ from dynamod.daemon.engines.common.disagg import (
     prefill_request,
     request_stage,
 )
+from dynamod.daemon.engines.common.engine_base import NativeEngineBase, engine_request_error, request_errors
 from dynamod.daemon.engines.common.kv_endpoints import plan_kv_events
 from dynamod.daemon.engines.common.kv_subscriber import NativeKvSubscriber
 from dynamod.daemon.engines.common.lora import local_adapter_dir
-from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER, NativeKvEventQueue
+from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER
 from dynamod.daemon.engines.sglang import disagg
 from dynamod.daemon.engines.sglang.kv_format import decode_sglang_batch
 from dynamod.daemon.engines.sglang.metrics_wire import (
@@ -63,16 +66,7 @@ from dynamod.daemon.engines.sglang.metrics_wire import (
 )
 from dynamod.daemon.engines.sglang.outputs import SglangOutputTracker, sampling_params
 from dynamod.daemon.models.local import LocalModel
-from dynamod.daemon.worker.engine import EngineInfo, EngineState, LoraInfo
-from dynamod.shared.errors import (
-    ConfigError,
-    DynamoError,
-    EngineError,
-    InvalidRequestError,
-    NotFoundError,
-    UnavailableError,
-)
-from dynamod.shared.protocol.kv_events import KvCleared, RouterEvent
+from dynamod.shared.errors import ConfigError, EngineError, InvalidRequestError, UnavailableError
 from dynamod.shared.protocol.llm import EngineOutput, PreprocessedRequest
 from dynamod.shared.protocol.load import LoadMetrics
 from dynamod.shared.protocol.model_card import RuntimeConfig
@@ -143,71 +137,41 @@ def build_sglang_engine(argv: list[str]) -> Any:
         engine_module.signal = real
 
 
-class SglangEngine:
+class SglangEngine(NativeEngineBase):
     """One ``sglang.Engine`` as one worker."""
+
+    ENGINE_NAME = "SGLang"
+    _active: dict[str, SglangOutputTracker]
 
     def __init__(self, tokens: list[str], model: LocalModel, worker_id: int, *, context_length: int | None = None,
                  kv_event_buffer: int = DEFAULT_EVENT_BUFFER, role: str = ROLE_AGG,
                  advertise_host: str = "127.0.0.1") -> None:
-        self.worker_id = worker_id
-        self.model = model
-        self.role = role
-        self._advertise_host = advertise_host
-        self.bootstrap: tuple[str, int] | None = None  # a prefill engine's bootstrap server, once started
-        self._tokens = list(tokens)
-        self._context_override = context_length
-        self._dp = flags.int_flag(self._tokens, "--dp-size", "--data-parallel-size", "--dp") or 1
-        self._info = EngineInfo(
-            kv_block_size=flags.int_flag(self._tokens, "--page-size") or DEFAULT_PAGE_SIZE,
-            context_length=flags.int_flag(self._tokens, "--context-length") or context_length or model.context_length,
-            runtime_config=RuntimeConfig(max_num_seqs=flags.int_flag(self._tokens, "--max-running-requests") or 0,
-                                         data_parallel_size=self._dp),
+        tokens = list(tokens)
+        dp = flags.int_flag(tokens, "--dp-size", "--data-parallel-size", "--dp") or 1
+        info = EngineInfo(
+            kv_block_size=flags.int_flag(tokens, "--page-size") or DEFAULT_PAGE_SIZE,
+            context_length=flags.int_flag(tokens, "--context-length") or context_length or model.context_length,
+            runtime_config=RuntimeConfig(max_num_seqs=flags.int_flag(tokens, "--max-running-requests") or 0,
+                                         data_parallel_size=dp),
             vocab_size=model.vocab_size,
             eos_token_ids=list(model.eos_token_ids),
         )
-        self._feed = NativeKvEventQueue(worker_id, buffer=kv_event_buffer)
+        super().__init__(model, worker_id, info, role=role, kv_event_buffer=kv_event_buffer, data_parallel_size=dp)
+        self._advertise_host = advertise_host
+        self.bootstrap: tuple[str, int] | None = None  # a prefill engine's bootstrap server, once started
+        self._tokens = tokens
+        self._context_override = context_length
         self._subscriber: NativeKvSubscriber | None = None
         self._engine: Any = None
-        self._active: dict[str, SglangOutputTracker] = {}
-        self._loras: dict[str, LoraInfo] = {}
-        self._next_lora_id = 1
-        self._status = EngineState.CREATED
         self.sleep_level = 0
         self._private_dir: str | None = None
         self._metrics: dict[int, Any] = {}
         self._metrics_task: asyncio.Task[None] | None = None
-        self._lock = asyncio.Lock()
-        self.start_seconds = 0.0
 
-    @property
-    def info(self) -> EngineInfo:
-        return self._info
-
-    @property
-    def num_active_requests(self) -> int:
-        return len(self._active)
-
-    # ---- lifecycle -----------------------------------------------------------------------------
-
-    async def start(self) -> None:
-        async with self._lock:
-            if self._status in (EngineState.READY, EngineState.SLEEPING):
-                return
-            if self._status in (EngineState.STOPPED, EngineState.FAILED):
-                raise EngineError(f"SGLang engine is {self._status}; create a new one")
-            started = time.monotonic()
-            try:
-                await self._start()
-            except BaseException:
-                self._status = EngineState.FAILED
-                await self._release()
-                raise
-            self._status = EngineState.READY
-            self.start_seconds = time.monotonic() - started
-            logger.info("sglang engine started worker_id=%016x page_size=%d start_s=%.1f",
-                        self.worker_id, self._info.kv_block_size, self.start_seconds)
+    # ---- lifecycle (``start()`` is NativeEngineBase's) -------------------------------------------
 
     async def _start(self) -> None:
+        started = time.monotonic()
         self._private_dir = tempfile.mkdtemp(prefix=f"dynamod-sglang-{self.worker_id:x}-")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         try:
@@ -239,6 +203,9 @@ class SglangEngine:
             self.bootstrap = disagg.bootstrap_endpoint(self._engine.tokenizer_manager.server_args, self._advertise_host)
             logger.info("sglang disaggregation role=%s bootstrap=%s:%d", self.role, *self.bootstrap)
         self._metrics_task = asyncio.create_task(self._read_metrics(), name=f"sglang-metrics-{self.worker_id:x}")
+        self.start_seconds = time.monotonic() - started
+        logger.info("sglang engine started worker_id=%016x page_size=%d start_s=%.1f",
+                    self.worker_id, self._info.kv_block_size, self.start_seconds)
 
     async def _read_metrics(self) -> None:
         """Scheduler ``KvMetrics`` pushed to ``port_args.metrics_ipc_name``, when SGLang has it."""
@@ -304,16 +271,12 @@ class SglangEngine:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
-        return self._generate(request)
-
     async def _generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
         engine = self._started()
         if self._status == EngineState.SLEEPING:
             raise UnavailableError(f"worker {self.worker_id:x} is asleep; wake it up first")
         rid = request.request_id
-        if rid in self._active:
-            raise InvalidRequestError(f"request id {rid!r} is already in flight", param="request_id")
+        self._check_new_request(rid)
         stage = request_stage(self.role, request, engine="SGLang")
         transfer: dict[str, Any] = {}
         if stage == STAGE_PREFILL:
@@ -330,9 +293,7 @@ class SglangEngine:
             )
         lora_path = None
         if request.lora_name:
-            if request.lora_name not in self._loras:
-                raise InvalidRequestError(f"LoRA adapter {request.lora_name!r} is not loaded on this worker", param="model")
-            lora_path = request.lora_name  # SGLang keys loaded adapters by name
+            lora_path = self._request_lora(request.lora_name).name  # SGLang keys loaded adapters by name
         tracker = SglangOutputTracker(len(request.token_ids))
         self._active[rid] = tracker
         finished = False
@@ -348,7 +309,7 @@ class SglangEngine:
             if stage == STAGE_PREFILL:
                 # The decode leg starts on this frame; the prefill below waits for it to join the room.
                 yield EngineOutput(disaggregated_params=dict(transfer))
-            try:
+            with request_errors(functools.partial(engine_request_error, self.ENGINE_NAME)):
                 stream = await engine.async_generate(
                     input_ids=list(request.token_ids),
                     sampling_params=sampling_params(request, context_length=self._info.context_length),
@@ -362,12 +323,6 @@ class SglangEngine:
                     yield out
                     if finished:
                         return
-            except (GeneratorExit, asyncio.CancelledError, DynamoError):
-                raise
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc)) from None
-            except Exception as exc:
-                raise EngineError(f"SGLang request failed: {type(exc).__name__}: {exc}") from exc
             if not finished:
                 finished = True
                 yield tracker.aborted()
@@ -386,13 +341,7 @@ class SglangEngine:
         if request_id in self._active and self._engine is not None:
             self._abort_rid(request_id)
 
-    # ---- KV events, load, cache ----------------------------------------------------------------
-
-    def kv_events(self) -> AsyncIterator[RouterEvent]:
-        return self._feed.events()
-
-    async def kv_dump(self) -> list[RouterEvent]:
-        return self._feed.dump()
+    # ---- load, cache ---------------------------------------------------------------------------
 
     async def clear_kv_blocks(self, medium: str | None = None) -> int:
         if medium not in (None, "GPU"):
@@ -402,8 +351,7 @@ class SglangEngine:
         result = await engine.tokenizer_manager.flush_cache()
         if not getattr(result, "success", True):
             raise UnavailableError(f"SGLang did not flush its cache on worker {self.worker_id:x} (requests in flight?)")
-        for rank in range(self._dp):
-            self._feed.emit(rank, KvCleared())
+        self._emit_cleared()
         return before
 
     def load_metrics(self) -> list[LoadMetrics]:
@@ -442,8 +390,7 @@ class SglangEngine:
             self._abort_rid(rid)
         await engine.tokenizer_manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=tags), None)
         self._status, self.sleep_level = EngineState.SLEEPING, level
-        for rank in range(self._dp):
-            self._feed.emit(rank, KvCleared())
+        self._emit_cleared()
 
     async def wake_up(self) -> None:
         engine = self._started()
@@ -461,29 +408,23 @@ class SglangEngine:
         if not getattr(engine.server_args, "enable_lora", False):
             raise InvalidRequestError("LoRA is off: start with --enable-lora in --sglang-args", param="lora_name")
         path = local_adapter_dir(source)
-        existing = self._loras.get(name)
+        existing = self._loaded_lora(name, path)
         if existing is not None:
-            if existing.source == path:
-                return existing
-            raise InvalidRequestError(f"LoRA adapter {name!r} is already loaded from {existing.source!r}", param="lora_name")
+            return existing
         from sglang.srt.managers.io_struct import LoadLoRAAdapterReqInput
 
         result = await engine.tokenizer_manager.load_lora_adapter(LoadLoRAAdapterReqInput(lora_name=name, lora_path=path))
         if not getattr(result, "success", False):
             raise InvalidRequestError(f"SGLang could not load LoRA {name!r}: {getattr(result, 'error_message', '')}")
-        info = LoraInfo(name=name, source=path, lora_id=self._next_lora_id)
-        self._next_lora_id += 1
+        info = self._new_lora(name, path)
         self._loras[name] = info
         return info
 
     async def unload_lora(self, name: str) -> None:
         if name not in self._loras:
-            raise NotFoundError(f"LoRA adapter {name!r} is not loaded on worker {self.worker_id:x}")
+            raise self._unknown_lora(name)
         engine = self._started()
         from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
 
         await engine.tokenizer_manager.unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name=name))
         del self._loras[name]
-
-    def list_loras(self) -> list[LoraInfo]:
-        return list(self._loras.values())

@@ -23,6 +23,7 @@ with recorded event payloads here (tests/unit/engines/test_trtllm_adapter.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from dynamod.daemon.engines.base import EngineInfo, EngineState, LoraInfo
 from dynamod.daemon.engines.common.disagg import (
     ROLE_AGG,
     STAGE_DECODE,
@@ -38,22 +40,14 @@ from dynamod.daemon.engines.common.disagg import (
     prefill_request,
     request_stage,
 )
+from dynamod.daemon.engines.common.engine_base import NativeEngineBase, engine_request_error, request_errors
 from dynamod.daemon.engines.common.lora import local_adapter_dir
-from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER, NativeKvEventQueue
+from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER
 from dynamod.daemon.engines.common.sampling import choice_grammar, refuse_unsupported, stop_kwargs
 from dynamod.daemon.engines.trtllm import disagg
 from dynamod.daemon.engines.trtllm.kv_format import TrtllmEventMapper
 from dynamod.daemon.models.local import LocalModel
-from dynamod.daemon.worker.engine import EngineInfo, EngineState, LoraInfo
-from dynamod.shared.errors import (
-    ConfigError,
-    DynamoError,
-    EngineError,
-    InvalidRequestError,
-    NotFoundError,
-    UnavailableError,
-)
-from dynamod.shared.protocol.kv_events import RouterEvent
+from dynamod.shared.errors import ConfigError, EngineError, InvalidRequestError, UnavailableError
 from dynamod.shared.protocol.llm import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -161,51 +155,35 @@ def cached_tokens(output: Any, block_size: int) -> int:
     return int(reused) * block_size if isinstance(reused, int) else 0
 
 
-class TrtllmEngine:
-    """One ``tensorrt_llm.LLM`` as one worker."""
+class TrtllmEngine(NativeEngineBase):
+    """One ``tensorrt_llm.LLM`` as one worker (``_active``: request id -> its ``RequestOutput``)."""
+
+    ENGINE_NAME = "TensorRT-LLM"
 
     def __init__(self, options: dict[str, Any], model: LocalModel, worker_id: int, *,
                  kv_event_buffer: int = DEFAULT_EVENT_BUFFER, role: str = ROLE_AGG) -> None:
-        self.worker_id = worker_id
-        self.model = model
-        self.role = role
-        self._options = options
-        kv = options["kv_cache_config"]
-        self._block = int(kv["tokens_per_block"])
-        self._info = EngineInfo(
-            kv_block_size=self._block,
+        block = int(options["kv_cache_config"]["tokens_per_block"])
+        info = EngineInfo(
+            kv_block_size=block,
             context_length=int(options.get("max_seq_len") or model.context_length),
             runtime_config=RuntimeConfig(max_num_seqs=int(options.get("max_batch_size") or 0),
                                          max_num_batched_tokens=int(options.get("max_num_tokens") or 0)),
             vocab_size=model.vocab_size,
             eos_token_ids=list(model.eos_token_ids),
         )
-        self._feed = NativeKvEventQueue(worker_id, buffer=kv_event_buffer)
-        self._mapper = TrtllmEventMapper(self._block)
+        super().__init__(model, worker_id, info, role=role, kv_event_buffer=kv_event_buffer)
+        self._options = options
+        self._block = block
+        self._mapper = TrtllmEventMapper(block)
         self._llm: Any = None
-        self._active: dict[str, Any] = {}
-        self._loras: dict[str, LoraInfo] = {}
-        self._next_lora_id = 1
         self._stats: dict[str, Any] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._status = EngineState.CREATED
-        self._lock = asyncio.Lock()
-        self.start_seconds = 0.0
-
-    @property
-    def info(self) -> EngineInfo:
-        return self._info
-
-    @property
-    def num_active_requests(self) -> int:
-        return len(self._active)
 
     async def start(self) -> None:
-        async with self._lock:
-            if self._status == EngineState.READY:
+        """Builds the LLM and starts polling its event and stats queues (no STARTING state)."""
+        async with self._start_lock:
+            if not self._needs_start():  # never SLEEPING: TensorRT-LLM has no sleep mode
                 return
-            if self._status in (EngineState.STOPPED, EngineState.FAILED):
-                raise EngineError(f"TensorRT-LLM engine is {self._status}; create a new one")
             started = time.monotonic()
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             try:
@@ -282,9 +260,6 @@ class TrtllmEngine:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
-        return self._generate(request)
-
     async def _generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
         llm = self._started()
         from tensorrt_llm import SamplingParams
@@ -292,8 +267,7 @@ class TrtllmEngine:
         from tensorrt_llm.llmapi import DisaggregatedParams
 
         rid = request.request_id
-        if rid in self._active:
-            raise InvalidRequestError(f"request id {rid!r} is already in flight", param="request_id")
+        self._check_new_request(rid)
         stage = request_stage(self.role, request, engine="TensorRT-LLM")
         disagg_params = None
         if stage == STAGE_PREFILL:
@@ -304,9 +278,7 @@ class TrtllmEngine:
             disagg_params = disagg.decode_params(request.disaggregated_params, DisaggregatedParams)
         lora_request = None
         if request.lora_name:
-            lora = self._loras.get(request.lora_name)
-            if lora is None:
-                raise InvalidRequestError(f"LoRA adapter {request.lora_name!r} is not loaded on this worker", param="model")
+            lora = self._request_lora(request.lora_name)
             lora_request = LoRARequest(lora.name, lora.lora_id, lora.source)
         try:
             kwargs = sampling_params(request, context_length=self._info.context_length)
@@ -324,7 +296,7 @@ class TrtllmEngine:
         context_result = None  # a prefill leg's DisaggregatedParams, from whichever output has them
         finished = False
         try:
-            try:
+            with request_errors(functools.partial(engine_request_error, self.ENGINE_NAME)):
                 async for out in result:
                     completion = out.outputs[0]
                     new = list(completion.token_ids_diff)
@@ -349,12 +321,6 @@ class TrtllmEngine:
                     yield msg
                     if finished:
                         return
-            except (GeneratorExit, asyncio.CancelledError, DynamoError):
-                raise
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc)) from None
-            except Exception as exc:
-                raise EngineError(f"TensorRT-LLM request failed: {type(exc).__name__}: {exc}") from exc
             if not finished:
                 finished = True
                 yield EngineOutput(finish_reason=FINISH_ABORT,
@@ -369,13 +335,7 @@ class TrtllmEngine:
         if result is not None:
             result.abort()
 
-    # ---- KV events, load, controls -------------------------------------------------------------
-
-    def kv_events(self) -> AsyncIterator[RouterEvent]:
-        return self._feed.events()
-
-    async def kv_dump(self) -> list[RouterEvent]:
-        return self._feed.dump()
+    # ---- cache, load, controls ------------------------------------------------------------------
 
     async def clear_kv_blocks(self, medium: str | None = None) -> int:
         raise InvalidRequestError("TensorRT-LLM's LLM API has no way to drop the cached KV blocks of a running engine")
@@ -408,19 +368,13 @@ class TrtllmEngine:
             raise InvalidRequestError("LoRA is off: pass \"enable_lora\": true (and lora_config) in --trtllm-args",
                                       param="lora_name")
         path = local_adapter_dir(source)
-        existing = self._loras.get(name)
+        existing = self._loaded_lora(name, path)
         if existing is not None:
-            if existing.source == path:
-                return existing
-            raise InvalidRequestError(f"LoRA adapter {name!r} is already loaded from {existing.source!r}", param="lora_name")
-        info = LoraInfo(name=name, source=path, lora_id=self._next_lora_id)
-        self._next_lora_id += 1
+            return existing
+        info = self._new_lora(name, path)
         self._loras[name] = info
         return info
 
     async def unload_lora(self, name: str) -> None:
         if self._loras.pop(name, None) is None:
-            raise NotFoundError(f"LoRA adapter {name!r} is not loaded on worker {self.worker_id:x}")
-
-    def list_loras(self) -> list[LoraInfo]:
-        return list(self._loras.values())
+            raise self._unknown_lora(name)

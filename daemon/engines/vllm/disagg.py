@@ -28,13 +28,12 @@ the operator set them.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dynamod.daemon.engines.common.disagg import ROLE_AGG
-from dynamod.daemon.engines.common.flags import flag_value
+from dynamod.daemon.engines.common.flags import json_object_flag
 from dynamod.daemon.engines.common.kv_endpoints import free_port_run
 from dynamod.daemon.engines.vllm.flags import KV_TRANSFER_FLAG
 from dynamod.shared.errors import ConfigError, InvalidRequestError
@@ -51,16 +50,7 @@ _OPERATOR_SIDE_CHANNEL = {k: os.environ.get(k) for k in (SIDE_CHANNEL_HOST_ENV, 
 
 def user_kv_transfer_config(tokens: Sequence[str]) -> dict[str, Any] | None:
     """The operator's ``--kv-transfer-config`` JSON, if any."""
-    raw = flag_value(tokens, KV_TRANSFER_FLAG)
-    if raw is None:
-        return None
-    try:
-        value = json.loads(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{KV_TRANSFER_FLAG} must be JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{KV_TRANSFER_FLAG} must be a JSON object")
-    return value
+    return json_object_flag(tokens, KV_TRANSFER_FLAG)
 
 
 def kv_transfer_config(role: str, tokens: Sequence[str]) -> dict[str, Any] | None:

@@ -17,10 +17,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from dynamod.daemon.engines.common.engine_base import request_errors
 from dynamod.daemon.engines.common.flags import has_flag
-from dynamod.daemon.engines.vllm.engine import VllmEngine, _request_error
+from dynamod.daemon.engines.vllm.engine import VllmEngine, request_error
 from dynamod.daemon.engines.vllm.outputs import OutputTracker
-from dynamod.shared.errors import DynamoError, EngineError, InvalidRequestError, UnavailableError
+from dynamod.shared.errors import EngineError, InvalidRequestError, UnavailableError
 from dynamod.shared.protocol.embedding import VECTOR_DTYPE, EmbedRequest, EmbedResponse, resolve_dimensions
 from dynamod.shared.protocol.model_card import EmbeddingSpec
 
@@ -74,9 +75,7 @@ class VllmEmbeddingEngine(VllmEngine):
             raise InvalidRequestError("nothing to embed: 'input' is empty", param="input")
         lora_request = None
         if request.lora_name:
-            lora = self._loras.get(request.lora_name)
-            if lora is None:
-                raise InvalidRequestError(f"LoRA adapter {request.lora_name!r} is not loaded on this worker", param="model")
+            lora = self._request_lora(request.lora_name)
             from vllm.lora.request import LoRARequest
 
             lora_request = LoRARequest(lora.name, lora.lora_id, lora.source)
@@ -94,8 +93,7 @@ class VllmEmbeddingEngine(VllmEngine):
         from vllm import PoolingParams
         from vllm.inputs import TokensPrompt
 
-        if rid in self._active:
-            raise InvalidRequestError(f"request id {rid!r} is already in flight", param="request_id")
+        self._check_new_request(rid)
         try:
             params = PoolingParams(task="embed", dimensions=dimensions)
         except (ValueError, TypeError) as exc:
@@ -104,14 +102,9 @@ class VllmEmbeddingEngine(VllmEngine):
         final = None
         stream = self._llm.encode(TokensPrompt(prompt_token_ids=list(token_ids)), params, rid, lora_request=lora_request)
         try:
-            async for out in stream:
-                final = out
-        except (GeneratorExit, asyncio.CancelledError):
-            raise
-        except DynamoError:
-            raise
-        except Exception as exc:
-            raise _request_error(exc) from exc
+            with request_errors(request_error):
+                async for out in stream:
+                    final = out
         finally:
             self._active.pop(rid, None)
             if final is None or not final.finished:

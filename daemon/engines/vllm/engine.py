@@ -1,4 +1,4 @@
-"""``VllmEngine``: the Engine Protocol (daemon/worker/engine.py) over vLLM's ``AsyncLLM``.
+"""``VllmEngine``: the Engine Protocol (daemon/engines/base.py) over vLLM's ``AsyncLLM``.
 
 vLLM runs its engine core (scheduler, KV cache, model) in a child process; ``AsyncLLM`` is the
 in-process client the worker daemon drives from its event loop. Building it loads the model and
@@ -34,6 +34,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from dynamod.daemon.engines.base import EngineInfo, EngineState, LoraInfo
 from dynamod.daemon.engines.common.disagg import (
     ROLE_AGG,
     ROLE_DECODE,
@@ -42,6 +43,7 @@ from dynamod.daemon.engines.common.disagg import (
     prefill_request,
     request_stage,
 )
+from dynamod.daemon.engines.common.engine_base import NativeEngineBase, request_errors
 from dynamod.daemon.engines.common.flags import user_kv_events_config
 from dynamod.daemon.engines.common.kv_endpoints import plan_kv_events
 from dynamod.daemon.engines.common.kv_subscriber import NativeKvSubscriber
@@ -51,23 +53,8 @@ from dynamod.daemon.engines.vllm import disagg, flags, offload
 from dynamod.daemon.engines.vllm.outputs import OutputTracker, sampling_kwargs
 from dynamod.daemon.engines.vllm.stats import LoadTracker, make_stat_logger_factory
 from dynamod.daemon.models.local import LocalModel
-from dynamod.daemon.worker.engine import EngineInfo, EngineState, LoraInfo
-from dynamod.shared.errors import (
-    ConfigError,
-    DynamoError,
-    EngineError,
-    InvalidRequestError,
-    NotFoundError,
-    UnavailableError,
-)
-from dynamod.shared.protocol.kv_events import (
-    MEDIA,
-    MEDIUM_CPU,
-    MEDIUM_GPU,
-    KvCleared,
-    RouterEvent,
-    decode_native_batch,
-)
+from dynamod.shared.errors import ConfigError, DynamoError, EngineError, InvalidRequestError, UnavailableError
+from dynamod.shared.protocol.kv_events import MEDIA, MEDIUM_CPU, MEDIUM_GPU, decode_native_batch
 from dynamod.shared.protocol.llm import FINISH_ABORT, FINISH_ERROR, EngineOutput, PreprocessedRequest
 from dynamod.shared.protocol.load import KvTierLoad, LoadMetrics
 from dynamod.shared.protocol.model_card import RuntimeConfig
@@ -106,7 +93,7 @@ def build_async_llm(argv: list[str], tracker: LoadTracker) -> Any:
     return AsyncLLM.from_engine_args(engine_args, stat_loggers=[make_stat_logger_factory(tracker)])
 
 
-def _request_error(exc: BaseException) -> DynamoError:
+def request_error(exc: BaseException) -> DynamoError:
     """vLLM's exception for a failed request as ours (bad input is the client's fault)."""
     from vllm.exceptions import VLLMClientError
     from vllm.v1.engine.exceptions import EngineDeadError
@@ -119,8 +106,11 @@ def _request_error(exc: BaseException) -> DynamoError:
     return EngineError(f"vLLM request failed: {type(cause).__name__}: {cause}")
 
 
-class VllmEngine:
+class VllmEngine(NativeEngineBase):
     """One vLLM ``AsyncLLM`` (all its data-parallel ranks) as one worker."""
+
+    ENGINE_NAME = "vLLM"
+    _active: dict[str, OutputTracker]
 
     def __init__(
         self,
@@ -135,18 +125,9 @@ class VllmEngine:
         host_tier_bytes: int | None = None,
     ) -> None:
         """``host_tier_bytes``: vLLM's host KV tier (``cpu_bytes_to_use``, offload.py); None: off."""
-        self.worker_id = worker_id
-        self.model = model
-        self.role = role
-        self._advertise_host = advertise_host
-        self._host_tier_bytes = host_tier_bytes
-        self._host_tier_capacity = 0  # blocks, known once the engine's block size is (_adopt_config)
-        self._tokens = list(tokens) if host_tier_bytes is None else offload.without_offloading_flags(tokens)
-        self._kv_transfer = offload.kv_transfer_config(role, self._tokens, host_tier_bytes)
-        self._context_override = context_length
-        est = flags.estimates(self._tokens)
-        self._dp = est.data_parallel_size
-        self._info = EngineInfo(
+        tokens = list(tokens) if host_tier_bytes is None else offload.without_offloading_flags(tokens)
+        est = flags.estimates(tokens)
+        info = EngineInfo(
             kv_block_size=est.block_size,
             context_length=est.max_model_len or context_length or model.context_length,
             runtime_config=RuntimeConfig(
@@ -160,32 +141,26 @@ class VllmEngine:
         )
         # With a host tier, vLLM's own AllBlocksCleared (from its device block pool) empties the
         # device only; the host copies stay until vLLM announces their removal.
-        self._feed = NativeKvEventQueue(
-            worker_id, buffer=kv_event_buffer, cleared_medium=MEDIUM_GPU if self.host_tier else None
+        super().__init__(
+            model, worker_id, info, role=role, kv_event_buffer=kv_event_buffer,
+            data_parallel_size=est.data_parallel_size,
+            cleared_medium=MEDIUM_GPU if host_tier_bytes is not None else None,
         )
+        self._advertise_host = advertise_host
+        self._host_tier_bytes = host_tier_bytes
+        self._host_tier_capacity = 0  # blocks, known once the engine's block size is (_adopt_config)
+        self._tokens = tokens
+        self._kv_transfer = offload.kv_transfer_config(role, self._tokens, host_tier_bytes)
+        self._context_override = context_length
         self._load = LoadTracker(self._dp)
         self._subscriber: NativeKvSubscriber | None = None
         self._llm: Any = None
         self._model_defaults: dict[str, Any] = {}
-        self._active: dict[str, OutputTracker] = {}
-        self._loras: dict[str, LoraInfo] = {}
-        self._next_lora_id = 1
-        self._status = EngineState.CREATED
         self.sleep_level = 0
         self._private_dir: str | None = None
-        self._start_lock = asyncio.Lock()
         self._health_task: asyncio.Task[None] | None = None
-        self.start_seconds = 0.0
 
-    # ---- lifecycle -----------------------------------------------------------------------------
-
-    @property
-    def info(self) -> EngineInfo:
-        return self._info
-
-    @property
-    def status(self) -> EngineState:
-        return self._status
+    # ---- lifecycle (``start()`` is NativeEngineBase's) -------------------------------------------
 
     @property
     def host_tier(self) -> bool:
@@ -199,21 +174,6 @@ class VllmEngine:
     @property
     def subscriber(self) -> NativeKvSubscriber | None:
         return self._subscriber
-
-    async def start(self) -> None:
-        async with self._start_lock:
-            if self._status in (EngineState.READY, EngineState.SLEEPING):
-                return
-            if self._status in (EngineState.STOPPED, EngineState.FAILED):
-                raise EngineError(f"vLLM engine is {self._status}; create a new one")
-            self._status = EngineState.STARTING
-            try:
-                await self._start()
-            except BaseException:
-                self._status = EngineState.FAILED
-                await self._release()
-                raise
-            self._status = EngineState.READY
 
     async def _start(self) -> None:
         started = time.monotonic()
@@ -388,12 +348,9 @@ class VllmEngine:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+    async def _generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
         """Streams token-id deltas; the last output has ``finish_reason`` and ``usage`` (with the
         prompt tokens vLLM found in its prefix cache). Closing the stream aborts the request."""
-        return self._generate(request)
-
-    async def _generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
         self._check_serving()
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -402,8 +359,7 @@ class VllmEngine:
 
         llm = self._llm
         rid = request.request_id
-        if rid in self._active:
-            raise InvalidRequestError(f"request id {rid!r} is already in flight", param="request_id")
+        self._check_new_request(rid)
         stage = request_stage(self.role, request, engine="vLLM")
         extra_args: dict[str, Any] | None = None
         if stage == STAGE_PREFILL:
@@ -414,12 +370,7 @@ class VllmEngine:
             extra_args = {"kv_transfer_params": disagg.decode_transfer_params(request.disaggregated_params)}
         lora_request = None
         if request.lora_name:
-            lora = self._loras.get(request.lora_name)
-            if lora is None:
-                loaded = ", ".join(sorted(self._loras)) or "none"
-                raise InvalidRequestError(
-                    f"LoRA adapter {request.lora_name!r} is not loaded on this worker (loaded: {loaded})", param="model"
-                )
+            lora = self._request_lora(request.lora_name)
             lora_request = LoRARequest(lora.name, lora.lora_id, lora.source)
         if request.dp_rank is not None and not 0 <= request.dp_rank < self._dp:
             raise InvalidRequestError(f"dp_rank {request.dp_rank} out of range [0, {self._dp})", param="dp_rank")
@@ -443,9 +394,9 @@ class VllmEngine:
         )
         finished = False
         try:
-            try:
-                # vLLM's stream ends by itself after the finished output; running it to its end
-                # (rather than closing it) spares the engine an abort per request.
+            # vLLM's stream ends by itself after the finished output; running it to its end
+            # (rather than closing it) spares the engine an abort per request.
+            with request_errors(request_error):
                 async for ro in stream:
                     out = tracker.map(ro)
                     if out is None:
@@ -454,12 +405,6 @@ class VllmEngine:
                     if finished and stage == STAGE_PREFILL:
                         self._check_prefill_result(out, rid)
                     yield out
-            except (GeneratorExit, asyncio.CancelledError):
-                raise
-            except DynamoError:
-                raise
-            except Exception as exc:
-                raise _request_error(exc) from exc
             if not finished:  # the stream ended without a final output: it was aborted
                 finished = True
                 yield tracker.aborted()
@@ -487,17 +432,7 @@ class VllmEngine:
         if request_id in self._active and self._llm is not None:
             await self._llm.abort(request_id)
 
-    @property
-    def num_active_requests(self) -> int:
-        return len(self._active)
-
-    # ---- KV events and load --------------------------------------------------------------------
-
-    def kv_events(self) -> AsyncIterator[RouterEvent]:
-        return self._feed.events()
-
-    async def kv_dump(self) -> list[RouterEvent]:
-        return self._feed.dump()
+    # ---- KV cache and load ---------------------------------------------------------------------
 
     async def clear_kv_blocks(self, medium: str | None = None) -> int:
         """``reset_prefix_cache``: the device cache (``GPU``), or every tier (None), which with a host
@@ -522,15 +457,12 @@ class VllmEngine:
         if not await llm.reset_prefix_cache(reset_connector=with_host):
             if with_host:
                 # vLLM resets the connector even when the device reset is refused: say so.
-                for rank in range(self._dp):
-                    self._feed.emit(rank, KvCleared(medium=MEDIUM_CPU))
+                self._emit_cleared(MEDIUM_CPU)
             raise UnavailableError(
                 f"vLLM resets its prefix cache only when no request holds KV blocks "
                 f"({len(self._active)} in flight on worker {self.worker_id:x}); drain the worker or retry when idle"
             )
-        cleared = MEDIUM_GPU if self.host_tier and medium == MEDIUM_GPU else None
-        for rank in range(self._dp):
-            self._feed.emit(rank, KvCleared(medium=cleared))
+        self._emit_cleared(MEDIUM_GPU if self.host_tier and medium == MEDIUM_GPU else None)
         logger.info(
             "vllm prefix cache reset worker_id=%016x medium=%s blocks=%d", self.worker_id, medium or "all", before
         )
@@ -582,8 +514,7 @@ class VllmEngine:
         await llm.sleep(level)  # mode "abort": in-flight requests end as aborted
         self._status = EngineState.SLEEPING
         self.sleep_level = level
-        for rank in range(self._dp):
-            self._feed.emit(rank, KvCleared())
+        self._emit_cleared()
         logger.info("vllm asleep worker_id=%016x level=%d aborted=%d", self.worker_id, level, aborted)
 
     async def wake_up(self) -> None:
@@ -608,17 +539,12 @@ class VllmEngine:
                 param="lora_name",
             )
         path = local_adapter_dir(source)
-        existing = self._loras.get(name)
+        existing = self._loaded_lora(name, path)
         if existing is not None:
-            if existing.source == path:
-                return existing
-            raise InvalidRequestError(
-                f"LoRA adapter {name!r} is already loaded from {existing.source!r}; unload it first", param="lora_name"
-            )
+            return existing
         from vllm.lora.request import LoRARequest
 
-        info = LoraInfo(name=name, source=path, lora_id=self._next_lora_id)
-        self._next_lora_id += 1
+        info = self._new_lora(name, path)
         try:
             added = await llm.add_lora(LoRARequest(name, info.lora_id, path))
         except Exception as exc:
@@ -632,11 +558,8 @@ class VllmEngine:
     async def unload_lora(self, name: str) -> None:
         info = self._loras.get(name)
         if info is None:
-            raise NotFoundError(f"LoRA adapter {name!r} is not loaded on worker {self.worker_id:x}")
+            raise self._unknown_lora(name)
         llm = self._check_started()
         await llm.remove_lora(info.lora_id)
         del self._loras[name]
         logger.info("vllm lora unloaded worker_id=%016x lora=%s lora_id=%d", self.worker_id, name, info.lora_id)
-
-    def list_loras(self) -> list[LoraInfo]:
-        return list(self._loras.values())

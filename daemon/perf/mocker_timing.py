@@ -11,6 +11,12 @@ A step that prefills and decodes pays both, as Dynamo's scheduler does (prefill 
 
 from __future__ import annotations
 
+# The simulated engine's shape, which the timing above assumes and the disaggregation policy's default
+# predictions share: a step's token budget (vLLM's max_num_batched_tokens) and the KV bytes per token
+# (Llama-3-8B in bf16: 32 layers x 8 KV heads x 128 dims x K and V x 2 bytes).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
+
 PREFILL_A = 4.209989e-07
 PREFILL_B = 1.518344e-02
 PREFILL_C = 16.50142

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import threading
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from dynamod.shared.observability.per_registry import PerRegistry
 
 # Routing overhead lives in the microsecond-to-millisecond range: finer buckets than request latency.
 OVERHEAD_BUCKETS = (
@@ -100,16 +102,5 @@ class RouterMetrics:
             self.kv_hit_rate.set(self._hit_overlap / self._hit_total)
 
 
-_by_registry: dict[int, tuple[CollectorRegistry, RouterMetrics]] = {}
-_lock = threading.Lock()
-
-
-def router_metrics(registry: CollectorRegistry | None = None) -> RouterMetrics:
-    """The router metrics registered on ``registry`` (the global one by default), created once."""
-    reg = REGISTRY if registry is None else registry
-    with _lock:
-        entry = _by_registry.get(id(reg))
-        if entry is None or entry[0] is not reg:
-            entry = (reg, RouterMetrics(reg))
-            _by_registry[id(reg)] = entry
-        return entry[1]
+# The router metrics registered on a registry (the global one by default), created once.
+router_metrics = PerRegistry(RouterMetrics)

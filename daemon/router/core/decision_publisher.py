@@ -24,15 +24,15 @@ import asyncio
 import logging
 import os
 import random
-import threading
 import time
 from typing import TYPE_CHECKING
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter
 
 from dynamod.shared.errors import ConfigError, DynamoError
 from dynamod.shared.events.dropqueue import DropOldestQueue, QueueClosed
 from dynamod.shared.events.plane import TOPIC_ROUTER_DECISIONS, EventPublisher
+from dynamod.shared.observability.per_registry import PerRegistry
 from dynamod.shared.protocol.routing import PublishedDecision, RoutingDecision, published_decision_encoder
 from dynamod.shared.protocol.worker_id import worker_id_hex
 
@@ -84,18 +84,8 @@ class DecisionMetrics:
         )
 
 
-_metrics_by_registry: dict[int, tuple[CollectorRegistry, DecisionMetrics]] = {}
-_metrics_lock = threading.Lock()
-
-
-def decision_metrics(registry: CollectorRegistry | None = None) -> DecisionMetrics:
-    reg = REGISTRY if registry is None else registry
-    with _metrics_lock:
-        entry = _metrics_by_registry.get(id(reg))
-        if entry is None or entry[0] is not reg:
-            entry = (reg, DecisionMetrics(reg))
-            _metrics_by_registry[id(reg)] = entry
-        return entry[1]
+# The decision metrics on a registry (created once: prometheus refuses duplicates).
+decision_metrics = PerRegistry(DecisionMetrics)
 
 
 class DecisionPublisher:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dynamod.daemon.router.kv_router import KvRouter
+from dynamod.daemon.router.core.kv_router import KvRouter
 from dynamod.shared.protocol.routing import RoutingDecision
 
 

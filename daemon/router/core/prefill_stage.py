@@ -38,8 +38,8 @@ from typing import Any, Protocol
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from dynamod.daemon.router.disagg_cost import ComputeModel, PathOverhead, RecentSamples, TransferEstimate
-from dynamod.daemon.router.disagg_policy import (
+from dynamod.daemon.router.core.disagg_cost import ComputeModel, PathOverhead, RecentSamples, TransferEstimate
+from dynamod.daemon.router.core.disagg_policy import (
     POLICY_COST,
     REASON_COST_LOCAL,
     REASON_COST_REMOTE,

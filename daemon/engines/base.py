@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
+from dynamod.daemon.engines.kv_transfer import KvTransferContext
 from dynamod.shared.kv.transfer.memory import KvBlockMemory
 from dynamod.shared.protocol.embedding import EmbedRequest, EmbedResponse
 from dynamod.shared.protocol.kv_events import RouterEvent
@@ -19,9 +20,6 @@ from dynamod.shared.protocol.kv_transfer import KvLayout
 from dynamod.shared.protocol.llm import EngineOutput, PreprocessedRequest
 from dynamod.shared.protocol.load import LoadMetrics
 from dynamod.shared.protocol.model_card import EmbeddingSpec, RuntimeConfig
-
-if TYPE_CHECKING:
-    from dynamod.daemon.worker.kv_transfer import KvTransferContext
 
 
 class EngineState(StrEnum):

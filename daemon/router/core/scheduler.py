@@ -38,8 +38,8 @@ from fractions import Fraction
 from functools import lru_cache
 from types import ModuleType
 
-from dynamod.daemon.router.active_sequences import ActiveSequences
-from dynamod.shared.kv import native
+from dynamod.daemon.router.core import native
+from dynamod.daemon.router.core.active_sequences import ActiveSequences
 from dynamod.shared.kv.indexer import OverlapScores, WorkerKey
 from dynamod.shared.protocol.routing import (
     REASON_LOWEST_COST,
@@ -74,7 +74,7 @@ class Selection:
 
 class KvScheduler:
     """Scores candidates and picks one. The per-candidate loop and the lowest-key search run in
-    the compiled KV core when it is built (shared/kv/_native/schedcore.c), else in Python
+    the compiled KV core when it is built (daemon/router/core/_native/schedcore.c), else in Python
     (``_score_python``, the reference); both give the same scores, keys and choices."""
 
     def __init__(self, block_size: int, rng: random.Random, *, core: ModuleType | None = native.core) -> None:

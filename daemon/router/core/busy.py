@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from dynamod.daemon.router.active_sequences import ActiveSequences
+from dynamod.daemon.router.core.active_sequences import ActiveSequences
 from dynamod.shared.kv.indexer import WorkerKey
 from dynamod.shared.protocol.load import LoadMetrics
 

@@ -33,15 +33,15 @@ from types import ModuleType
 
 from prometheus_client import CollectorRegistry, Counter
 
-from dynamod.daemon.router.active_sequences import ActiveSequences
-from dynamod.daemon.router.busy import BusyPolicy
-from dynamod.daemon.router.config import KvRouterConfig
-from dynamod.daemon.router.metrics import RouterMetrics, router_metrics
-from dynamod.daemon.router.scheduler import KvScheduler
-from dynamod.daemon.router.wait_queue import WaitQueue
+from dynamod.daemon.router.core import native
+from dynamod.daemon.router.core.active_sequences import ActiveSequences
+from dynamod.daemon.router.core.busy import BusyPolicy
+from dynamod.daemon.router.core.config import KvRouterConfig
+from dynamod.daemon.router.core.metrics import RouterMetrics, router_metrics
+from dynamod.daemon.router.core.scheduler import KvScheduler
+from dynamod.daemon.router.core.wait_queue import WaitQueue
 from dynamod.shared.errors import InvalidRequestError, NoInstancesError, OverloadedError
 from dynamod.shared.events.seq import Arrival, EventSequences
-from dynamod.shared.kv import native
 from dynamod.shared.kv.approx import ApproxKvIndexer
 from dynamod.shared.kv.hashing import compute_block_hashes, compute_sequence_hashes
 from dynamod.shared.kv.indexer import APPLIED, KvIndexer, OverlapScores, WorkerKey
@@ -82,7 +82,7 @@ class KvRouter:
         core: ModuleType | None = native.core,
     ) -> None:
         """``core``: the compiled KV core for the scheduler's per-candidate loop and the active
-        blocks (default: the one in use, shared/kv/native.py); None runs both in Python, with
+        blocks (default: the one in use, daemon/router/core/native.py); None runs both in Python, with
         the same decisions. The index implementation is chosen by ``KvIndexer`` alone."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -569,10 +569,6 @@ class KvRouter:
         while not self._outbox:
             await self._outbox_ready.wait()
         return self.take_sync_events()
-
-    @property
-    def sync_events_dropped(self) -> int:
-        return self._outbox_dropped
 
     def _publish(self, ev: ActiveSequenceEvent) -> None:
         if not self.config.router_replica_sync:

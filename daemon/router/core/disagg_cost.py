@@ -2,10 +2,10 @@
 
 Compute times come from one place per deployment, never from constants of their own:
 
-- ``MockerCompute``: the mocker's timing model itself (daemon/engines/mocker/timing.py), chunked
+- ``MockerCompute``: the mocker's timing model itself (daemon/perf/mocker_timing.py), chunked
   by its ``max_num_batched_tokens`` and divided by its ``speedup_ratio`` (trace replay, where the
   cores are mockers with a known config);
-- ``ProfileCompute``: a ``dynamod profile`` performance profile (daemon/planner/perf_profile.py,
+- ``ProfileCompute``: a ``dynamod profile`` performance profile (daemon/perf/profile.py,
   the planner's tables: prefill TTFT against input length, decode ITL against KV usage); the live
   frontend and router use the one shipped for the mocker unless the policy config names another.
 
@@ -34,16 +34,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from dynamod.daemon.engines.mocker.config import DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_MAX_NUM_BATCHED_TOKENS
-from dynamod.daemon.engines.mocker.timing import decode_time_ms, prefill_time_ms
-from dynamod.daemon.planner.perf_profile import PerfProfile
+from dynamod.daemon.perf.mocker_timing import (
+    DEFAULT_KV_BYTES_PER_TOKEN,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    decode_time_ms,
+    prefill_time_ms,
+)
+from dynamod.daemon.perf.profile import PerfProfile
 from dynamod.shared.protocol.routing import DisaggCost
+from dynamod.shared.stats import percentile
 
 DEFAULT_TRANSFER_BANDWIDTH_GB_S = 25.0  # one RDMA NIC's worth (200 Gb/s), as the replay's default
 DEFAULT_TRANSFER_LATENCY_MS = 1.0
 DEFAULT_INTERFERENCE_WEIGHT = 1.0
 BANDWIDTH_MEASURED = "measured"  # the latency comes from the decode worker's transfers
 BANDWIDTH_CONFIG = "config"
+# When a prompt's KV blocks start moving to the decode worker (``TransferEstimate.overlap``).
+OVERLAP_NONE = "none"  # all of them when the prefill ends
+OVERLAP_CHUNK = "chunk"  # each prefill chunk's blocks when that chunk is computed
+OVERLAP_LAYER = "layer"  # each layer's share of a chunk's blocks as that layer is computed
+OVERLAPS = (OVERLAP_NONE, OVERLAP_CHUNK, OVERLAP_LAYER)
+DEFAULT_NUM_LAYERS = 32  # Llama-3-8B, as DEFAULT_KV_BYTES_PER_TOKEN
 
 
 class ComputeModel(Protocol):
@@ -56,6 +67,8 @@ class ComputeModel(Protocol):
     def prefill_ms(self, tokens: int) -> float: ...
 
     def steps(self, tokens: int) -> int: ...
+
+    def chunk_tokens(self) -> int: ...
 
     def decode_step_ms(self, kv_fraction: float) -> float: ...
 
@@ -80,6 +93,9 @@ class MockerCompute:
 
     def steps(self, tokens: int) -> int:
         return _chunks(tokens, self.max_num_batched_tokens)
+
+    def chunk_tokens(self) -> int:
+        return self.max_num_batched_tokens
 
     def decode_step_ms(self, kv_fraction: float) -> float:
         return decode_time_ms(kv_fraction) / self.speedup_ratio
@@ -108,8 +124,10 @@ class ProfileCompute:
         return fixed + (table.ttft_ms[0] - fixed) * tokens / table.isl[0]
 
     def steps(self, tokens: int) -> int:
-        chunk = int(self.profile.settings.get("max_num_batched_tokens") or DEFAULT_MAX_NUM_BATCHED_TOKENS)
-        return _chunks(tokens, chunk)
+        return _chunks(tokens, self.chunk_tokens())
+
+    def chunk_tokens(self) -> int:
+        return int(self.profile.settings.get("max_num_batched_tokens") or DEFAULT_MAX_NUM_BATCHED_TOKENS)
 
     def decode_step_ms(self, kv_fraction: float) -> float:
         decode = self.profile.decode
@@ -120,12 +138,26 @@ class ProfileCompute:
 class TransferEstimate:
     """Time to move ``n`` tokens' KV blocks: ``latency_ms + n * kv_bytes_per_token / bandwidth``.
     ``source`` says whether the bandwidth was measured on completed transfers or configured; a
-    measured figure already includes each transfer's fixed cost (latency 0)."""
+    measured figure already includes each transfer's fixed cost (latency 0).
+
+    ``overlap`` (``OVERLAPS``): ``chunk``, the blocks of each prefill chunk start moving as that
+    chunk is computed (the decode worker is chosen when the prefill is dispatched); ``layer``,
+    each of a chunk's ``num_layers`` layers moves as it is computed; either way only the part of
+    the transfer still running when the prefill ends delays the first token (``exposed_ms``).
+    ``none``: the whole transfer starts after the prefill."""
 
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
     bandwidth_gb_s: float = DEFAULT_TRANSFER_BANDWIDTH_GB_S
     latency_ms: float = DEFAULT_TRANSFER_LATENCY_MS
     source: str = BANDWIDTH_CONFIG
+    overlap: str = OVERLAP_NONE
+    num_layers: int = DEFAULT_NUM_LAYERS
+
+    def __post_init__(self) -> None:
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"transfer overlap must be one of {', '.join(OVERLAPS)}, got {self.overlap!r}")
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be at least 1, got {self.num_layers}")
 
     def bytes_for(self, tokens: int) -> int:
         return max(tokens, 0) * self.kv_bytes_per_token
@@ -134,6 +166,39 @@ class TransferEstimate:
         if nbytes <= 0:
             return 0.0
         return self.latency_ms + nbytes / (self.bandwidth_gb_s * 1e9) * 1000.0
+
+    def exposed_ms(self, compute: ComputeModel, isl: int, decode_cached: int, prefill_cached: int) -> float:
+        """The transfer time after the prefill's last chunk ends, for the ``isl - decode_cached``
+        tokens the decode worker lacks (``time_ms`` of their bytes without overlap).
+
+        Overlapped: the prefix the prefill worker caches (``prefill_cached`` tokens) is ready at
+        once; each chunk of the rest is ready when it is computed (``compute.prefill_ms`` of the
+        tokens so far), or layer by layer across its compute (``layer``: its first layer's share
+        after ``1/num_layers`` of it); the link moves them in order, one at a time, at
+        ``bandwidth_gb_s``; the latency (the completion notice) comes once, after the last byte.
+        The queue ahead of the prompt on the prefill worker shifts every chunk alike, so it is
+        left out."""
+        lacking = max(isl - max(decode_cached, 0), 0)
+        if self.overlap == OVERLAP_NONE or lacking == 0:
+            return self.time_ms(self.bytes_for(lacking))
+        per_token_ms = self.kv_bytes_per_token / (self.bandwidth_gb_s * 1e9) * 1000.0
+        decode_cached = max(decode_cached, 0)
+        ready = min(max(prefill_cached, 0), isl)
+        link_ms = max(ready - decode_cached, 0) * per_token_ms  # the cached prefix moves first
+        computed_ms = 0.0
+        chunk = max(compute.chunk_tokens(), 1)
+        layers = self.num_layers if self.overlap == OVERLAP_LAYER else 1
+        to_compute = isl - ready
+        done = 0
+        while done < to_compute:
+            start = ready + done
+            began_ms = computed_ms
+            done = min(done + chunk, to_compute)
+            computed_ms = compute.prefill_ms(done)
+            moving = ready + done - max(start, decode_cached)
+            if moving > 0:
+                link_ms = pipelined_end_ms(link_ms, moving * per_token_ms, began_ms, computed_ms, layers)
+        return max(link_ms - computed_ms, 0.0) + self.latency_ms
 
     def measured(self, p50_ms: float, p50_tokens: float) -> TransferEstimate:
         """This estimate with the per-transfer latency a decode worker measured: its median
@@ -149,7 +214,18 @@ class TransferEstimate:
             return self
         explained = self.bytes_for(int(p50_tokens)) / (self.bandwidth_gb_s * 1e9) * 1000.0
         latency = max(p50_ms - explained, self.latency_ms)
-        return TransferEstimate(self.kv_bytes_per_token, self.bandwidth_gb_s, latency, BANDWIDTH_MEASURED)
+        return TransferEstimate(self.kv_bytes_per_token, self.bandwidth_gb_s, latency, BANDWIDTH_MEASURED, self.overlap,
+                                self.num_layers)
+
+
+def pipelined_end_ms(link_free_ms: float, link_ms: float, began_ms: float, computed_ms: float, layers: int) -> float:
+    """When the last byte of one computed piece lands: ``link_ms`` of bytes, computed from
+    ``began_ms`` to ``computed_ms``, in ``layers`` equal parts each ready when its layer is (1: all
+    at ``computed_ms``), behind a link busy until ``link_free_ms``. The parts' readiness grows
+    linearly, so the last byte lands after the link's queue, after the first part plus the whole
+    piece, or after the last part plus its own share, whichever is latest."""
+    first_ready = began_ms + (computed_ms - began_ms) / layers if layers > 1 else computed_ms
+    return max(link_free_ms + link_ms, first_ready + link_ms, computed_ms + link_ms / layers)
 
 
 class RecentSamples:
@@ -165,11 +241,8 @@ class RecentSamples:
         self._values.append(value)
 
     def quantile(self, q: float) -> float:
-        """The ``q`` quantile (nearest rank) of the samples; 0 without any."""
-        if not self._values:
-            return 0.0
-        ordered = sorted(self._values)
-        return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+        """The ``q`` quantile (0..1, ``shared/stats.py``'s definition) of the samples; 0 without any."""
+        return percentile(self._values, q)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,10 +285,11 @@ def predict(
     remote_compute = compute.prefill_ms(q_pre + remote_tokens)
     nbytes = transfer.bytes_for(local_tokens)
     transfer_ms = transfer.time_ms(nbytes)
+    exposed_ms = transfer.exposed_ms(compute, isl, min(state.decode_cached_tokens, isl), state.prefill_cached_tokens)
     first_chunk = min(q_dec, _chunk_of(compute, q_dec))
     decode_start = step + compute.prefill_ms(first_chunk)
     overhead = max(state.remote_overhead_ms, 0.0)
-    remote_ttft = remote_compute + transfer_ms + decode_start + overhead
+    remote_ttft = remote_compute + exposed_ms + decode_start + overhead
     return DisaggCost(
         local_prefill_tokens=local_tokens,
         local_queued_tokens=q_dec,
@@ -233,6 +307,8 @@ def predict(
         bandwidth_gb_s=round(transfer.bandwidth_gb_s, 3),
         bandwidth_source=transfer.source,
         transfer_ms=round(transfer_ms, 3),
+        transfer_exposed_ms=round(exposed_ms, 3),
+        transfer_overlap=transfer.overlap,
         decode_start_ms=round(decode_start, 3),
         remote_overhead_ms=round(overhead, 3),
         remote_ttft_ms=round(remote_ttft, 3),

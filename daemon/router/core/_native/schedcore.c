@@ -1,13 +1,14 @@
 /*
- * The router's per-decision loops over candidate workers and active blocks, compiled into
- * dynamod.shared.kv._kvcore beside the KV index (kvcore.c registers these functions).
+ * The router's per-decision loops over candidate workers and active blocks: the compiled module
+ * dynamod.daemon.router.core._schedcore, beside the router core it speeds up (the KV index's own
+ * compiled core, shared/kv/_native/kvcore.c, is a separate module; both use its u64map.h).
  *
  * Why C: at a thousand workers one routing decision scores every candidate, and in Python that
  * loop (a few dict lookups, integer arithmetic and one CandidateScore per worker) was most of the
  * decision's time; so were adding and freeing a request's 512 active-block references and the
  * binary searches for prompt blocks already active on a worker (ActiveBlocks). The reference semantics are the Python
- * code in daemon/router/scheduler.py (KvScheduler._score_python, KvScheduler.select) and
- * daemon/router/active_sequences.py; both paths are tested against each other on random inputs.
+ * code in daemon/router/core/scheduler.py (KvScheduler._score_python, KvScheduler.select) and
+ * daemon/router/core/active_sequences.py; both paths are tested against each other on random inputs.
  *
  * Exactness: costs are compared as exact integer keys. Here they are int64 and every float in the
  * result is an int64 quotient; when a value would not fit, or would not convert to a double
@@ -471,14 +472,20 @@ static PyMethodDef kv_sched_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-/* Adds this file's functions and types to the _kvcore module (called from its init). */
-int kv_sched_init(PyObject *module) {
-    if (PyModule_AddFunctions(module, kv_sched_methods) < 0) return -1;
-    if (PyType_Ready(&ActiveBlocksType) < 0) return -1;
+static struct PyModuleDef schedcore_module = {
+    PyModuleDef_HEAD_INIT, "_schedcore", "Compiled per-decision loops of the KV router's scheduler.", -1,
+    kv_sched_methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__schedcore(void) {
+    if (PyType_Ready(&ActiveBlocksType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&schedcore_module);
+    if (m == NULL) return NULL;
     Py_INCREF(&ActiveBlocksType);
-    if (PyModule_AddObject(module, "ActiveBlocks", (PyObject *)&ActiveBlocksType) < 0) {
+    if (PyModule_AddObject(m, "ActiveBlocks", (PyObject *)&ActiveBlocksType) < 0) {
         Py_DECREF(&ActiveBlocksType);
-        return -1;
+        Py_DECREF(m);
+        return NULL;
     }
-    return 0;
+    return m;
 }

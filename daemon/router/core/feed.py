@@ -24,16 +24,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import weakref
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from dynamod.daemon.router.config import KvRouterConfig
-from dynamod.daemon.router.kv_router import KvRouter
+from dynamod.daemon.router.core.config import KvRouterConfig
+from dynamod.daemon.router.core.kv_router import KvRouter
 from dynamod.shared.errors import DynamoError
 from dynamod.shared.events.plane import (
     TOPIC_ACTIVE_SEQUENCES,
@@ -43,6 +42,7 @@ from dynamod.shared.events.plane import (
     EventSubscriber,
 )
 from dynamod.shared.kv.router_sync import decode_sequence_event, encode_sequence_event
+from dynamod.shared.observability.per_registry import PerRegistry
 from dynamod.shared.protocol import control
 from dynamod.shared.protocol.kv_events import RouterEvent, router_event_decoder
 from dynamod.shared.protocol.load import load_decoder
@@ -100,19 +100,8 @@ class FeedMetrics:
         )
 
 
-_metrics_by_registry: dict[int, tuple[CollectorRegistry, FeedMetrics]] = {}
-_metrics_lock = threading.Lock()
-
-
-def feed_metrics(registry: CollectorRegistry | None = None) -> FeedMetrics:
-    """The feed metrics on ``registry`` (created once: prometheus refuses duplicates)."""
-    reg = REGISTRY if registry is None else registry
-    with _metrics_lock:
-        entry = _metrics_by_registry.get(id(reg))
-        if entry is None or entry[0] is not reg:
-            entry = (reg, FeedMetrics(reg))
-            _metrics_by_registry[id(reg)] = entry
-        return entry[1]
+# The feed metrics on a registry (created once: prometheus refuses duplicates).
+feed_metrics = PerRegistry(FeedMetrics)
 
 
 class KvFeed:

@@ -3,7 +3,7 @@
 ``--router-conditional-disagg`` turns it on; ``--router-conditional-disagg-config`` is a JSON object
 with the fields of ``DisaggPolicyConfig``. Policies:
 
-- ``cost`` (the default): predicted time to first token both ways (daemon/router/disagg_cost.py).
+- ``cost`` (the default): predicted time to first token both ways (daemon/router/core/disagg_cost.py).
   Local: the prompt tokens the chosen decode worker does not cache, after the prefill work queued
   there, plus the decode step each chunk carries while decodes run there, plus the stall those
   decodes see (``interference_weight`` times the prompt's compute). Remote: the chosen prefill
@@ -40,9 +40,9 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 
-from dynamod.daemon.engines.mocker.config import DEFAULT_KV_BYTES_PER_TOKEN
-from dynamod.daemon.planner.perf_profile import PerfProfile, default_profile_path
-from dynamod.daemon.router.disagg_cost import (
+from dynamod.daemon.perf.mocker_timing import DEFAULT_KV_BYTES_PER_TOKEN
+from dynamod.daemon.perf.profile import PerfProfile, default_profile_path
+from dynamod.daemon.router.core.disagg_cost import (
     DEFAULT_INTERFERENCE_WEIGHT,
     DEFAULT_TRANSFER_BANDWIDTH_GB_S,
     DEFAULT_TRANSFER_LATENCY_MS,

@@ -10,7 +10,7 @@ worker's load terms ``(active blocks, active prefill tokens)`` (``load_terms``, 
 add / prefill done / free) and, for the prompt at hand, the blocks it shares with the active
 requests of the few workers whose requests start like it (``shared_prefixes``). Each worker's
 active blocks live in the compiled core's flat ``ActiveBlocks`` when it is built
-(shared/kv/_native/schedcore.c), else in its Python twin ``CountedBlocks``; ``DYN_KV_INDEX_IMPL=python``
+(daemon/router/core/_native/schedcore.c), else in its Python twin ``CountedBlocks``; ``DYN_KV_INDEX_IMPL=python``
 or ``core=None`` picks the latter. Both count, release and search alike.
 
 Lifecycle, driven by the frontend: ``add`` when routed, ``mark_prefill_done`` at the first token
@@ -26,7 +26,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from types import ModuleType
 
-from dynamod.shared.kv import native
+from dynamod.daemon.router.core import native
 from dynamod.shared.kv.indexer import WorkerKey
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 class CountedBlocks:
     """One worker's active blocks: sequence hash -> active requests using it; ``len()`` is the
     number of distinct blocks. The pure-Python twin of the compiled ``ActiveBlocks``
-    (shared/kv/_native/schedcore.c), same methods and results."""
+    (daemon/router/core/_native/schedcore.c), same methods and results."""
 
     __slots__ = ("_refs",)
 
