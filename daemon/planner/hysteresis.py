@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from dynamod.shared.stats import nearest_rank
+
 
 @dataclass(frozen=True, slots=True)
 class GuardDecision:
@@ -60,7 +62,10 @@ class ScaleGuard:
         h.needs.append((now, need if evidence is None else evidence))
         while h.needs and h.needs[0][0] < now - self.window_s:
             h.needs.popleft()
-        window_need = _quantile([n for _, n in h.needs], self.quantile)
+        # Nearest rank, an observed count: a high quantile, not the max, so one noisy interval in
+        # a window does not hold a worker for the whole window, while a burst that filled more than
+        # a tenth of it (at the default 0.9) does.
+        window_need = nearest_rank((n for _, n in h.needs), self.quantile)
         if h.settled_at is None and ready >= h.grew_to:
             h.settled_at = now
         if need > committed:
@@ -95,12 +100,3 @@ class ScaleGuard:
 
     def forget(self, pool: str) -> None:
         self._pools.pop(pool, None)
-
-
-def _quantile(values: list[int], q: float) -> int:
-    """Nearest-rank quantile: the smallest value at least ``q`` of the values are at or under.
-    A high quantile, not the max: one noisy interval in a window must not hold a worker for the
-    whole window, while a burst that filled a tenth of it does."""
-    ordered = sorted(values)
-    rank = max(1, -(-int(round(q * len(ordered) * 1000)) // 1000))
-    return ordered[min(rank, len(ordered)) - 1]

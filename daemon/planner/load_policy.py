@@ -25,9 +25,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from dynamod.daemon.perf.profile import PerfProfile, default_profile_path
 from dynamod.daemon.planner.budget import ReplicaBudget, pools_for_mode
-from dynamod.daemon.planner.capacity import CapacityModel
-from dynamod.daemon.planner.perf_profile import PerfProfile, default_profile_path
+from dynamod.daemon.planner.capacity import DEFAULT_ATTAINMENT, CapacityModel
 from dynamod.daemon.planner.policy import Observation, PoolObservation, PoolPlan
 from dynamod.daemon.planner.reactive import R_QUEUE_HIGH, KvThresholds, Need, ReactiveCore
 from dynamod.daemon.planner.scaling import PoolSizer
@@ -45,7 +45,7 @@ PREFILL_RATIO_THRESHOLDS = {"throughput": (1.0, 0.1), "latency": (0.1, 0.0)}
 DECODE_UTIL_THRESHOLDS = {"throughput": (1.0, 0.6), "latency": (0.4, 0.1)}
 
 DEFAULT_STARTUP_S = 30.0  # a new worker's launch to ready, when nobody says
-RELEASE_WINDOW_STARTUPS = 6.0  # shrink only after this many start-up times of evidence
+RELEASE_WINDOW_STARTUPS = 10.0  # shrink only after this many start-up times of evidence (bursts recur within it)
 
 
 def release_window(startup_s: float, window_s: float | None, interval_s: float) -> float:
@@ -73,6 +73,7 @@ class LoadPolicyConfig:
     itl_ms: float = 50.0
     startup_s: float = DEFAULT_STARTUP_S  # a new worker's launch to ready
     scale_down_window_s: float | None = None  # none: RELEASE_WINDOW_STARTUPS x startup_s
+    attainment_pct: float = 100.0 * DEFAULT_ATTAINMENT  # the SLO; 100 - it is the error budget
 
     def validate(self) -> LoadPolicyConfig:
         if self.mode not in ("disagg", "agg"):
@@ -88,6 +89,8 @@ class LoadPolicyConfig:
             raise ConfigError(f"--ttft and --itl must be > 0 ms, got {self.ttft_ms} and {self.itl_ms}")
         if self.startup_s < 0:
             raise ConfigError(f"--worker-startup-time must be >= 0, got {self.startup_s}")
+        if not 50.0 <= self.attainment_pct < 100.0:
+            raise ConfigError(f"--sla-attainment is a percentage in [50, 100), got {self.attainment_pct}")
         if self.scale_down_window_s is not None and self.scale_down_window_s < 0:
             raise ConfigError(f"--scale-down-window must be >= 0, got {self.scale_down_window_s}")
         if self.optimization_target == "load":
@@ -120,12 +123,14 @@ class LoadPolicy:
         self.profile = profile or PerfProfile.load(default_profile_path())
         b = config.budget
         self.model = CapacityModel(self.profile, mode=config.mode, ttft_ms=config.ttft_ms, itl_ms=config.itl_ms,
-                                   prefill_gpus=b.prefill_engine_num_gpu, decode_gpus=b.decode_engine_num_gpu)
+                                   prefill_gpus=b.prefill_engine_num_gpu, decode_gpus=b.decode_engine_num_gpu,
+                                   attainment=config.attainment_pct / 100.0)
+        window = release_window(config.startup_s, config.scale_down_window_s, config.interval_s)
+        # The error budget's slow window is the scale-down window: the horizon a fleet is held for.
         self.core = ReactiveCore(self.model, mode=config.mode, interval_s=config.interval_s,
                                  kv=self._kv_thresholds(), kv_block_size=config.kv_block_size,
-                                 startup_s=config.startup_s)
-        self.sizer = PoolSizer(b, interval_s=config.interval_s, grace_s=config.grace_period_s,
-                               window_s=release_window(config.startup_s, config.scale_down_window_s, config.interval_s))
+                                 startup_s=config.startup_s, slow_window_s=window)
+        self.sizer = PoolSizer(b, interval_s=config.interval_s, grace_s=config.grace_period_s, window_s=window)
 
     @property
     def ttft_ms(self) -> float:

@@ -27,7 +27,7 @@ import msgspec
 from dynamod.daemon.planner.connectors.base import Connector
 from dynamod.daemon.planner.metrics import PlannerMetrics
 from dynamod.daemon.planner.policy import Observation, PlannerPolicy, PoolObservation, PoolPlan, TrafficSample
-from dynamod.shared.discovery.store import DiscoveryStore, WatchEventKind
+from dynamod.shared.discovery.store import DiscoveryStore
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.protocol.keys import planner_override_prefix
 from dynamod.shared.protocol.planner import (
@@ -41,6 +41,7 @@ from dynamod.shared.protocol.planner import (
     PoolStatus,
     ScaleOverride,
 )
+from dynamod.shared.runtime.watched_map import WatchedMap
 
 logger = logging.getLogger(__name__)
 
@@ -60,54 +61,41 @@ class OverrideWatch:
     cleared."""
 
     def __init__(self, store: DiscoveryStore, namespace: str) -> None:
-        self._store = store
         self._prefix = planner_override_prefix(namespace)
         self._current: dict[str, ScaleOverride] = {}
         self.changed = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._overrides: WatchedMap[ScaleOverride] = WatchedMap(store, self._prefix, self._decode, what="override")
+        self._overrides.add_listener(self._on_change)
 
     def current(self) -> dict[str, ScaleOverride]:
         return dict(self._current)
 
     async def start(self) -> None:
-        for key, value in (await self._store.get_prefix(self._prefix)).items():
-            self._apply(key, value)
+        await self._overrides.start()
         self.changed.clear()  # what is there at start is read by the first pass anyway
-        self._task = asyncio.create_task(self._watch(), name="planner-overrides")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await self._overrides.close()
 
-    def _apply(self, key: str, value: bytes | None) -> None:
+    def _decode(self, key: str, value: bytes) -> ScaleOverride:
+        if key[len(self._prefix):] not in POOLS:
+            raise ValueError(f"unknown pool; pools: {','.join(POOLS)}")
+        override = msgspec.json.decode(value, type=ScaleOverride)
+        if override.replicas < 0:
+            raise ValueError(f"negative replicas {override.replicas}")
+        return override
+
+    def _on_change(self, key: str, override: ScaleOverride | None) -> None:
         pool = key[len(self._prefix):]
-        if pool not in POOLS:
-            logger.warning("ignoring override of unknown pool key=%s pools=%s", key, ",".join(POOLS))
-            return
-        if value is None:
+        if override is None:
             if self._current.pop(pool, None) is not None:
                 logger.info("override cleared pool=%s", pool)
                 self.changed.set()
-            return
-        try:
-            override = msgspec.json.decode(value, type=ScaleOverride)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            logger.warning("ignoring malformed override key=%s error=%s", key, exc)
-            return
-        if override.replicas < 0:
-            logger.warning("ignoring negative override key=%s replicas=%d", key, override.replicas)
-            return
-        if self._current.get(pool) != override:
+        elif self._current.get(pool) != override:
             self._current[pool] = override
             logger.info("override set pool=%s replicas=%d set_by=%s reason=%s", pool, override.replicas,
                         override.set_by or "-", override.reason or "-")
             self.changed.set()
-
-    async def _watch(self) -> None:
-        async for ev in self._store.watch_prefix(self._prefix):
-            self._apply(ev.key, ev.value if ev.kind is WatchEventKind.PUT else None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,24 +115,52 @@ def request_itl_miss(itl_buckets: tuple[tuple[float, float], ...], osl_buckets: 
     if c <= d:
         return p
     allowed = (target_ms - d) / (c - d)  # share of a request's gaps that may be long
+    return binomial_request_miss(osl_classes(osl_buckets), p, allowed)
+
+
+def osl_classes(osl_buckets: tuple[tuple[float, float], ...]) -> list[tuple[float, float]]:
+    """(output tokens, weight) per bucket of a cumulative output-length histogram: each bucket
+    at its midpoint (the +Inf bucket at twice its lower bound), weights summing to 1."""
+    if not osl_buckets or osl_buckets[-1][1] <= 0:
+        return []
     total = osl_buckets[-1][1]
-    missed, lo, prev = 0.0, 0.0, 0.0
+    out, lo, prev = [], 0.0, 0.0
     for bound, count in osl_buckets:
         n = count - prev
-        lo_b, prev = lo, count
-        lo = bound
-        if n <= 0:
-            continue
-        tokens = 2.0 * lo_b if bound == float("inf") else (lo_b + bound) / 2.0
+        lo_b, prev, lo = lo, count, bound
+        if n > 0:
+            out.append((2.0 * lo_b if bound == float("inf") else (lo_b + bound) / 2.0, n / total))
+    return out
+
+
+def exponential_osl_classes(mean_osl: float, classes: int = 10) -> list[tuple[float, float]]:
+    """Output lengths when only their mean is known: an exponential distribution's decile
+    midpoints (the short requests, which one long gap spoils, are not averaged away)."""
+    mean = max(mean_osl, 1.0)
+    return [(max(1.0, -mean * math.log(1.0 - (i + 0.5) / classes)), 1.0 / classes) for i in range(classes)]
+
+
+def binomial_request_miss(classes: list[tuple[float, float]], p: float, allowed: float) -> float:
+    """The share of requests whose mean ITL misses when each gap is independently long with
+    probability ``p`` and a request may have at most ``allowed`` of its gaps long: per output
+    class of ``k + 1`` tokens, ``P(Binomial(k, p) > k * allowed)``, weighted."""
+    if p <= 0.0:
+        return 0.0
+    p = min(p, 1.0)
+    missed = 0.0
+    for tokens, weight in classes:
         k = min(int(round(tokens)) - 1, 400)
         if k < 1:
             continue
         j = math.floor(k * allowed) + 1  # this many long gaps or more: a miss
         if j > k:
             continue
+        if p >= 1.0:
+            missed += weight
+            continue
         tail = sum(math.comb(k, i) * p**i * (1.0 - p) ** (k - i) for i in range(j, min(k, j + 60) + 1))
-        missed += n * min(1.0, tail)
-    return missed / total
+        missed += weight * min(1.0, tail)
+    return missed
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dynamod.daemon.perf.profile import PerfProfile, default_profile_path
+from dynamod.daemon.planner.capacity import DEFAULT_ATTAINMENT
 from dynamod.daemon.planner.load_policy import (
     DEFAULT_STARTUP_S,
     OPTIMIZATION_TARGETS,
@@ -22,7 +24,6 @@ from dynamod.daemon.planner.load_policy import (
     LoadPolicyConfig,
     ReplicaBudget,
 )
-from dynamod.daemon.planner.perf_profile import PerfProfile, default_profile_path
 from dynamod.daemon.planner.policy import PlannerPolicy
 from dynamod.shared.config import env_or
 from dynamod.shared.errors import ConfigError
@@ -35,6 +36,7 @@ PREDICTORS = ("constant", "moving-average", "kalman", "arima")
 DEFAULT_LOAD_INTERVAL_S = 5.0
 DEFAULT_SLA_INTERVAL_S = 180.0
 DEFAULT_TTFT_MS = 500.0  # Dynamo SLAPlannerDefaults
+DEFAULT_ATTAINMENT_PCT = 100.0 * DEFAULT_ATTAINMENT
 DEFAULT_ITL_MS = 50.0
 
 
@@ -112,7 +114,7 @@ def add_policy_args(parser: argparse.ArgumentParser | Any) -> None:
          help="a new worker's launch to ready; the scale-down hysteresis is a multiple of it (none: 30, "
               "or --startup-delay in a replay)")
     _add(ld, "--scale-down-window", env="DYN_PLANNER_SCALE_DOWN_WINDOW", default=None, kind=float, metavar="SECONDS",
-         help="shrink a pool only when the smaller fleet would have sufficed for this long (none: 6 x the "
+         help="shrink a pool only when the smaller fleet would have sufficed for this long (none: 10 x the "
               "worker start-up time)")
     _add(ld, "--context-length", env="DYN_PLANNER_CONTEXT_LENGTH", default=None, kind=int,
          help="model context length for the prefill queue ratio (none: the workers' model card)")
@@ -121,6 +123,12 @@ def add_policy_args(parser: argparse.ArgumentParser | Any) -> None:
     s = mk("SLA targets and the SLA planner (--planner sla; both planners scale on TTFT/ITL misses)")
     _add(s, "--ttft", env="DYN_PLANNER_TTFT", default=DEFAULT_TTFT_MS, kind=float, metavar="MS", help="TTFT target in ms")
     _add(s, "--itl", env="DYN_PLANNER_ITL", default=DEFAULT_ITL_MS, kind=float, metavar="MS", help="ITL target in ms")
+    _add(s, "--sla-attainment", env="DYN_PLANNER_SLA_ATTAINMENT", default=DEFAULT_ATTAINMENT_PCT, kind=float,
+         metavar="PCT",
+         help="the SLO: percent of requests within both --ttft and --itl the planner aims at; "
+              "the rest is its error budget. Misses add workers only when they burn the budget faster than it "
+              "allows over both a fast window (one start-up time) and a slow one (the scale-down window); the "
+              "capacity model plans for 2/3 of the budget")
     _add(s, "--profile", env="DYN_PLANNER_PROFILE", default=None, kind=str, metavar="PATH",
          help="performance profile JSON from `dynamod profile`, both planners' capacity model "
               "(none: the shipped mocker profile)")
@@ -196,6 +204,7 @@ def build_policy(args: argparse.Namespace) -> PlannerPolicy:
             itl_ms=float(_get(args, "itl", DEFAULT_ITL_MS)),
             startup_s=float(_get(args, "worker_startup_time", DEFAULT_STARTUP_S)),
             scale_down_window_s=getattr(args, "scale_down_window", None),
+            attainment_pct=float(_get(args, "sla_attainment", DEFAULT_ATTAINMENT_PCT)),
         ).validate(), _profile(args))
     from dynamod.daemon.planner.predictors import PredictorConfig
     from dynamod.daemon.planner.sla_policy import SlaPolicy, SlaPolicyConfig
@@ -224,4 +233,5 @@ def build_policy(args: argparse.Namespace) -> PlannerPolicy:
         startup_s=float(_get(args, "worker_startup_time", DEFAULT_STARTUP_S)),
         scale_down_window_s=getattr(args, "scale_down_window", None),
         grace_period_s=float(_get(args, "scale_up_grace_period", 60.0)),
+        attainment_pct=float(_get(args, "sla_attainment", DEFAULT_ATTAINMENT_PCT)),
     ).validate(), profile)

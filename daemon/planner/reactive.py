@@ -5,22 +5,36 @@ Every interval (``ReactiveCore.assess``), per pool:
 
 - **capacity**: the demand over a window (one start-up time, at least 6 intervals: one 5 s
   interval of a heavy-tailed trace is noise) -- arrivals x ISL x (1 - prefix hit rate), arrivals x
-  OSL, a significant rise carried over the start-up (a ramp is met, not trailed) -- through the
+  OSL, a significant rise carried over the start-up (a ramp is met, not trailed; in agg also the
+  rise of the last start-up time, grown by its ratio (at most ``TREND_CAP``) and carried over
+  the next: prefill beyond the plan lands in the
+  decodes' steps at once, while a prefill pool's queue absorbs it within TTFT) -- through the
   ``CapacityModel``, times the factor the SLA misses taught (below). A sustained need: it is
   the evidence the scale-down window remembers.
 - **backlog**: the prompt tokens still queued when a worker launched now would be ready (the
   queue now, plus what the last interval's arrivals add beyond what the ready workers compute
   during the start-up), cleared within the start-up: queued requests and waiting time count. A
   transient need: the workers it brings go once it is cleared and they served.
-- **SLA misses** of a settled fleet (no change under way, the last one ready for an interval):
-  the share of requests over the TTFT target and of requests whose mean ITL is over the ITL target,
-  from the frontends' histograms (``fraction_over``, ``request_itl_miss``), over the window. A
-  TTFT miss adds a prefill (or agg) worker, an ITL miss a decode worker, or in agg an agg worker
-  with the reason saying the gaps are prefill chunks sharing steps with decodes.
+- **SLA misses, as an error budget** (``--sla-attainment``, default 98 %: the budget is the 2 %
+  of requests that may miss): the share of requests over the TTFT target and of requests whose
+  mean ITL is over the ITL target, from the frontends' histograms (``fraction_over``,
+  ``request_itl_miss``), judged by burn rate over two windows as an SRE error budget is: the
+  fast window (the demand window, intervals after the fleet settled) and the slow one (the
+  scale-down window, every interval), multiwindow and multi-burn-rate: a miss adds workers when
+  both windows burn over the budget (a low threshold on the slow window), or when the fast
+  window alone burns at ``fast_burn_factor`` x the budget (slow window / (fast window +
+  start-up): kept up until a worker launched now is ready, such a burn spends the slow window's
+  whole budget; the slow window lags a ramp or a burst by minutes). A TTFT miss adds prefill (or
+  agg) workers, an ITL miss decode workers, or in agg agg workers with the reason saying the
+  gaps are prefill chunks sharing steps with decodes: one more than the fleet that misses,
+  grown as the rate grows until they are ready. A moderate fast burn while the slow window is
+  within budget spends budget; it buys no worker.
 - **learned factor**: each settled interval moves a per-pool factor on the model's load towards
-  the miss rate aimed at (``MISS_AIM`` of the tolerance): up at once to the +1 on a miss, up fast
-  over the aim, down slowly (probing one fewer, never below where it last missed) while nothing
-  misses. Not from a fleet clearing an old queue, nor from a ramp (the window lags it).
+  the slow window's miss share aimed at (``MISS_AIM`` of the budget): up while the slow window
+  burns over the aim and the fast one still does, at once to the +1 on a miss both windows
+  confirm, back down slowly to 1 (never under: the model plans for part of the budget, and a
+  fleet that met the SLO says nothing about a smaller one under bursts) while the slow window
+  is under the aim. Not from a fleet clearing an old queue, nor from a ramp (the window lags it).
 - **KV**: Dynamo's easy-mode KV demand per worker (held + queued blocks / total): any worker over
   the up threshold adds one; the pool may lose one only when every warm worker is under the down
   threshold and the survivors would stay under the up threshold (``max x n / (n - 1)``).
@@ -36,13 +50,21 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from dynamod.daemon.planner.capacity import MAX_UTILISATION, CapacityModel, Demand, Sized, ceil_replicas
+from dynamod.daemon.planner.capacity import (
+    MAX_UTILISATION,
+    MISS_AIM,
+    CapacityModel,
+    Demand,
+    Sized,
+    ceil_replicas,
+)
 from dynamod.daemon.planner.policy import (
     Observation,
     PoolObservation,
     TrafficSample,
     WorkerLoad,
     fraction_over,
+    osl_classes,
     request_itl_miss,
 )
 from dynamod.shared.protocol.planner import POOL_AGG, POOL_DECODE, POOL_PREFILL
@@ -63,15 +85,15 @@ R_CONSOLIDATION = "consolidation_guard"
 REASON_ORDER = (R_TTFT_MISS, R_ITL_INTERFERENCE, R_ITL_MISS, R_BACKLOG, R_KV_HIGH, R_QUEUE_HIGH, R_PREDICTED,
                 R_CAPACITY, R_CONSOLIDATION, R_COLD, R_WITHIN, R_IDLE)
 
-DEFAULT_MISS_TOLERANCE = 0.03  # share of requests over the TTFT target (1 - a 97% attainment goal)
-DEFAULT_ITL_GAP_TOLERANCE = 0.03  # share of requests whose mean ITL is over the target
 MIN_MISSES = 3  # fewer misses than this in the window are noise, not a trend
-MISS_AIM = 2.0 / 3.0  # the learned factor aims at this share of the tolerance
 MIN_SAMPLES = 20
 TREND_CAP = 1.5  # a projected rate at most this times the recent one
 RAMP = 1.5  # the last interval's rate this much over the window's: demand is rising, do not learn  # requests (TTFT) or gaps (ITL) before a miss rate says anything
 LEARN_UP_S = 30.0  # e-folding time of the learned factor's rise while misses exceed the aim
-LEARNED_RANGE = (0.25, 4.0)
+# Never under the model: it already plans for ``MISS_AIM`` of the budget. A fleet the model sized
+# that met the SLO says nothing about a smaller one when the traffic comes in bursts (probing one
+# fewer between bursts left one worker to meet the next burst's first start-up alone).
+LEARNED_RANGE = (1.0, 4.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +131,9 @@ class ReactiveCore:
     but no finished request still has demand) and the last hit rate."""
 
     def __init__(self, model: CapacityModel, *, mode: str, interval_s: float, kv: KvThresholds | None,
-                 kv_block_size: int | None = None, miss_tolerance: float = DEFAULT_MISS_TOLERANCE,
-                 itl_gap_tolerance: float = DEFAULT_ITL_GAP_TOLERANCE, startup_s: float = 30.0,
-                 demand_window_s: float | None = None, learn_half_life_s: float = 90.0) -> None:
+                 kv_block_size: int | None = None, startup_s: float = 30.0,
+                 demand_window_s: float | None = None, slow_window_s: float | None = None,
+                 learn_half_life_s: float = 90.0) -> None:
         self.model = model
         self.mode = mode
         self.interval_s = interval_s
@@ -120,10 +142,26 @@ class ReactiveCore:
         # 5 s interval of a heavy-tailed trace is mostly noise.
         self.demand_window_s = demand_window_s if demand_window_s is not None else max(startup_s, 6 * interval_s)
         self._recent: deque[tuple[float, TrafficSample]] = deque()
+        # The error budget's slow window (the scale-down window: how long a fleet is held for),
+        # per interval: (end, TTFT misses, requests with a first token, ITL misses, finished).
+        self.slow_window_s = max(slow_window_s if slow_window_s is not None else 6.0 * startup_s,
+                                 self.demand_window_s)
+        self._burn: deque[tuple[float, float, float, float, float]] = deque()
+        # Multiwindow, multi-burn-rate (the SRE practice): the slow window pairs with a low
+        # threshold (the budget), the fast window alone with a high one. A fast window burning at
+        # this many times the budget, kept up until a worker launched now is ready (the fast
+        # window plus one start-up), spends the slow window's whole budget: waiting for the slow
+        # window to agree would spend it.
+        self.fast_burn_factor = max(1.0, self.slow_window_s / (self.demand_window_s + startup_s))
         self.short_rate = 0.0  # the last interval's arrivals per second
         self._first_at: float | None = None  # when the first sample began
         self.observed_s = 0.0  # seconds of traffic measured so far
         self.trend_rate = 0.0  # the window's rate carried to when a new worker would be ready
+        self.window_rate = 0.0  # the window's arrivals per second, as measured
+        # The window's rate at each interval of the last start-up time: what the traffic grew by
+        # within one (``rise``), the headroom a fleet needs until a worker launched now is ready.
+        self._rates: deque[tuple[float, float]] = deque()
+        self.rise = 0.0
         # What the SLA misses taught, per pool: the factor on the model's load that meets the
         # targets on this engine and this traffic (the model's agg prefill share is a bound, the
         # truth depends on how many requests are short). Each settled interval moves it towards
@@ -137,10 +175,11 @@ class ReactiveCore:
         self._last_committed: dict[str, int] = {}  # per pool: the learned factor at the last miss
         self.kv = kv
         self.kv_block_size = kv_block_size
-        self.miss_tolerance = miss_tolerance
-        self.itl_gap_tolerance = itl_gap_tolerance
+        # The error budget: the share of requests that may miss (1 - the attainment aimed at).
+        self.budget = model.error_budget
         self.isl: float | None = None
         self.osl: float | None = None
+        self.osl_classes: tuple[tuple[float, float], ...] = ()  # the last measured output-length mix
         self.hit_rate = 0.0
         self.ttft_ms: float | None = None
         self.itl_ms: float | None = None
@@ -153,8 +192,11 @@ class ReactiveCore:
         if t is not None and t.duration_s > 0:
             self._recent.append((obs.now, t))
             self.short_rate = finite(t.num_requests / t.duration_s) or 0.0
+            self._burn.append((obs.now, *self._sample_misses(t)))
         while self._recent and self._recent[0][0] <= obs.now - self.demand_window_s:
             self._recent.popleft()
+        while self._burn and self._burn[0][0] <= obs.now - self.slow_window_s:
+            self._burn.popleft()
         samples = [s for _, s in self._recent]
         if self._first_at is None and samples:
             self._first_at = obs.now - samples[0].duration_s
@@ -165,6 +207,7 @@ class ReactiveCore:
         # A rising rate: what it will be when a worker launched now is ready (the trend between
         # the window's halves, carried over the start-up), so a ramp is met, not trailed.
         self.trend_rate = rate
+        self.window_rate = rate
         if len(samples) >= 4 and self.observed_s >= self.demand_window_s:
             half = len(samples) // 2
             old_s, new_s = samples[:half], samples[half:]
@@ -178,7 +221,8 @@ class ReactiveCore:
             noise = 2.0 * math.sqrt(r_new / t_new + r_old / t_old)
             if r_new - r_old > noise:
                 self.trend_rate = max(rate, min(r_new + slope * self.startup_s, TREND_CAP * r_new))
-        rate = self.trend_rate
+        self.rise = self._rise(obs.now, rate)
+        rate = max(self.trend_rate, self.window_rate + self.rise) if self.mode == "agg" else self.trend_rate
         self.isl = _weighted(samples, "isl") or self.isl
         # The measured means over the window, for the decision record (what the SLA was judged on
         # is the histograms' tails, in ``ttft_over_frac`` / ``itl_over_frac``).
@@ -195,7 +239,30 @@ class ReactiveCore:
             if hot:
                 self.hit_rate = sum(w.prefix_hit_rate for w in hot) / len(hot)
         backlog = float(sum(w.active_prefill_tokens for w in pobs.loads))
-        return Demand(rate, self.isl or 0.0, self.osl or 0.0, self.hit_rate, backlog * (1.0 - min(self.hit_rate, 0.95)))
+        classes = tuple(osl_classes(_merge_buckets([s.osl_buckets for s in samples])))
+        if classes:
+            self.osl_classes = classes
+        return Demand(rate, self.isl or 0.0, self.osl or 0.0, self.hit_rate, backlog * (1.0 - min(self.hit_rate, 0.95)),
+                      self.osl_classes)
+
+    def _rise(self, now: float, rate: float) -> float:
+        """How much the window's rate rose over the last start-up time: carried over the next one
+        (``demand``), so the fleet a worker launched now completes meets the ramp instead of
+        trailing it by a start-up. A robust trend: no significance test, no cap, nothing when
+        the rate is flat or falling."""
+        recent = [x for u, x in self._rates if u >= now - self.startup_s - 1e-9]
+        if self.observed_s >= self.demand_window_s:  # the first window's rate is a guess, no evidence
+            self._rates.append((now, rate))
+        while self._rates and self._rates[0][0] <= now - self.startup_s - self.interval_s:
+            self._rates.popleft()
+        if not recent or self.observed_s < self.demand_window_s:
+            return 0.0
+        low = min(recent)
+        rise = max(0.0, rate - low)
+        # A ramp that grew by ``rate / low`` over the last start-up grows as fast over the next:
+        # an accelerating ramp outruns a rise carried flat (a doubling per start-up needs the
+        # fleet a start-up ahead). At most ``TREND_CAP`` times, as the trend is capped.
+        return rise * min(rate / low, TREND_CAP) if low > 0 else rise
 
     def projected_backlog(self, demand: Demand, ready: int, thpt: float) -> float:
         """Prompt tokens still queued when a worker launched now is ready: today's queue plus
@@ -204,23 +271,28 @@ class ReactiveCore:
         return max(0.0, demand.backlog_tokens + (inflow - ready * thpt) * self.startup_s)
 
     def missed(self, since: float = -math.inf) -> tuple[float | None, float | None, float, float, float, float]:
-        """(share of requests over TTFT, share of gaps over ITL, how many of each, how many
-        requests and gaps in all) in the window, counting only intervals that ended after ``since``."""
+        """(share of requests over TTFT, share of requests over ITL, how many of each, how many
+        requests in all) in the window, counting only intervals that ended after ``since``."""
         recent = [s for t, s in self._recent if t > since]
         ttft = _merge_buckets([s.ttft_buckets for s in recent])
         itl = _merge_buckets([s.itl_buckets for s in recent])
         osl = _merge_buckets([s.osl_buckets for s in recent])
-        t_over = fraction_over(ttft, self.model.ttft_ms)
-        # ITL is judged per request (its mean), as the SLA is, from what a frontend exposes: long
-        # gaps spread at random spoil short requests (``request_itl_miss``, from the gap and
-        # output histograms), long gaps in a busy stretch spoil every request in it (the gap
-        # share). Either may dominate; the larger is the estimate.
-        gap_share = fraction_over(itl, self.model.itl_ms)
-        spread = request_itl_miss(itl, osl, self.model.itl_ms) if osl else None
-        i_over = gap_share if spread is None else max(spread, gap_share or 0.0)
-        t_total = ttft[-1][1] if ttft else 0.0
-        i_total = (osl[-1][1] if osl else itl[-1][1]) if itl else 0.0
-        return t_over, i_over, (t_over or 0.0) * t_total, (i_over or 0.0) * i_total, t_total, i_total
+        return _misses_of(ttft, itl, osl, self.model.ttft_ms, self.model.itl_ms)
+
+    def _sample_misses(self, t: TrafficSample) -> tuple[float, float, float, float]:
+        """(TTFT misses, requests with a first token, ITL misses, requests judged on ITL) of one
+        interval, for the error budget's slow window."""
+        t_over, i_over, t_n, i_n, t_total, i_total = _misses_of(t.ttft_buckets, t.itl_buckets, t.osl_buckets,
+                                                                self.model.ttft_ms, self.model.itl_ms)
+        return t_n, t_total, i_n, i_total
+
+    def slow_burn(self) -> tuple[float | None, float | None, float, float]:
+        """(TTFT miss share, ITL miss share, TTFT misses, ITL misses) over the slow window."""
+        t_n = sum(b[1] for b in self._burn)
+        t_total = sum(b[2] for b in self._burn)
+        i_n = sum(b[3] for b in self._burn)
+        i_total = sum(b[4] for b in self._burn)
+        return (t_n / t_total if t_total > 0 else None, i_n / i_total if i_total > 0 else None, t_n, i_n)
 
     # ---- per pool ------------------------------------------------------------------------------
 
@@ -238,6 +310,7 @@ class ReactiveCore:
         base = {"request_rate": round(demand.request_rate, 4), "isl": round(demand.isl, 1), "osl": round(demand.osl, 1),
                 "hit_rate": round(demand.hit_rate, 3), "backlog_tokens": round(demand.backlog_tokens, 1),
                 "projected_backlog_tokens": round(projected, 1), "last_interval_rate": round(self.short_rate, 4),
+                "rate_rise": round(self.rise, 4),
                 **sized.as_inputs()}
         for name, value in (("ttft_ms", self.ttft_ms), ("itl_ms", self.itl_ms)):
             if value is not None:
@@ -323,10 +396,43 @@ class ReactiveCore:
             inputs["ttft_over_frac"] = round(ttft_over, 4)
         if itl_over is not None:
             inputs["itl_over_frac"] = round(itl_over, 4)
-        window = f"over the last {min(self.demand_window_s, obs.now - settled):g} s"
+        slow_t, slow_i, slow_t_n, slow_i_n = self.slow_burn()
+        inputs["error_budget"] = round(self.budget, 4)
+        if slow_t is not None:
+            inputs["slow_ttft_over_frac"] = round(slow_t, 4)
+        if slow_i is not None:
+            inputs["slow_itl_over_frac"] = round(slow_i, 4)
+        # The share of this pool's requests missing, fast and slow: TTFT is the prefill pool's,
+        # ITL the decode pool's, both the agg pool's (their sum bounds the requests missing either).
+        judged = {POOL_PREFILL: (1.0, 0.0), POOL_DECODE: (0.0, 1.0)}.get(pool, (1.0, 1.0))
+        fast = judged[0] * (ttft_over or 0.0) + judged[1] * (itl_over or 0.0)
+        fast_n = judged[0] * ttft_n + judged[1] * itl_n
+        fast_total = max(judged[0] * ttft_total, judged[1] * itl_total)
+        slow = judged[0] * (slow_t or 0.0) + judged[1] * (slow_i or 0.0)
+        window = (f"over the last {min(self.demand_window_s, obs.now - settled):g} s "
+                  f"({slow:.1%} over the last {min(self.slow_window_s, self.observed_s):g} s, "
+                  f"budget {self.budget:.1%})")
+        # Two ways to burn (multiwindow, multi-burn-rate): both windows over the budget (the
+        # misses are the fleet's now, and spend more than the budget over the horizon the fleet
+        # is held for), or the fast window alone at ``fast_burn_factor`` x the budget (a burst or
+        # a ramp the slow window lags by minutes: waiting for it would spend its whole budget).
+        slow_burning = fast > self.budget and slow > self.budget
+        fast_burning = fast > self.budget * self.fast_burn_factor
+        burning = (slow_burning or fast_burning) and fast_n >= MIN_MISSES
         step = committed + 1
-        ttft_missed = ttft_over is not None and ttft_over > self.miss_tolerance and ttft_n >= MIN_MISSES
-        itl_missed = itl_over is not None and itl_over > self.itl_gap_tolerance and itl_n >= MIN_MISSES
+        if burning and self.window_rate > 0:
+            # Sized for the demand when the new workers are ready: the fleet misses at the
+            # window's rate, so one more than it, grown as the rate is growing (the rise or the
+            # trend carried over the start-up).
+            demand_rate = max(self.trend_rate, self.window_rate + self.rise)
+            growth = demand_rate / self.window_rate
+            step = max(step, ceil_replicas((committed + 1) * growth))
+            inputs["burn_growth"] = round(growth, 3)
+            inputs["burn_rate_ready"] = round(demand_rate, 4)
+        inputs["fast_burn_threshold"] = round(self.budget * self.fast_burn_factor, 4)
+        ttft_missed = burning and judged[0] > 0 and (ttft_over or 0.0) > 0 and \
+            (pool == POOL_PREFILL or (ttft_over or 0.0) >= (itl_over or 0.0))
+        itl_missed = burning and judged[1] > 0 and (itl_over or 0.0) > 0 and not ttft_missed
         out: list[Need] = []
         if ttft_missed and pool in (POOL_AGG, POOL_PREFILL):
             out.append(Need(pool, step, R_TTFT_MISS,
@@ -342,27 +448,27 @@ class ReactiveCore:
             else:
                 out.append(Need(pool, step, R_ITL_MISS, f"ITL over {self.model.itl_ms:g} ms for {what}: "
                                 f"{committed} -> {step}", inputs))
-        ratios = []
-        if pool != POOL_DECODE and ttft_over is not None and ttft_total >= MIN_SAMPLES:
-            ratios.append(ttft_over / (self.miss_tolerance * MISS_AIM))
-        if pool != POOL_PREFILL and itl_over is not None and itl_total >= MIN_SAMPLES:
-            ratios.append(itl_over / (self.itl_gap_tolerance * MISS_AIM))
+        aim = self.budget * MISS_AIM
         # Nor from a ramp: the window's rate lags a rising demand, and the misses are the lag's.
-        rate = inputs.get("request_rate", 0.0)
-        ramping = self.short_rate > RAMP * rate
-        if ratios and load > 0 and not (queued and fresh) and not ramping:
+        ramping = self.short_rate > RAMP * self.window_rate
+        if fast_total >= MIN_SAMPLES and load > 0 and not (queued and fresh) and not ramping:
             k = self.learned.get(pool, 1.0)
-            ratio = max(ratios)
-            if out:
+            ratio = slow / aim  # the learner follows the budget-relevant (slow) burn
+            # Only misses at the size the model asks teach its factor: a fleet held larger by
+            # something else (a queue, the predictive floor, a cold start's backlog still in the
+            # slow window) says nothing about it, as for probing down.
+            model_size = ceil_replicas(load * k)
+            if out and slow_burning and committed <= model_size:
                 k = max(k, step / load)  # the model now asks at least the +1
                 # and never probes below where it just missed (that floor fades 10x slower,
                 # so a changed traffic mix is probed again, but a constant one does not flap)
                 self._k_floor[pool] = max(self._k_floor.get(pool, 0.0), step / load)
-            elif ratio > 1.0:
+            elif ratio > 1.0 and fast > aim and committed <= model_size:  # over the aim, and still now
                 k *= math.exp(self.interval_s / LEARN_UP_S * min(ratio - 1.0, 2.0))
-            elif committed <= ceil_replicas(load * k):
-                # No miss at the size the model asks: probe one fewer, slowly. (A fleet held larger
-                # by something else says nothing about a smaller one.)
+            elif ratio <= 1.0 and fast <= self.budget and 1 < committed <= model_size:
+                # Within the aim at the size the model asks: probe one fewer, slowly. (A fleet
+                # held larger by something else says nothing about a smaller one, nor does a
+                # single worker, which has no smaller fleet to probe.)
                 decay = 0.5 ** (self.interval_s / max(self.learn_half_life_s, 1e-9) * (1.0 - ratio))
                 k = max((committed - 1) / load, self._k_floor.get(pool, 0.0), k * decay)
             self.learned[pool] = min(max(k, LEARNED_RANGE[0]), LEARNED_RANGE[1])
@@ -428,6 +534,23 @@ def strongest(needs: list[Need]) -> Need:
         order = REASON_ORDER.index(n.reason) if n.reason in REASON_ORDER else len(REASON_ORDER)
         return (n.replicas, -order)
     return max(needs, key=rank)
+
+
+def _misses_of(ttft: tuple[tuple[float, float], ...], itl: tuple[tuple[float, float], ...],
+               osl: tuple[tuple[float, float], ...], ttft_ms: float,
+               itl_ms: float) -> tuple[float | None, float | None, float, float, float, float]:
+    """(TTFT miss share, ITL miss share, TTFT misses, ITL misses, requests judged on each) from
+    the frontends' histograms. ITL is judged per request (its mean), as the SLA is: long gaps
+    spread over requests spoil the short ones (``request_itl_miss``, from the gap and output
+    histograms). The share of long gaps stands in only without an output histogram: with one it
+    overstates, since a long request averages its few long gaps away (in agg, 3 % of gaps being
+    prefill steps is no 3 % of requests missing)."""
+    t_over = fraction_over(ttft, ttft_ms)
+    spread = request_itl_miss(itl, osl, itl_ms) if osl else None
+    i_over = fraction_over(itl, itl_ms) if spread is None else spread
+    t_total = ttft[-1][1] if ttft else 0.0
+    i_total = (osl[-1][1] if osl else itl[-1][1]) if itl else 0.0
+    return t_over, i_over, (t_over or 0.0) * t_total, (i_over or 0.0) * i_total, t_total, i_total
 
 
 def _weighted(samples: list[TrafficSample], attr: str, *, allow_zero: bool = False) -> float | None:

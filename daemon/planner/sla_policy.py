@@ -42,10 +42,17 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from dynamod.daemon.perf.profile import PerfProfile
 from dynamod.daemon.planner.budget import ReplicaBudget, pools_for_mode
-from dynamod.daemon.planner.capacity import MAX_UTILISATION, CapacityModel, Demand, Sized, ceil_replicas
+from dynamod.daemon.planner.capacity import (
+    DEFAULT_ATTAINMENT,
+    MAX_UTILISATION,
+    CapacityModel,
+    Demand,
+    Sized,
+    ceil_replicas,
+)
 from dynamod.daemon.planner.load_policy import DEFAULT_STARTUP_S, release_window
-from dynamod.daemon.planner.perf_profile import PerfProfile
 from dynamod.daemon.planner.policy import Observation, PoolObservation, PoolPlan, TrafficSample
 from dynamod.daemon.planner.predictors import Predictor, PredictorConfig, make_predictor
 from dynamod.daemon.planner.reactive import R_PREDICTED, KvThresholds, Need, ReactiveCore
@@ -76,6 +83,7 @@ class SlaPolicyConfig:
     startup_s: float = DEFAULT_STARTUP_S
     scale_down_window_s: float | None = None
     grace_period_s: float = 60.0
+    attainment_pct: float = 100.0 * DEFAULT_ATTAINMENT  # the SLO; 100 - it is the error budget
 
     @property
     def tick_s(self) -> float:
@@ -93,6 +101,8 @@ class SlaPolicyConfig:
             raise ConfigError(f"--reactive-interval must be >= 0 (0: no fast loop), got {self.reactive_interval_s}")
         if self.startup_s < 0:
             raise ConfigError(f"--worker-startup-time must be >= 0, got {self.startup_s}")
+        if not 50.0 <= self.attainment_pct < 100.0:
+            raise ConfigError(f"--sla-attainment is a percentage in [50, 100), got {self.attainment_pct}")
         if self.max_scaling_step < 1:
             raise ConfigError(f"--max-throughput-scaling-replicas must be >= 1, got {self.max_scaling_step}")
         self.predictor.validate()
@@ -138,12 +148,14 @@ class SlaPolicy:
         self._seen_traffic = False
         b = config.budget
         self.model = CapacityModel(profile, mode=config.mode, ttft_ms=config.ttft_ms, itl_ms=config.itl_ms,
-                                   prefill_gpus=b.prefill_engine_num_gpu, decode_gpus=b.decode_engine_num_gpu)
+                                   prefill_gpus=b.prefill_engine_num_gpu, decode_gpus=b.decode_engine_num_gpu,
+                                   attainment=config.attainment_pct / 100.0)
         up, down = 1.0, 0.6  # Dynamo's easy-mode throughput thresholds: KV demand the fast loop reacts to
+        window = release_window(config.startup_s, config.scale_down_window_s, self.interval_s)
+        # The error budget's slow window is the scale-down window: the horizon a fleet is held for.
         self.core = ReactiveCore(self.model, mode=config.mode, interval_s=self.interval_s, kv=KvThresholds(up, down),
-                                 startup_s=config.startup_s)
-        self.sizer = PoolSizer(b, interval_s=self.interval_s, grace_s=config.grace_period_s,
-                               window_s=release_window(config.startup_s, config.scale_down_window_s, self.interval_s))
+                                 startup_s=config.startup_s, slow_window_s=window)
+        self.sizer = PoolSizer(b, interval_s=self.interval_s, grace_s=config.grace_period_s, window_s=window)
         # The slow loop's interval so far: arrivals, seconds, and ISL/OSL/latency sums weighted by
         # the finished requests' count (approximated by arrivals where none finished).
         self._acc: list[TrafficSample] = []
@@ -152,6 +164,14 @@ class SlaPolicy:
         self._floor_detail: dict[str, str] = {}
         self._floor_inputs: dict[str, dict[str, float]] = {}
         self._predicted: dict[str, float] = {}
+
+    @property
+    def model_d_correction(self) -> float:
+        """The decode correction the capacity model sizes with. In agg the measured mean ITL
+        carries the prefill steps' stalls, which the model's agg prefill share already counts:
+        correcting the decode step by it as well would count them twice (the share shrinks,
+        the fleet doubles). Disaggregated decode steps carry no prefill: the correction holds."""
+        return 1.0 if self.config.mode == "agg" else self.d_correction
 
     # ---- formulas (public: tests and the report check them) -----------------------------------
 
@@ -210,7 +230,7 @@ class SlaPolicy:
         for pool in self.pools:
             obs = observation.pools.get(pool) or PoolObservation(pool=pool, ready=0)
             committed[pool], pending[pool] = self.sizer.committed(pool, obs, now)
-        needs, _demand, _sized = self.core.assess(observation, committed, d_correction=self.d_correction)
+        needs, _demand, _sized = self.core.assess(observation, committed, d_correction=self.model_d_correction)
         for pool in self.pools:
             if pool in self._floor:
                 inputs = needs[pool][0].inputs  # shared by the pool's needs: every record carries the floor
@@ -247,8 +267,8 @@ class SlaPolicy:
         if not (isl > 0 and osl > 0):
             return
         self._predicted = {"request_rate": rate, "isl": isl, "osl": osl}
-        demand = Demand(rate, isl, osl, self.core.hit_rate)
-        sized = self.model.size(demand, d_correction=self.d_correction)
+        demand = Demand(rate, isl, osl, self.core.hit_rate, osl_classes=self.core.osl_classes)
+        sized = self.model.size(demand, d_correction=self.model_d_correction)
         dyn = self.size(rate, isl, osl, self.p_correction, self.d_correction)
         # The model as the SLA misses corrected it (``ReactiveCore.learned``), never under what
         # computes the predicted demand flat out.

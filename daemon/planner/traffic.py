@@ -40,7 +40,7 @@ from dynamod.shared.security.token import ClusterToken
 
 logger = logging.getLogger(__name__)
 
-# The frontend's series (daemon/frontend/metrics.py), Dynamo's names.
+# The frontend's series (daemon/frontend/pipeline/metrics.py), Dynamo's names.
 REQUESTS = "dynamo_frontend_requests_total"
 INFLIGHT = "dynamo_frontend_inflight_requests"
 TTFT = "dynamo_frontend_time_to_first_token_seconds"

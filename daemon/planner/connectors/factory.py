@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from dynamod.daemon.planner.connectors.k8s_namespace import SA_NAMESPACE_FILE
 from dynamod.shared.config import env_or
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.protocol.planner import POOLS
@@ -29,8 +30,6 @@ DEFAULT_SUPERVISOR_WAIT_S = 30.0
 DEFAULT_DRAIN_TIMEOUT_S = 120.0
 DEFAULT_DEPLOYMENTS = {pool: f"dynamod-{pool}" for pool in POOLS}
 K8S_KINDS = ("deployment", "statefulset")
-# Where a pod finds its own namespace (the service-account volume every pod gets).
-SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
 def _float(name: str, default: float) -> float:
@@ -106,19 +105,6 @@ def parse_deployments(items: list[str] | None) -> dict[str, str]:
             raise ConfigError(f"--k8s-deployment {item!r}: expected POOL=NAME with POOL one of {', '.join(POOLS)}")
         out[pool] = name
     return out
-
-
-def k8s_namespace(flag: str, sa_file: str = SA_NAMESPACE_FILE) -> str | None:
-    """The flag, else the pod's namespace from the service-account file, else None (the
-    kubeconfig's context decides)."""
-    if flag:
-        return flag
-    try:
-        with open(sa_file, encoding="utf-8") as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    return text or None
 
 
 async def create_connector(args: argparse.Namespace, runtime: DistributedRuntime) -> Connector:

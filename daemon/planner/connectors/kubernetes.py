@@ -27,7 +27,7 @@ from lightkube.config.kubeconfig import KubeConfig
 from lightkube.resources.apps_v1 import Deployment, StatefulSet
 from lightkube.types import PatchType
 
-from dynamod.daemon.planner.connectors.factory import SA_NAMESPACE_FILE, k8s_namespace
+from dynamod.daemon.planner.connectors.k8s_namespace import SA_NAMESPACE_FILE, k8s_namespace
 
 try:  # lightkube 1.x talks through httpx2, 0.x through httpx: catch the transport errors of the one it uses
     import httpx2 as _http

@@ -12,16 +12,16 @@ died would otherwise keep writing counts nobody reads, and log each one as "aske
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import msgspec
 
 from dynamod.daemon.planner.connectors.virtual import VirtualConnector
-from dynamod.shared.discovery.store import DiscoveryStore, WatchEventKind
+from dynamod.shared.discovery.store import DiscoveryStore
 from dynamod.shared.errors import ConfigError, UnavailableError
 from dynamod.shared.protocol.keys import planner_scaler_key
 from dynamod.shared.protocol.planner import ScalerRecord
+from dynamod.shared.runtime.watched_map import WatchedMap
 
 logger = logging.getLogger(__name__)
 
@@ -39,16 +39,18 @@ class LocalConnector(VirtualConnector):
         self.scaler_key = planner_scaler_key(namespace)
         self.scaler: ScalerRecord | None = None
         self._scaler_seen = asyncio.Event()
-        self._scaler_task: asyncio.Task[None] | None = None
+        self._scaler_record: WatchedMap[ScalerRecord] = WatchedMap(
+            store, self.scaler_key, lambda _key, raw: msgspec.json.decode(raw, type=ScalerRecord),
+            what="scaler record", accepts=lambda key: key == self.scaler_key,
+        )
+        self._scaler_record.add_listener(self._on_scaler)
 
     async def start(self) -> None:
-        self._scaler_task = asyncio.create_task(self._watch_scaler(), name="local-connector-scaler")
+        await self._scaler_record.start()
         try:
             await asyncio.wait_for(self._scaler_seen.wait(), self.supervisor_wait_s)
         except TimeoutError:
-            self._scaler_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._scaler_task
+            await self._scaler_record.close()
             raise ConfigError(
                 f"no `dynamod up` supervisor accepts scaling on namespace {self.namespace!r} (nothing at "
                 f"{self.scaler_key} after {self.supervisor_wait_s:g}s); start the cluster with `dynamod up --planner "
@@ -75,25 +77,15 @@ class LocalConnector(VirtualConnector):
         await super().set_replicas(desired, decision_id)
 
     async def close(self) -> None:
-        if self._scaler_task is not None:
-            self._scaler_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._scaler_task
+        await self._scaler_record.close()
         await super().close()
 
-    async def _watch_scaler(self) -> None:
-        async for event in self.store.watch_prefix(self.scaler_key):
-            if event.key != self.scaler_key:
-                continue
-            if event.kind is WatchEventKind.DELETE or event.value is None:
-                if self.scaler is not None:
-                    logger.warning("supervisor gone connector=local key=%s", self.scaler_key)
-                self.scaler = None
-                self._scaler_seen.clear()
-                continue
-            try:
-                self.scaler = msgspec.json.decode(event.value, type=ScalerRecord)
-            except msgspec.DecodeError as exc:
-                logger.warning("undecodable scaler record key=%s error=%s", event.key, exc)
-                continue
+    def _on_scaler(self, _key: str, record: ScalerRecord | None) -> None:
+        if record is None:
+            if self.scaler is not None:
+                logger.warning("supervisor gone connector=local key=%s", self.scaler_key)
+            self.scaler = None
+            self._scaler_seen.clear()
+        else:
+            self.scaler = record
             self._scaler_seen.set()

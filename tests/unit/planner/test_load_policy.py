@@ -40,15 +40,15 @@ def test_exactly_at_throughput_threshold_holds() -> None:
 
 def test_scale_down_when_all_under_and_survivors_fit_after_the_release_window() -> None:
     # Was: down at the first low reading. A worker costs a start-up to bring back, so the pool
-    # shrinks only after evidence that the smaller fleet sufficed: a window of 6 x 10 s start-up,
-    # of which a planner just started needs a third.
+    # shrinks only after evidence that the smaller fleet sufficed: a window of 10 x 10 s start-up,
+    # of which a planner just started needs a third (35 s with the interval it decides on).
     p = policy(startup_s=10.0)
     low = (worker(0, blocks=20, running=2), worker(1, blocks=10, running=1), worker(2, blocks=0))
     plan = p.plan(agg(0, *low))["agg"]
     assert (plan.desired, plan.action, plan.reason) == (3, ACTION_HOLD, "release_window")
-    for t in range(5, 15, 5):
+    for t in range(5, 30, 5):
         assert p.plan(agg(t, *low))["agg"].action == ACTION_HOLD
-    plan = p.plan(agg(15, *low))["agg"]
+    plan = p.plan(agg(30, *low))["agg"]
     assert plan.action == ACTION_SCALE_DOWN and plan.desired < 3
 
 

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from dynamod.daemon.perf.profile import DecodeRow, DecodeTable, PerfProfile, PrefillTable
+from dynamod.daemon.planner.capacity import MISS_AIM
 from dynamod.daemon.planner.load_policy import ReplicaBudget
-from dynamod.daemon.planner.perf_profile import DecodeRow, DecodeTable, PerfProfile, PrefillTable
-from dynamod.daemon.planner.policy import Observation, PoolObservation, TrafficSample
+from dynamod.daemon.planner.policy import (
+    Observation,
+    PoolObservation,
+    TrafficSample,
+    binomial_request_miss,
+    exponential_osl_classes,
+)
 from dynamod.daemon.planner.predictors import PredictorConfig
 from dynamod.daemon.planner.sla_policy import SlaPolicy, SlaPolicyConfig
 from dynamod.shared.protocol.planner import ACTION_HOLD, ACTION_SCALE_UP
@@ -81,15 +90,36 @@ def test_agg_sizes_one_pool_by_the_prefill_share_itl_allows() -> None:
     p = sla("agg", budget=ReplicaBudget(max_gpu_budget=32))
     # Dynamo's time sharing: 30,000 / 10,000 + 2,000 / 3,660 = 3.55 -> 4 (every engine 100% busy)
     assert p.size(10, 3000, 200, 1.0, 1.0).decode_replicas == 4
-    # Was the plan. But a chunk step (300 ms) among 10 ms decode steps keeps a request's mean ITL
-    # within 50 ms only while (50 - 10) / (300 - 10) = 0.138 of the steps carry one: 3 workers'
-    # worth of prefill at that share -> 21.75 -> 22.
+    # Was the plan. But a step carrying a prompt's prefill (300 ms here) among 10 ms decode steps
+    # is a long gap: at a prefill time share f a step carries one with probability
+    # p = f x 10 / (c (1 - f)), c the step's prefill (the prompt and the M/D/1 queue beside it),
+    # and a request misses its mean ITL L when more than (L - 10) / c of its gaps do. The share
+    # is the largest f whose expected misses (output lengths exponential around 200) stay within
+    # the model's part of the error budget (2/3 of 2 %), and at most the M/D/1 utilisation that
+    # keeps TTFT. (Taking f itself as the chance of a 300 ms gap said 0.138 at 50 ms.)
+    def misses(f: float, itl: float) -> float:
+        busy = f * (1 + 10 / 300)
+        c = p.model.profile.prefill.ttft(min(3000 * (1 + busy * busy / (2 * (1 - busy))), 8192))
+        return binomial_request_miss(exponential_osl_classes(200), f * 10 / (c * (1 - f)), (itl - 10) / c)
+
+    aim = MISS_AIM * 0.02
+    share = p.model.agg_prefill_share(3000, 200)
+    assert misses(share, 50.0) <= aim
+    assert share == pytest.approx(p.model.ttft_utilisation(3000))  # at 50 ms the TTFT queue binds first: 0.571
+    tight = sla("agg", itl_ms=30.0).model.agg_prefill_share(3000, 200)
+    assert misses(tight, 30.0) <= aim < misses(tight + 0.01, 30.0)  # at 30 ms the ITL binds
+    assert 0.1 < tight < share
     obs = Observation(now=30, pools={"agg": PoolObservation("agg", 1)},
                       traffic=TrafficSample(duration_s=30, num_requests=300, isl=3000, osl=200, ttft_ms=None, itl_ms=None))
     plan = p.plan(obs)["agg"]
-    assert plan.desired == 9 and plan.reason == "max_scaling_step"  # the step cap (8 per decision) from 1
-    assert plan.inputs["predicted_floor"] == 22 and plan.inputs["dynamo_replicas"] == 4
-    assert plan.inputs["prefill_cap"] == pytest.approx(0.138, abs=1e-3)
+    # Sized, the requests decoding beside the prefills (10 req/s x 200 tokens at the ITL they
+    # see, Little's law) lengthen the decode steps on this profile: the share is lower than the
+    # bare one, and the floor is 3 workers' prefill over it.
+    cap = plan.inputs["prefill_cap"]
+    assert 0.1 < cap < share
+    assert plan.inputs["predicted_floor"] == math.ceil(3.0 / cap - 1e-9) and plan.inputs["dynamo_replicas"] == 4
+    # from 1 worker, the 30 s start-up's arrivals are a queue to clear as well: more than the floor
+    assert plan.desired == 9 and plan.reason in ("queue_backlog", "max_scaling_step")
 
 
 def test_no_traffic_holds_and_step_cap_applies() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dynamod.daemon.engines.mocker.timing import decode_time_ms, prefill_time_ms
+from dynamod.daemon.perf.mocker_timing import decode_time_ms, prefill_time_ms
 from dynamod.daemon.replay.simulator import MODES, replay
 from tests.unit.replay.helpers import BLOCK, mixed_trace, mocker, requests
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dynamod.daemon.replay.simulator import MODES, TransferModel, _PromptHashes, _Simulation
-from dynamod.daemon.router.disagg_policy import DisaggPolicyConfig
+from dynamod.daemon.router.core.disagg_policy import DisaggPolicyConfig
 from dynamod.shared.kv.hashing import hash_tokens
 from tests.unit.replay.helpers import mixed_trace, mocker
 
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[3]
 _DRIVER = """
 import json
 from dynamod.daemon.replay.simulator import MODES, TransferModel, replay, replay_disagg
-from dynamod.daemon.router.disagg_policy import DisaggPolicyConfig
+from dynamod.daemon.router.core.disagg_policy import DisaggPolicyConfig
 from tests.unit.replay.helpers import mixed_trace, mocker
 out = {}
 for mode in MODES:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from dynamod.daemon.engines.mocker.timing import prefill_time_ms
+from dynamod.daemon.perf.mocker_timing import prefill_time_ms
 from dynamod.daemon.replay.simulator import MODES, TransferModel, replay, replay_disagg
-from dynamod.daemon.router.disagg_policy import DisaggPolicyConfig
+from dynamod.daemon.router.core.disagg_cost import MockerCompute, TransferEstimate
+from dynamod.daemon.router.core.disagg_policy import DisaggPolicyConfig
 from dynamod.shared.errors import ConfigError
 from tests.unit.replay.helpers import BLOCK, mixed_trace, mocker, requests
 
@@ -151,3 +152,66 @@ def test_remote_decode_stage_with_cache_credit_moves_fewer_bytes(weight: float |
                         policy=policy, transfer=transfer(1000.0))
     assert res["disagg"]["remote"] == 2
     assert res["disagg"]["transfer_bytes_total"] == moved
+
+
+# Chunk-wise transfer: a 128-token prompt prefilled in four 32-token chunks; its blocks move at
+# 1 ms per token (1000 bytes a token at 10^6 bytes/s), slower than a chunk computes (~17 ms).
+LONG = list(range(500, 508))  # eight blocks, 128 tokens
+CHUNK = 32
+
+
+def chunked_replay(trace: list, overlap: bool, prefill_workers: int = 1) -> dict:
+    model = TransferModel(kv_bytes_per_token=BYTES_PER_TOKEN, bandwidth_gb_s=0.001, latency_ms=2.0, overlap="chunk" if overlap else "none")
+    return replay_disagg(trace, prefill_workers=prefill_workers, decode_workers=1, mode="kv",
+                         mocker=mocker(max_num_batched_tokens=CHUNK), transfer=model)
+
+
+def test_chunked_transfer_moves_each_chunk_as_it_is_computed() -> None:
+    after, chunked = (chunked_replay(requests((0.0, LONG, 3)), overlap) for overlap in (False, True))
+    chunk_ms = prefill_time_ms(CHUNK)
+    # After the prefill: all 128 ms of bytes plus the latency. Chunked: the link starts with the
+    # first chunk and stays busy (32 ms a chunk against ~17 ms of compute), so the last block lands
+    # 128 ms after the first chunk's end; the prefill itself ended three chunks after that one.
+    assert after["disagg"]["exposed_transfer_ms"]["mean"] == pytest.approx(130.0)
+    exposed = chunk_ms + 128.0 - 4 * chunk_ms + 2.0
+    assert chunked["disagg"]["exposed_transfer_ms"]["mean"] == pytest.approx(exposed, abs=1e-3)
+    assert chunked["disagg"]["transfer_overlap"] == "chunk" and after["disagg"]["transfer_overlap"] == "none"
+    # The same bytes move, in the same link time; only when they move differs, and TTFT with it.
+    assert chunked["disagg"]["transfer_bytes_total"] == after["disagg"]["transfer_bytes_total"] == 128 * BYTES_PER_TOKEN
+    assert chunked["disagg"]["transfer_ms"]["mean"] == pytest.approx(130.0)
+    assert after["ttft_ms"]["mean"] - chunked["ttft_ms"]["mean"] == pytest.approx(130.0 - exposed, abs=2e-3)
+    # The cost policy predicts the same exposed time from its own model of the chunks.
+    estimate = TransferEstimate(BYTES_PER_TOKEN, 0.001, 2.0, overlap="chunk")
+    assert estimate.exposed_ms(MockerCompute(CHUNK), 128, 0, 0) == pytest.approx(exposed)
+
+
+def test_chunked_transfers_into_one_decode_worker_share_its_link() -> None:
+    # Two prompts prefilled side by side on two prefill workers: their chunks queue on the one
+    # decode worker's link in the order they are ready, so 256 ms of bytes follow the first chunk.
+    trace = requests((0.0, LONG, 1), (0.0, [600 + k for k in range(8)], 1))
+    shared = chunked_replay(trace, True, prefill_workers=2)
+    assert shared["disagg"]["remote"] == 2
+    chunk_ms = prefill_time_ms(CHUNK)
+    assert shared["ttft_ms"]["p99"] >= chunk_ms + 256.0 + 2.0 - 1.0
+    alone = chunked_replay(requests((0.0, LONG, 1)), True)
+    assert shared["disagg"]["exposed_transfer_ms"]["mean"] > alone["disagg"]["exposed_transfer_ms"]["mean"] + 60.0
+
+
+def test_layer_wise_transfer_overlaps_a_single_chunk() -> None:
+    # One 64-token chunk (~17 ms of compute) whose 64 ms of bytes move layer by layer: the first of
+    # 32 layers is ready 1/32 into the step, and the link, slower than the compute, runs from there.
+    model = TransferModel(kv_bytes_per_token=BYTES_PER_TOKEN, bandwidth_gb_s=0.001, latency_ms=2.0, overlap="layer")
+    res = replay_disagg(requests((0.0, PROMPT, 3)), prefill_workers=1, decode_workers=1, mode="kv", mocker=mocker(),
+                        transfer=model)
+    step = prefill_time_ms(64)
+    exposed = step / 32 + 64.0 - step + 2.0
+    assert res["disagg"]["transfer_overlap"] == "layer"
+    assert res["disagg"]["exposed_transfer_ms"]["mean"] == pytest.approx(exposed, abs=1e-3)
+    assert res["ttft_ms"]["mean"] == pytest.approx(step + exposed, abs=1e-3)
+    estimate = TransferEstimate(BYTES_PER_TOKEN, 0.001, 2.0, overlap="layer")
+    assert estimate.exposed_ms(MockerCompute(2048), 64, 0, 0) == pytest.approx(exposed)
+    # A link faster than the compute leaves only the last layer's share after the step.
+    fast = TransferEstimate(BYTES_PER_TOKEN, 1.0, 2.0, overlap="layer")
+    assert fast.exposed_ms(MockerCompute(2048), 64, 0, 0) == pytest.approx(0.064 / 32 + 2.0)
+    with pytest.raises(ConfigError, match="kv-transfer-overlap"):
+        TransferModel(overlap="sometimes")

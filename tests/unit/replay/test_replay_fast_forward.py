@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from dynamod.daemon.replay.simulator import MODES, TransferModel, _Simulation
-from dynamod.daemon.router.disagg_policy import DisaggPolicyConfig
+from dynamod.daemon.router.core.disagg_policy import DisaggPolicyConfig
 from tests.unit.replay.helpers import mixed_trace, mocker, ragged_trace, requests
 from tests.unit.replay.test_replay_planner import burst_rows, load_planner
 
@@ -75,6 +75,19 @@ def test_disagg_every_mode(mode: str, trace: str) -> None:
                                 mocker=mocker(num_gpu_blocks=80), policy=DisaggPolicyConfig(enabled=True),
                                 transfer=TransferModel(1000, 0.01, 1.0), seed=4)
     assert report["disagg"]["remote"] > 0 and report["disagg"]["local"] > 0
+
+
+@pytest.mark.parametrize("overlap", ["chunk", "layer", "none"])
+def test_disagg_with_chunked_prefills_and_transfers(overlap: str) -> None:
+    # 64-token chunks: most prompts prefill in several steps, so a chunk-wise transfer moves
+    # blocks at every step and several transfers share a decode worker's link.
+    report = assert_same_replay(lambda: ragged_trace(80), prefill_workers=2, decode_workers=2, mode="kv",
+                                mocker=mocker(num_gpu_blocks=80, max_num_batched_tokens=64),
+                                policy=DisaggPolicyConfig(enabled=True),
+                                transfer=TransferModel(1000, 0.01, 1.0, overlap=overlap), seed=4)
+    assert report["completed"] == 80 and report["disagg"]["remote"] > 0
+    exposed, whole = report["disagg"]["exposed_transfer_ms"], report["disagg"]["transfer_ms"]
+    assert (exposed == whole) if overlap == "none" else (exposed["mean"] < whole["mean"])
 
 
 def test_with_the_planner_scaling_the_pool() -> None:

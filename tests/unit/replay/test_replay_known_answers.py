@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from dynamod.daemon.engines.mocker.timing import decode_time_ms, prefill_time_ms
+from dynamod.daemon.perf.mocker_timing import decode_time_ms, prefill_time_ms
 from dynamod.daemon.replay.simulator import MODES, TransferModel, replay, replay_disagg
 from tests.unit.replay.helpers import BLOCK, mocker, requests
 

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
+from dynamod.daemon.perf.profile import PerfProfile, default_profile_path
+from dynamod.daemon.planner.capacity import Demand
 from dynamod.daemon.planner.load_policy import LoadPolicy, LoadPolicyConfig, ReplicaBudget
-from dynamod.daemon.planner.perf_profile import PerfProfile, default_profile_path
 from dynamod.daemon.planner.policy import Observation, PoolPlan
 from dynamod.daemon.planner.predictors import PredictorConfig
 from dynamod.daemon.planner.sla_policy import SlaPolicy, SlaPolicyConfig
@@ -24,9 +25,9 @@ STARTUP_S = 3.0
 INTERVAL_S = 1.0
 
 
-def engine() -> Any:
-    """The profiled engine's step budget and cache (the policies size from the shipped profile)."""
-    return mocker(num_gpu_blocks=4096, max_num_batched_tokens=8192, max_num_seqs=64)
+def engine(num_gpu_blocks: int = 4096) -> Any:
+    """The profiled engine's step budget (the policies size from the shipped profile)."""
+    return mocker(num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=8192, max_num_seqs=64)
 
 
 def rows(rate_at: Any, end_s: float, blocks: int = 64, out: int = 20) -> list[tuple[float, list[int], int]]:
@@ -78,12 +79,18 @@ def reversals(seq: list[int]) -> int:
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_no_oscillation_under_constant_load(n: int) -> None:
-    """A constant rate the capacity model sizes at ``n`` workers (about n - 0.4 workers of prefill
-    at the prefill share that keeps ITL), starting at ``n``: the fleet never turns around."""
-    reqs = requests(*rows(lambda _t: 8.0 * (n - 0.4), 60.0))
-    rec = Recorder(load_policy(max_gpu_budget=8))
-    res = replay(reqs, workers=n, mode="kv", mocker=engine(), planner=ReplayPlanner(rec, startup_s=STARTUP_S),
-                 sla_targets=(2000.0, 50.0))
+    """A constant rate the capacity model sizes at ``n`` workers (n - 0.4 workers of prefill at
+    the prefill share that keeps ITL), starting at ``n``: the fleet never turns around. The
+    engine has the profile's KV size, so that the profile describes its decode steps."""
+    policy = load_policy(max_gpu_budget=8)
+    lo, hi = 0.0, 200.0  # the rate the model sizes at n - 0.4 workers of prefill (1024-token prompts, 20 out)
+    for _ in range(50):
+        mid = (lo + hi) / 2.0
+        lo, hi = (mid, hi) if policy.model.size(Demand(mid, 1024.0, 20.0)).prefill_load < n - 0.4 else (lo, mid)
+    reqs = requests(*rows(lambda _t: lo, 60.0))
+    rec = Recorder(policy)
+    res = replay(reqs, workers=n, mode="kv", mocker=engine(num_gpu_blocks=65536), sla_targets=(2000.0, 50.0),
+                 planner=ReplayPlanner(rec, startup_s=STARTUP_S))
     assert res["completed"] == len(reqs)
     assert reversals(sizes(rec)) == 0, sizes(rec)
 

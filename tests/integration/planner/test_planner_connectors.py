@@ -43,7 +43,7 @@ from dynamod.shared.protocol.llm import EngineOutput
 from dynamod.shared.protocol.planner import DesiredReplicas, ScaledReplicas
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from tests.fixtures.servers import EtcdServer, free_port
-from tests.integration.test_cluster_ssh import (  # noqa: F401  (sshd: the fixture)
+from tests.integration.dynamoctl.test_cluster_ssh import (  # noqa: F401  (sshd: the fixture)
     DYNAMOD,
     SSHD,
     PrivateSshd,
@@ -51,11 +51,11 @@ from tests.integration.test_cluster_ssh import (  # noqa: F401  (sshd: the fixtu
     sshd,
     write_inventory,
 )
-from tests.integration.test_frontend_support import clean_env
-from tests.integration.test_worker_daemon import request
+from tests.integration.frontend.test_frontend_support import clean_env
+from tests.integration.worker.test_worker_daemon import request
 
 pytestmark = pytest.mark.timeout(300)
-RECORDED = Path(__file__).resolve().parents[1] / "fixtures" / "recorded" / "k8s_scale"
+RECORDED = Path(__file__).resolve().parents[2] / "fixtures" / "recorded" / "k8s_scale"
 
 
 async def until(predicate: Any, timeout: float, what: str) -> Any:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dynamod.daemon.engines.mocker.config import MockerConfig
-from dynamod.daemon.planner.perf_profile import (
+from dynamod.daemon.perf.profile import (
     DecodeRow,
     DecodeTable,
     PerfProfile,

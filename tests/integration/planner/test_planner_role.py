@@ -32,7 +32,7 @@ from dynamod.shared.protocol.planner import (
 )
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from tests.fixtures.servers import EtcdServer, NatsServer, free_port, poll, wait_until
-from tests.integration.test_frontend_support import CLI, Proc, clean_env, get_json, get_text
+from tests.integration.frontend.test_frontend_support import CLI, Proc, clean_env, get_json, get_text
 
 pytestmark = pytest.mark.timeout(180)
 

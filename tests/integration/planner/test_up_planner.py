@@ -34,7 +34,7 @@ from dynamod.shared.protocol.keys import planner_status_key
 from dynamod.shared.protocol.planner import PlannerStatus
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from tests.fixtures.servers import free_port
-from tests.integration.test_frontend_support import clean_env
+from tests.integration.frontend.test_frontend_support import clean_env
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
