@@ -2,11 +2,14 @@
 
     POST /v1/chat/completions   POST /v1/completions   POST /v1/embeddings   GET /v1/models
     POST /v1/responses   GET|DELETE /v1/responses/{id}
+    POST /v1/messages   POST /v1/messages/count_tokens   (Anthropic's Messages API: ``anthropic/``)
     GET  /health (503 while shutting down)   GET /live   GET /metrics   GET /openapi.json
 
-Every request first passes the doors (``doors.FrontDoors``: API key, rate, body size, admission).
+Every request first passes the doors (``http/request_checks.FrontDoors``: API key, rate, body size,
+admission).
 
-Unknown paths and methods get OpenAI-shaped 404/405 bodies; an exception goes through the error
+Unknown paths and methods get OpenAI-shaped 404/405 bodies (Anthropic-shaped under
+``/v1/messages``, as every refusal there, the doors' included); an exception goes through the error
 boundary (``errors.to_http_error``) like the generation routes': its class's status, never a
 traceback (a bug is logged and answered with a 500).
 """
@@ -24,18 +27,21 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from dynamod.daemon.frontend.asgi import Scope, send_bytes, send_error, send_json
-from dynamod.daemon.frontend.doors import HEALTH_DETAILS, DoorSettings, FrontDoors
-from dynamod.daemon.frontend.embeddings import EmbeddingsEndpoint
-from dynamod.daemon.frontend.endpoints import ChatCompletionsEndpoint, CompletionsEndpoint
-from dynamod.daemon.frontend.errors import error_body, to_http_error
-from dynamod.daemon.frontend.fleet_metrics import wants_process_scope
-from dynamod.daemon.frontend.openapi import OpenApiEndpoint
-from dynamod.daemon.frontend.protocol import ModelList, ModelObject, encoder
-from dynamod.daemon.frontend.responses import ResponsesEndpoint, StoredResponsesEndpoint
-from dynamod.daemon.frontend.responses_store import ResponseStore
-from dynamod.daemon.frontend.state import FrontendState
-from dynamod.shared.errors import NotFoundError
+from dynamod.daemon.frontend.anthropic.endpoint import CountTokensEndpoint, MessagesEndpoint
+from dynamod.daemon.frontend.anthropic.errors import anthropic_error_body, to_anthropic_error
+from dynamod.daemon.frontend.http.asgi import Scope, send_bytes, send_error, send_json
+from dynamod.daemon.frontend.http.errors import HttpError, error_body, to_http_error
+from dynamod.daemon.frontend.http.fleet_metrics import wants_process_scope
+from dynamod.daemon.frontend.http.request_checks import HEALTH_DETAILS, DoorSettings, FrontDoors
+from dynamod.daemon.frontend.openai.chat import ChatCompletionsEndpoint
+from dynamod.daemon.frontend.openai.completions import CompletionsEndpoint
+from dynamod.daemon.frontend.openai.embeddings import EmbeddingsEndpoint
+from dynamod.daemon.frontend.openai.openapi import OpenApiEndpoint
+from dynamod.daemon.frontend.openai.responses.endpoint import ResponsesEndpoint, StoredResponsesEndpoint
+from dynamod.daemon.frontend.openai.responses.store import ResponseStore
+from dynamod.daemon.frontend.openai.schema import ModelList, ModelObject, encoder
+from dynamod.daemon.frontend.pipeline.state import FrontendState
+from dynamod.shared.errors import DynamoError, NotFoundError
 from dynamod.shared.protocol.worker_id import worker_id_hex
 
 
@@ -153,6 +159,19 @@ class MetricsEndpoint:
         await send_bytes(send, 200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
 
 
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def is_anthropic_path(path: str) -> bool:
+    """The Anthropic Messages API's routes: their errors take Anthropic's shape."""
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def door_error(scope: Scope, error: DynamoError) -> HttpError:
+    """A refusal at the doors in the shape of the route's API."""
+    return to_anthropic_error(error) if is_anthropic_path(scope["path"]) else to_http_error(error)
+
+
 async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
@@ -161,7 +180,11 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
         message = f"method {request.method} is not allowed on {request.url.path}"
     else:
         message = str(exc.detail)
-    return Response(error_body(exc.status_code, message), status_code=exc.status_code, media_type="application/json")
+    if is_anthropic_path(request.url.path):
+        body = anthropic_error_body(exc.status_code, message)
+    else:
+        body = error_body(exc.status_code, message)
+    return Response(body, status_code=exc.status_code, media_type="application/json")
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
@@ -204,6 +227,7 @@ class FrontendApp:
             "/v1/completions": completions,
             "/v1/embeddings": EmbeddingsEndpoint(state),
             "/v1/responses": ResponsesEndpoint(state, store),
+            "/v1/messages": MessagesEndpoint(state),
         }
         self.starlette = _build_starlette(state, self._hot, store, api_keys=api_keys)
 
@@ -220,7 +244,7 @@ def build_app(state: FrontendState, doors: DoorSettings | None = None) -> FrontD
     """The routes behind their doors (``doors``: API keys, rate and body limits; None: defaults)."""
     doors = doors or DoorSettings()
     app = FrontendApp(state, api_keys=doors.api_keys is not None)
-    return FrontDoors(app, state, doors, admission_paths=frozenset(app._hot))
+    return FrontDoors(app, state, doors, admission_paths=frozenset(app._hot), render_error=door_error)
 
 
 def _build_starlette(state: FrontendState, hot: dict[str, Any], store: ResponseStore, *, api_keys: bool) -> Starlette:
@@ -230,6 +254,7 @@ def _build_starlette(state: FrontendState, hot: dict[str, Any], store: ResponseS
         _route("/v1/models", ModelsEndpoint(state), ["GET"]),
         _route("/v1/models/{model_id:path}", ModelsEndpoint(state), ["GET"]),
         _route("/v1/responses/{response_id}", StoredResponsesEndpoint(store), ["GET", "DELETE"]),
+        _route("/v1/messages/count_tokens", CountTokensEndpoint(state), ["POST"]),
         _route("/health", HealthEndpoint(state), ["GET"]),
         _route("/live", _AsgiFunction(live), ["GET"]),
         _route("/metrics", MetricsEndpoint(state), ["GET"]),

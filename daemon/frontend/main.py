@@ -4,7 +4,7 @@
 as workers publish their cards (no model flag here). ``--num-frontends N`` runs N processes on one
 port (``SO_REUSEPORT``) that share routing state over the event plane.
 
-The OpenAI port's doors (``doors``): API keys (``--api-key-file`` / ``DYN_API_KEY``; the file is
+The OpenAI port's doors (``http/request_checks.py``): API keys (``--api-key-file`` / ``DYN_API_KEY``; the file is
 re-read when it changes and on SIGHUP), a per-client rate limit, a body cap, and HTTPS with
 ``--http-tls-cert-file``/``--http-tls-key-file``. Listening beyond loopback without keys is
 allowed, with a warning at start.
@@ -23,28 +23,28 @@ import signal
 import ssl
 from dataclasses import replace
 
-from dynamod.daemon.frontend import connections as conn
 from dynamod.daemon.frontend.app import build_app
-from dynamod.daemon.frontend.auth import ApiKeys
-from dynamod.daemon.frontend.dispatch import Dispatcher
-from dynamod.daemon.frontend.doors import DoorSettings, RefusalMetrics
-from dynamod.daemon.frontend.fanout import DEFAULT_MAX_PROMPTS_PER_REQUEST
-from dynamod.daemon.frontend.fleet import FrontendFleet
-from dynamod.daemon.frontend.fleet_metrics import FleetMetrics, fleet_labels
-from dynamod.daemon.frontend.limits import (
+from dynamod.daemon.frontend.http import connections as conn
+from dynamod.daemon.frontend.http.auth import ApiKeys
+from dynamod.daemon.frontend.http.fleet_metrics import FleetMetrics, fleet_labels
+from dynamod.daemon.frontend.http.limits import (
     DEFAULT_AUTH_FAILURE_BURST,
     DEFAULT_AUTH_FAILURE_RATE,
     DEFAULT_MAX_BODY_BYTES,
 )
-from dynamod.daemon.frontend.metrics import FrontendMetrics
-from dynamod.daemon.frontend.models import ModelRegistry
-from dynamod.daemon.frontend.router_factory import RouterFactoryBuilder, add_kv_router_args
-from dynamod.daemon.frontend.routing import ROUTER_MODES, Quarantine
-from dynamod.daemon.frontend.server import HttpServer, bind_socket
-from dynamod.daemon.frontend.state import FrontendConfig, FrontendState
-from dynamod.daemon.frontend.sync import RoutingSync
-from dynamod.daemon.router.disagg_policy import add_disagg_args, disagg_config_from_args
-from dynamod.daemon.router.prefill_stage import DEFAULT_PREFILL_TIMEOUT_S, DisaggMetrics, PrefillStage
+from dynamod.daemon.frontend.http.port_sharing import FrontendFleet
+from dynamod.daemon.frontend.http.request_checks import DoorSettings, RefusalMetrics
+from dynamod.daemon.frontend.http.server import HttpServer, bind_socket
+from dynamod.daemon.frontend.openai.fanout import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from dynamod.daemon.frontend.pipeline.dispatch import Dispatcher
+from dynamod.daemon.frontend.pipeline.metrics import FrontendMetrics
+from dynamod.daemon.frontend.pipeline.models import ModelRegistry
+from dynamod.daemon.frontend.pipeline.router_factory import RouterFactoryBuilder, add_kv_router_args
+from dynamod.daemon.frontend.pipeline.routing import ROUTER_MODES, Quarantine
+from dynamod.daemon.frontend.pipeline.state import FrontendConfig, FrontendState
+from dynamod.daemon.frontend.pipeline.worker_health import RoutingSync
+from dynamod.daemon.router.core.disagg_policy import add_disagg_args, disagg_config_from_args
+from dynamod.daemon.router.core.prefill_stage import DEFAULT_PREFILL_TIMEOUT_S, DisaggMetrics, PrefillStage
 from dynamod.shared.config import add_runtime_args, env_or, settings_from_args
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.runtime.distributed import DistributedRuntime
@@ -96,7 +96,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_door_args(g: argparse._ArgumentGroup) -> None:
-    """The OpenAI port's keys, limits and HTTPS (``doors``). Key values only from a file or the
+    """The OpenAI port's keys, limits and HTTPS (``http/request_checks.py``). Key values only from a file or the
     environment: a flag's value is visible to every user in ``ps``."""
     g.add_argument("--api-key-file", default=env_or("DYN_API_KEY_FILE", "") or None,
                    help="file of API keys the OpenAI port accepts as 'Authorization: Bearer KEY', one per line (re-read "

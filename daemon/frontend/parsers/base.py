@@ -177,6 +177,29 @@ class BetweenCalls:
         return text
 
 
+class MarkedCallsParser(ToolCallParser):
+    """A family that marks each call (Hermes' tags, Mistral's ``[TOOL_CALLS]``): text between
+    calls goes through ``BetweenCalls`` (``_content``), and ``_buf`` holds the end of the text
+    seen so far that may begin a marker."""
+
+    def __init__(self, calls: ToolCallTracker) -> None:
+        super().__init__(calls)
+        self._buf = ""
+        self._between = BetweenCalls()
+        self._content = self._between.content
+
+
+def split_at_marker(buf: str, marker: str) -> tuple[str, str, bool]:
+    """``(before, rest, True)`` when ``buf`` holds ``marker``: the text before it and the text
+    after it. Otherwise ``(text, held, False)``: ``held`` is the end of ``buf`` that may begin the
+    marker (it waits for the next piece), ``text`` everything before it."""
+    i = buf.find(marker)
+    if i < 0:
+        cut = len(buf) - held_marker_len(buf, (marker,))
+        return buf[:cut], buf[cut:], False
+    return buf[:i], buf[i + len(marker) :], True
+
+
 def held_marker_len(text: str, markers: Sequence[str]) -> int:
     """Length of the longest end of ``text`` that is a proper beginning of one of ``markers``:
     that many characters must wait for the next piece before they can be called plain text."""

@@ -12,10 +12,9 @@ call (bad JSON, a name the client did not offer) is given back as content, tags 
 from __future__ import annotations
 
 from dynamod.daemon.frontend.parsers.base import (
-    BetweenCalls,
-    ToolCallParser,
+    MarkedCallsParser,
     ToolCallTracker,
-    held_marker_len,
+    split_at_marker,
 )
 from dynamod.daemon.frontend.parsers.json_calls import JsonCallStreamer
 
@@ -23,41 +22,30 @@ START = "<tool_call>"
 END = "</tool_call>"
 
 
-class HermesToolParser(ToolCallParser):
+class HermesToolParser(MarkedCallsParser):
     markers = (START, END)
 
     def __init__(self, calls: ToolCallTracker) -> None:
         super().__init__(calls)
-        self._buf = ""
         self._call: JsonCallStreamer | None = None
         self._call_ended = False  # the object closed; text up to the end tag is dropped
-        self._between = BetweenCalls()
-        self._content = self._between.content
 
     def feed(self, text: str) -> str:
         buf = self._buf + text
         out: list[str] = []
         while buf:
             if self._call is None:
-                i = buf.find(START)
-                if i < 0:
-                    keep = held_marker_len(buf, (START,))
-                    out.append(self._content(buf[: len(buf) - keep]))
-                    buf = buf[len(buf) - keep :]
+                before, buf, found = split_at_marker(buf, START)
+                out.append(self._content(before))
+                if not found:
                     break
-                out.append(self._content(buf[:i]))
-                buf = buf[i + len(START) :]
                 self._call = JsonCallStreamer(self.calls)
                 self._call_ended = False
             else:
-                j = buf.find(END)
-                if j < 0:
-                    keep = held_marker_len(buf, (END,))
-                    self._feed_call(buf[: len(buf) - keep])
-                    buf = buf[len(buf) - keep :]
+                before, buf, found = split_at_marker(buf, END)
+                self._feed_call(before)
+                if not found:
                     break
-                self._feed_call(buf[:j])
-                buf = buf[j + len(END) :]
                 out.append(self._close_call(closed=True))
         self._buf = buf
         return "".join(out)

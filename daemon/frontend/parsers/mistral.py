@@ -12,10 +12,9 @@ something that is not a call gives its text back as content.
 from __future__ import annotations
 
 from dynamod.daemon.frontend.parsers.base import (
-    BetweenCalls,
-    ToolCallParser,
+    MarkedCallsParser,
     ToolCallTracker,
-    held_marker_len,
+    split_at_marker,
 )
 from dynamod.daemon.frontend.parsers.json_calls import ArgumentsStreamer, JsonCallStreamer
 
@@ -26,17 +25,14 @@ MAX_NAME_CHARS = 256  # a "name" longer than this before [ARGS] is not a functio
 _CONTENT, _AFTER_MARK, _ARRAY, _OBJECT, _NAME, _ARGS = range(6)
 
 
-class MistralToolParser(ToolCallParser):
+class MistralToolParser(MarkedCallsParser):
     markers = (TOOL_CALLS, ARGS)
 
     def __init__(self, calls: ToolCallTracker) -> None:
         super().__init__(calls)
         self._state = _CONTENT
-        self._buf = ""
         self._raw = ""  # text of the call being read, from its marker on: given back on failure
         self._call: JsonCallStreamer | ArgumentsStreamer | None = None
-        self._between = BetweenCalls()
-        self._content = self._between.content
 
     def feed(self, text: str) -> str:
         buf = self._buf + text
@@ -44,15 +40,11 @@ class MistralToolParser(ToolCallParser):
         while buf:
             state = self._state
             if state == _CONTENT:
-                i = buf.find(TOOL_CALLS)
-                if i < 0:
-                    keep = held_marker_len(buf, (TOOL_CALLS,))
-                    out.append(self._content(buf[: len(buf) - keep]))
-                    buf = buf[len(buf) - keep :]
+                before, buf, found = split_at_marker(buf, TOOL_CALLS)
+                out.append(self._content(before))
+                if not found:
                     break
-                out.append(self._content(buf[:i]))
                 self._raw = TOOL_CALLS
-                buf = buf[i + len(TOOL_CALLS) :]
                 self._state = _AFTER_MARK
             elif state == _AFTER_MARK or state == _ARRAY:
                 stripped = buf.lstrip()

@@ -1,11 +1,13 @@
 """The parsers by name: the names workers publish in their model card (``--tool-call-parser``,
-``--reasoning-parser``) and the frontend looks up. The names follow Dynamo's and vLLM's where
-they have one, so a deployment's flags carry over."""
+``--reasoning-parser``) and the frontend looks up. The names themselves are wire vocabulary and
+live in ``shared/protocol/model_card.py`` (the worker checks its flags against them without
+importing the frontend); this maps each to its parser, and a test holds the two to the same set."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from dynamod.daemon.frontend.parsers.base import ReasoningParser, ToolCallParser
 from dynamod.daemon.frontend.parsers.gpt_oss import GptOssReasoningParser
@@ -18,6 +20,7 @@ from dynamod.daemon.frontend.parsers.think_tags import ThinkTagReasoningParser
 logger = logging.getLogger(__name__)
 
 ReasoningParserFactory = Callable[[], ReasoningParser]
+T = TypeVar("T")
 
 TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesToolParser,
@@ -39,22 +42,21 @@ _warned: set[str] = set()
 def tool_call_parser(name: str | None) -> type[ToolCallParser] | None:
     """The tool-call parser class called ``name``; None for no name or an unknown one (logged
     once: a card from a newer worker must not fail requests, its text just stays content)."""
-    if not name:
-        return None
-    cls = TOOL_CALL_PARSERS.get(name)
-    if cls is None:
-        _warn_unknown("tool_call_parser", name, TOOL_CALL_PARSERS)
-    return cls
+    return _named("tool_call_parser", name, TOOL_CALL_PARSERS)
 
 
 def reasoning_parser(name: str | None) -> ReasoningParserFactory | None:
     """The reasoning parser factory called ``name``; None for no name or an unknown one."""
+    return _named("reasoning_parser", name, REASONING_PARSERS)
+
+
+def _named(kind: str, name: str | None, known: Mapping[str, T]) -> T | None:
     if not name:
         return None
-    factory = REASONING_PARSERS.get(name)
-    if factory is None:
-        _warn_unknown("reasoning_parser", name, REASONING_PARSERS)
-    return factory
+    found = known.get(name)
+    if found is None:
+        _warn_unknown(kind, name, known)
+    return found
 
 
 def _warn_unknown(kind: str, name: str, known: Mapping[str, object]) -> None:

@@ -14,7 +14,7 @@ The whitespace the models write between ``</think>`` and the answer is not conte
 
 from __future__ import annotations
 
-from dynamod.daemon.frontend.parsers.base import ReasoningParser, held_marker_len
+from dynamod.daemon.frontend.parsers.base import ReasoningParser, split_at_marker
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -53,13 +53,10 @@ class ThinkTagReasoningParser(ReasoningParser):
                 self._state = _CONTENT
                 return "", buf
         if self._state == _REASONING:
-            i = buf.find(self._end)
-            if i < 0:
-                keep = held_marker_len(buf, (self._end,))
-                self._buf = buf[len(buf) - keep :]
-                return buf[: len(buf) - keep], ""
-            reasoning = buf[:i]
-            buf = buf[i + len(self._end) :]
+            reasoning, buf, found = split_at_marker(buf, self._end)
+            if not found:
+                self._buf = buf
+                return reasoning, ""
             self._state = _AFTER
         stripped = buf.lstrip()
         if not stripped:

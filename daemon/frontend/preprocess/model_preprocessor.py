@@ -17,6 +17,7 @@ import asyncio
 import logging
 import tempfile
 from pathlib import Path
+from typing import Any, Protocol
 
 from dynamod.daemon.frontend.preprocess import (
     ByteLevelDetokenizer,
@@ -28,7 +29,6 @@ from dynamod.daemon.frontend.preprocess import (
 )
 from dynamod.daemon.frontend.preprocess.fast_bpe import FastBpeEncoder
 from dynamod.daemon.frontend.preprocess.tokenizer import ASYNC_ENCODE_THRESHOLD_CHARS
-from dynamod.daemon.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from dynamod.daemon.models import LocalModel, load_model_dir
 from dynamod.shared.errors import ConfigError, DynamoError, InvalidRequestError
 from dynamod.shared.protocol.model_card import ModelCard
@@ -39,6 +39,18 @@ logger = logging.getLogger(__name__)
 
 # Rendering a template for a conversation this long (characters of content) moves to a thread.
 _ASYNC_RENDER_THRESHOLD_CHARS = 16384
+
+
+class ChatPrompt(Protocol):
+    """What the chat template renders: a conversation in OpenAI's message shape, with the tools
+    and template options. OpenAI's chat request is one; another API surface converts its own
+    request into one (the messages a template knows are OpenAI's)."""
+
+    model: str
+    messages: list[Any]
+    tools: list[Any] | None
+    chat_template_kwargs: dict[str, Any] | None
+    add_generation_prompt: bool | None
 
 
 def tokenizer_dir(source: str) -> Path:
@@ -110,7 +122,7 @@ class ModelPreprocessor:
         with tempfile.TemporaryDirectory(prefix="dynamod-tokenizer-") as tmp:
             return cls.load(card, files.write_to(tmp), source=f"model_files:{files.sha256[:16]}")
 
-    async def chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+    async def chat_prompt(self, request: ChatPrompt) -> list[int]:
         if self.chat_template is None:
             raise InvalidRequestError(
                 f"model {request.model!r} has no chat template; use /v1/completions", param="messages"
@@ -168,29 +180,6 @@ def _conversation_chars(messages: list) -> int:
         elif isinstance(content, list):
             total += sum(len(p.get("text", "")) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     return total
-
-
-def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
-    """The prompts of a completions request: a string, a token list, or a batch of either."""
-    prompt = request.prompt
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise InvalidRequestError("'prompt' must not be empty", param="prompt")
-    if all(_is_token(t) for t in prompt):
-        return [list(prompt)]
-    if all(isinstance(p, str) for p in prompt):
-        return list(prompt)
-    if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
-        return [list(p) for p in prompt]
-    raise InvalidRequestError(
-        "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists",
-        param="prompt",
-    )
-
-
-def _is_token(value: object) -> bool:
-    return type(value) is int and 0 <= value < 2**31
 
 
 class PreprocessorCache:

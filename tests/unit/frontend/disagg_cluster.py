@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from dynamod.daemon.frontend.app import build_app
-from dynamod.daemon.frontend.dispatch import Dispatcher
+from dynamod.daemon.frontend.http.server import HttpServer, bind_socket
 from dynamod.daemon.frontend.main import add_args, prefill_stage_from_args
-from dynamod.daemon.frontend.metrics import FrontendMetrics
-from dynamod.daemon.frontend.models import ModelRegistry
-from dynamod.daemon.frontend.router_factory import RouterFactoryBuilder
-from dynamod.daemon.frontend.routing import Quarantine
-from dynamod.daemon.frontend.server import HttpServer, bind_socket
-from dynamod.daemon.frontend.state import FrontendConfig, FrontendState
-from dynamod.daemon.frontend.sync import RoutingSync
+from dynamod.daemon.frontend.pipeline.dispatch import Dispatcher
+from dynamod.daemon.frontend.pipeline.metrics import FrontendMetrics
+from dynamod.daemon.frontend.pipeline.models import ModelRegistry
+from dynamod.daemon.frontend.pipeline.router_factory import RouterFactoryBuilder
+from dynamod.daemon.frontend.pipeline.routing import Quarantine
+from dynamod.daemon.frontend.pipeline.state import FrontendConfig, FrontendState
+from dynamod.daemon.frontend.pipeline.worker_health import RoutingSync
 from dynamod.daemon.models import TINY_MODEL_DIR
 from dynamod.shared.config import RuntimeSettings
 from dynamod.shared.discovery.mem import MemStore
@@ -82,6 +82,9 @@ class FakePrefill:
             self.closed.set()
 
 
+W = TypeVar("W", FakeWorker, FakePrefill)
+
+
 class DisaggCluster:
     def __init__(self, *flags: str) -> None:
         self.flags = flags
@@ -124,25 +127,24 @@ class DisaggCluster:
         return card
 
     async def add_decode(self, model: str = "tiny", **kw: Any) -> FakeWorker:
-        assert self.rt is not None
-        lease = await self.rt.create_lease()
-        worker = FakeWorker(lease, **kw)
-        await self.store.put(mdc_key("dynamo", "backend", "generate", lease.id), encode_card(self._card(model, False)), lease)
-        worker.served = await self.rt.namespace().component("backend").endpoint("generate").serve(
-            worker.handler, lease=lease, model=model, role="decode"
-        )
-        await self.wait(lambda: self.ready(model, lease.id))
-        return worker
+        return await self._add(FakeWorker, "backend", model, **kw)
 
     async def add_prefill(self, model: str = "tiny", **kw: Any) -> FakePrefill:
+        return await self._add(FakePrefill, "prefill", model, **kw)
+
+    async def _add(self, kind: Callable[..., W], component: str, model: str, **kw: Any) -> W:
+        """A fake worker of ``kind`` with its own lease, card and ``generate`` endpoint in ``component``
+        (``prefill``: a prefill worker, else a decode one), returned once the frontend has it ready."""
         assert self.rt is not None
+        prefill = component == "prefill"
         lease = await self.rt.create_lease()
-        worker = FakePrefill(lease, **kw)
-        await self.store.put(mdc_key("dynamo", "prefill", "generate", lease.id), encode_card(self._card(model, True)), lease)
-        worker.served = await self.rt.namespace().component("prefill").endpoint("generate").serve(
-            worker.handler, lease=lease, model=model, role="prefill"
+        worker = kind(lease, **kw)
+        await self.store.put(mdc_key("dynamo", component, "generate", lease.id), encode_card(self._card(model, prefill)), lease)
+        worker.served = await self.rt.namespace().component(component).endpoint("generate").serve(
+            worker.handler, lease=lease, model=model, role="prefill" if prefill else "decode"
         )
-        await self.wait(lambda: self.prefill_ready(model, lease.id))
+        ready = self.prefill_ready if prefill else self.ready
+        await self.wait(lambda: ready(model, lease.id))
         return worker
 
     def ready(self, model: str, wid: int) -> bool:

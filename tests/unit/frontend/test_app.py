@@ -18,18 +18,18 @@ import openai
 import pytest
 
 from dynamod.daemon.frontend.app import build_app
-from dynamod.daemon.frontend.dispatch import Dispatcher
-from dynamod.daemon.frontend.metrics import FrontendMetrics
-from dynamod.daemon.frontend.models import ModelRegistry
-from dynamod.daemon.frontend.routing import (
+from dynamod.daemon.frontend.http.server import HttpServer, bind_socket
+from dynamod.daemon.frontend.pipeline.dispatch import Dispatcher
+from dynamod.daemon.frontend.pipeline.metrics import FrontendMetrics
+from dynamod.daemon.frontend.pipeline.models import ModelRegistry
+from dynamod.daemon.frontend.pipeline.routing import (
     Quarantine,
     RoundRobinRouter,
     RouteChoice,
     RouteRequest,
     make_basic_router,
 )
-from dynamod.daemon.frontend.server import HttpServer, bind_socket
-from dynamod.daemon.frontend.state import FrontendConfig, FrontendState
+from dynamod.daemon.frontend.pipeline.state import FrontendConfig, FrontendState
 from dynamod.daemon.models import TINY_MODEL_DIR
 from dynamod.shared.config import RuntimeSettings
 from dynamod.shared.discovery.mem import MemStore
@@ -115,16 +115,21 @@ class Cluster:
         assert self.rt is not None
         lease = await self.rt.create_lease()
         worker = FakeWorker(lease, **kw)
+        self.workers.append(worker)
+        worker.served = await self.serve(worker.handler, lease, model)
+        return worker
+
+    async def serve(self, handler: Any, lease: Any, model: str = "tiny") -> ServedInstance:
+        """Serves ``handler`` as a worker of ``model`` under ``lease`` (publishing the model's card as a
+        worker does) and waits until the frontend counts that worker ready."""
+        assert self.rt is not None
         card = ModelCard(
             served_model_name=model, tokenizer_source=str(TINY_MODEL_DIR), context_length=CONTEXT, kv_block_size=16
         )
         await self.store.put(mdc_key("dynamo", "backend", "generate", lease.id), encode_card(card), lease)
-        worker.served = await self.rt.namespace().component("backend").endpoint("generate").serve(
-            worker.handler, lease=lease, model=model
-        )
-        self.workers.append(worker)
+        served = await self.rt.namespace().component("backend").endpoint("generate").serve(handler, lease=lease, model=model)
         await self.wait(lambda: any(w == worker_id_hex(lease.id) and s == "ready" for w, s in self.worker_states(model)))
-        return worker
+        return served
 
     def worker_states(self, model: str) -> list[tuple[str, str]]:
         assert self.state is not None
@@ -147,16 +152,6 @@ class Cluster:
             await self.state.registry.close()
         if self.rt:
             await self.rt.shutdown(grace_s=0.5)
-
-
-@pytest.fixture
-async def cluster() -> AsyncIterator[Cluster]:
-    c = Cluster()
-    await c.start()
-    try:
-        yield c
-    finally:
-        await c.stop()
 
 
 def client(c: Cluster) -> openai.AsyncOpenAI:

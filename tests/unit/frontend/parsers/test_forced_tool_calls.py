@@ -11,14 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dynamod.daemon.frontend.openai.sampling import guided_decoding
+from dynamod.daemon.frontend.openai.schema import decode_chat_request
 from dynamod.daemon.frontend.parsers import OutputParser, ToolSettings
 from dynamod.daemon.frontend.parsers.forced_tool_calls import (
     forced_call_schema,
     forced_output_parser,
     forces_call,
 )
-from dynamod.daemon.frontend.protocol import decode_chat_request
-from dynamod.daemon.frontend.sampling import guided_decoding
 from dynamod.shared.errors import InvalidRequestError
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
