@@ -335,15 +335,6 @@ def format_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def connection_summary(state: ClusterState) -> str:
-    parts = []
-    for name in ("discovery", "events"):
-        conn = state.connections.get(name)
-        if conn is not None:
-            parts.append(f"{name} {conn.state}")
-    return ", ".join(parts) or "not connected"
-
-
 def cluster_counts(state: ClusterState) -> dict[str, int]:
     counts = {"workers": 0, "ready": 0, "draining": 0, "sleeping": 0, "gone": 0, "others": 0,
               "failed": len(state.failed())}
@@ -355,10 +346,6 @@ def cluster_counts(state: ClusterState) -> dict[str, int]:
         elif w.gone_at is None:
             counts["others"] += 1  # frontends, routers, planners
     return counts
-
-
-def short_id(instance_id: int) -> str:
-    return fmt_id(instance_id)
 
 
 # -- scaling ---------------------------------------------------------------------------------------

@@ -139,7 +139,7 @@ def api_key_from(ns: argparse.Namespace) -> tuple[str | None, str]:
 
 
 def settings_from_args(ns: argparse.Namespace) -> ConsoleSettings:
-    from dynamod.shared.discovery.factory import parse_etcd_endpoints
+    from dynamod.shared.discovery.etcd_endpoints import parse_etcd_endpoints
 
     s = ConsoleSettings()
     discovery = getattr(ns, "discovery", None) or _env("DYN_DISCOVERY_BACKEND") or "file"

@@ -1,5 +1,5 @@
 """Calls a worker's control endpoints by instance id: the one code path behind every console key
-and every ``dynamoctl`` verb.
+and every ``dynamoctl`` verb (``ControlClient.run(spec, target, body)``).
 
 The target is found in discovery (any namespace and component), the call goes direct to that
 instance over the request plane (so a draining or sleeping worker is reachable), and the reply is
@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from dynamod.console.actions.specs import ActionSpec
 from dynamod.shared.errors import DynamoError, NotFoundError
 from dynamod.shared.protocol import control
 from dynamod.shared.protocol.instance import Instance, decode_instance
 from dynamod.shared.protocol.keys import instances_prefix
-from dynamod.shared.protocol.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU
 from dynamod.shared.protocol.worker_id import worker_id_hex
 from dynamod.shared.runtime.client import EndpointClient
 
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 30.0
 
 
 @dataclass(slots=True)
@@ -62,10 +61,6 @@ def resolve_instance_id(text: str, known: list[int]) -> int:
         raise NotFoundError(f"no instance {needle} in discovery")
     shown = ", ".join(worker_id_hex(i) for i in matches[:5])
     raise NotFoundError(f"instance id {needle} is ambiguous: matches {shown}")
-
-
-# The operator's tier names -> the KV events' media (shared/protocol/kv_events.py).
-TIER_MEDIUM = {"gpu": MEDIUM_GPU, "host": MEDIUM_CPU, "disk": MEDIUM_DISK}
 
 
 class ControlClient:
@@ -114,57 +109,30 @@ class ControlClient:
             await client.instance_set.wait_for(lambda insts: any(i.instance_id == rec.instance_id for i in insts), 5.0)
         return client
 
-    async def call(
-        self, action: str, target: str | int, endpoint: str, body: dict[str, Any], *, timeout_s: float = DEFAULT_TIMEOUT_S
-    ) -> ActionResult:
-        """Never raises for cluster-side failures: they come back as ``ok=False`` with the reason."""
+    async def run(self, spec: ActionSpec, target: str | int, body: control.ControlBody) -> ActionResult:
+        """Runs action ``spec`` on the instance ``target`` (id or unique hex prefix) with ``body``,
+        which must be the spec's body type. Never raises for cluster-side failures: they come back
+        as ``ok=False`` with the reason."""
+        if not isinstance(body, spec.body):
+            raise TypeError(f"{spec.name} takes a {spec.body.__name__}, not a {type(body).__name__}")
         label = target if isinstance(target, str) else worker_id_hex(target)
         try:
-            rec = await self.resolve(target, endpoint)
+            rec = await self.resolve(target, spec.endpoint)
             label = worker_id_hex(rec.instance_id)
             client = await self._client(rec)
-            replies = await client.call(body, instance_id=rec.instance_id, timeout_s=timeout_s)
+            replies = await client.call(
+                control.encode_body(body), instance_id=rec.instance_id, timeout_s=body.reply_timeout_s()
+            )
         except DynamoError as exc:
-            logger.info("control call failed action=%s instance=%s error=%s", action, label, exc)
-            return ActionResult(action, label, False, str(exc))
+            logger.info("control call failed action=%s instance=%s error=%s", spec.verb, label, exc)
+            return ActionResult(spec.verb, label, False, str(exc))
         except TimeoutError:
-            return ActionResult(action, label, False, f"instance {label} did not appear on the request plane in time")
+            return ActionResult(spec.verb, label, False, f"instance {label} did not appear on the request plane in time")
         reply = replies[-1] if replies else {}
         if not isinstance(reply, dict):
-            return ActionResult(action, label, False, f"unexpected reply {reply!r}")
+            return ActionResult(spec.verb, label, False, f"unexpected reply {reply!r}")
         ok = reply.get("status") == control.STATUS_OK
         message = str(reply.get("message", "")) or ("ok" if ok else "failed")
         data = {k: v for k, v in reply.items() if k not in ("status", "message")}
-        logger.info("control call action=%s instance=%s ok=%s message=%s", action, label, ok, message)
-        return ActionResult(action, label, ok, message, data)
-
-    # -- the verbs --------------------------------------------------------------------------------
-
-    async def drain(self, target: str | int, *, wait: bool = False, timeout_s: float = 300.0) -> ActionResult:
-        return await self.call(
-            "drain", target, control.DRAIN, {"wait": wait, "timeout_s": timeout_s}, timeout_s=timeout_s + 10.0
-        )
-
-    async def sleep(self, target: str | int, level: int = 1) -> ActionResult:
-        return await self.call("sleep", target, control.SLEEP, {"level": level})
-
-    async def wake(self, target: str | int) -> ActionResult:
-        return await self.call("wake", target, control.WAKE_UP, {})
-
-    async def clear_kv(self, target: str | int, tier: str | None = None) -> ActionResult:
-        """Clears every KV tier of the worker, or one: ``gpu``, ``host`` or ``disk``."""
-        if tier is None:
-            return await self.call("clear-kv", target, control.CLEAR_KV_BLOCKS, {})
-        medium = TIER_MEDIUM.get(tier)
-        if medium is None:
-            return ActionResult("clear-kv", str(target), False, f"unknown KV tier {tier!r}; expected gpu, host or disk")
-        return await self.call("clear-kv", target, control.CLEAR_KV_BLOCKS, {"medium": medium})
-
-    async def load_lora(self, target: str | int, name: str, source: str) -> ActionResult:
-        return await self.call("lora load", target, control.LOAD_LORA, {"lora_name": name, "source": {"uri": source}})
-
-    async def unload_lora(self, target: str | int, name: str) -> ActionResult:
-        return await self.call("lora unload", target, control.UNLOAD_LORA, {"lora_name": name})
-
-    async def list_loras(self, target: str | int) -> ActionResult:
-        return await self.call("lora list", target, control.LIST_LORAS, {})
+        logger.info("control call action=%s instance=%s ok=%s message=%s", spec.verb, label, ok, message)
+        return ActionResult(spec.verb, label, ok, message, data)

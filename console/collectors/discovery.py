@@ -1,8 +1,9 @@
 """Discovery collector: instances, model cards, the planner's records and the failed workers of
-``dynamod up`` supervisors, from a listing then a prefix watch.
+``dynamod up`` supervisors, each prefix a ``WatchedMap``.
 
-The listing first (``get_prefix``) lets the state drop records that vanished while the console was
-disconnected; the watch then streams changes (the store resumes it across outages on its own).
+The listing first lets the state drop records that vanished while the console was disconnected (one
+``reconcile_*`` per kind); the watches then stream changes, and after a gap each map re-lists and
+reports what vanished meanwhile. A record that does not decode is noted once in the event log.
 """
 
 from __future__ import annotations
@@ -15,50 +16,27 @@ import msgspec
 
 from dynamod.console.state.failed import parse_failed_key
 from dynamod.console.state.recording import StateSink
-from dynamod.console.state.scaling import PlannerRecord, decode_planner_record
-from dynamod.shared.discovery.store import DiscoveryStore, WatchEventKind
+from dynamod.console.state.scaling import PlannerRecord, decode_planner_record, planner_record_type
+from dynamod.shared.discovery.store import DiscoveryStore
 from dynamod.shared.protocol.instance import Instance, decode_instance
 from dynamod.shared.protocol.keys import PLANNER_ROOT, instances_prefix, mdc_prefix
 from dynamod.shared.protocol.model_card import ModelCard, decode_card
 from dynamod.shared.protocol.supervisor import SUPERVISOR_ROOT, FailedWorker, failed_prefix
+from dynamod.shared.runtime.watched_map import WatchedMap
 
 logger = logging.getLogger(__name__)
 
 NamespaceSeen = Callable[[str], None]
 
 
-def _decode_instance(key: str, value: bytes, sink: StateSink) -> Instance | None:
-    try:
-        return decode_instance(value)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        sink.note_decode_error("instance record", f"{key}: {exc}")
-        return None
+def _decode_failed(_key: str, value: bytes) -> FailedWorker:
+    return msgspec.json.decode(value, type=FailedWorker)
 
 
-def _decode_card(key: str, value: bytes, sink: StateSink) -> ModelCard | None:
-    try:
-        return decode_card(value)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        sink.note_decode_error("model card", f"{key}: {exc}")
-        return None
-
-
-def _decode_failed(key: str, value: bytes, sink: StateSink) -> FailedWorker | None:
-    if parse_failed_key(key) is None:
-        return None  # a restart request: the supervisor's business, not the picture's
-    try:
-        return msgspec.json.decode(value, type=FailedWorker)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        sink.note_decode_error("failed-worker record", f"{key}: {exc}")
-        return None
-
-
-def _decode_planner(key: str, value: bytes, sink: StateSink) -> PlannerRecord | None:
-    try:
-        return decode_planner_record(key, value)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        sink.note_decode_error("planner record", f"{key}: {exc}")
-        return None
+def _decode_planner(key: str, value: bytes) -> PlannerRecord:
+    record = decode_planner_record(key, value)
+    assert record is not None  # the map accepts only keys of a planner record layout
+    return record
 
 
 class DiscoveryCollector:
@@ -89,66 +67,63 @@ class DiscoveryCollector:
             self._seen_namespaces.add(inst.namespace)
             self._on_namespace(inst.namespace)
 
-    async def sync(self) -> None:
-        """Lists both prefixes and reconciles the state with them."""
-        live: dict[str, Instance] = {}
-        for key, value in (await self._store.get_prefix(self._instances_prefix)).items():
-            inst = _decode_instance(key, value, self._sink)
-            if inst is not None:
-                live[key] = inst
-                self._saw(inst)
-        cards: dict[str, ModelCard] = {}
-        for key, value in (await self._store.get_prefix(self._mdc_prefix)).items():
-            card = _decode_card(key, value, self._sink)
-            if card is not None:
-                cards[key] = card
-        planner: dict[str, PlannerRecord] = {}
-        for key, value in (await self._store.get_prefix(self._planner_prefix)).items():
-            record = _decode_planner(key, value, self._sink)
-            if record is not None:
-                planner[key] = record
-        failed: dict[str, FailedWorker] = {}
-        for key, value in (await self._store.get_prefix(self._failed_prefix)).items():
-            gave_up = _decode_failed(key, value, self._sink)
-            if gave_up is not None:
-                failed[key] = gave_up
-        self._sink.reconcile_instances(live)
-        self._sink.reconcile_cards(cards)
-        self._sink.reconcile_planner(planner)
-        self._sink.reconcile_failed(failed)
-        logger.info("discovery synced instances=%d cards=%d planner_records=%d", len(live), len(cards), len(planner))
+    def _maps(
+        self,
+    ) -> tuple[WatchedMap[Instance], WatchedMap[ModelCard], WatchedMap[PlannerRecord], WatchedMap[FailedWorker]]:
+        def noted(source: str) -> Callable[[str, Exception], None]:
+            return lambda key, exc: self._sink.note_decode_error(source, f"{key}: {exc}")
+
+        store = self._store
+        return (
+            WatchedMap(store, self._instances_prefix, lambda _k, raw: decode_instance(raw),
+                       what="instance record", on_invalid=noted("instance record")),
+            WatchedMap(store, self._mdc_prefix, lambda _k, raw: decode_card(raw),
+                       what="model card", on_invalid=noted("model card")),
+            WatchedMap(store, self._planner_prefix, _decode_planner, what="planner record",
+                       accepts=lambda key: planner_record_type(key) is not None, on_invalid=noted("planner record")),
+            # Restart requests live beside the failed records: the supervisor's business, not the picture's.
+            WatchedMap(store, self._failed_prefix, _decode_failed, what="failed-worker record",
+                       accepts=lambda key: parse_failed_key(key) is not None, on_invalid=noted("failed-worker record")),
+        )
+
+    def _reconcile(self, maps: tuple[WatchedMap, ...]) -> None:
+        """Makes the state match the maps as they are now (after their listing)."""
+        instances, cards, planner, failed = maps
+        for inst in instances.view.values():
+            self._saw(inst)
+        self._sink.reconcile_instances(dict(instances.view))
+        self._sink.reconcile_cards(dict(cards.view))
+        self._sink.reconcile_planner(dict(planner.view))
+        self._sink.reconcile_failed(dict(failed.view))
+        logger.info(
+            "discovery synced instances=%d cards=%d planner_records=%d", len(instances), len(cards), len(planner)
+        )
         if self._on_synced is not None:
             self._on_synced()
 
-    async def run(self) -> None:
-        """Syncs, then watches the four prefixes until cancelled."""
-        await self.sync()
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._watch(self._instances_prefix, "instances"), name="console-watch-instances")
-            tg.create_task(self._watch(self._mdc_prefix, "cards"), name="console-watch-cards")
-            tg.create_task(self._watch(self._planner_prefix, "planner"), name="console-watch-planner")
-            tg.create_task(self._watch(self._failed_prefix, "failed"), name="console-watch-failed")
+    async def sync(self) -> None:
+        """Lists the four prefixes once and reconciles the state with them."""
+        maps = self._maps()
+        for watched in maps:
+            await watched.load()
+        self._reconcile(maps)
 
-    async def _watch(self, prefix: str, what: str) -> None:
-        async for ev in self._store.watch_prefix(prefix):
-            if ev.kind is WatchEventKind.DELETE or ev.value is None:
-                if what != "failed" or parse_failed_key(ev.key) is not None:
-                    self._sink.apply_discovery(ev.key, None)
-                continue
-            if what == "instances":
-                inst = _decode_instance(ev.key, ev.value, self._sink)
-                if inst is not None:
-                    self._saw(inst)
-                    self._sink.apply_discovery(ev.key, inst)
-            elif what == "cards":
-                card = _decode_card(ev.key, ev.value, self._sink)
-                if card is not None:
-                    self._sink.apply_discovery(ev.key, card)
-            elif what == "failed":
-                failed = _decode_failed(ev.key, ev.value, self._sink)
-                if failed is not None:
-                    self._sink.apply_discovery(ev.key, failed)
-            else:
-                record = _decode_planner(ev.key, ev.value, self._sink)
-                if record is not None:
-                    self._sink.apply_discovery(ev.key, record)
+    async def run(self) -> None:
+        """Lists and reconciles, then follows the four prefixes until cancelled or the store closes."""
+        maps = self._maps()
+        try:
+            for watched in maps:
+                await watched.start()
+            # No await from here on until the listeners are in: no change falls between the two.
+            self._reconcile(maps)
+            maps[0].add_listener(self._on_instance)
+            for watched in maps[1:]:
+                watched.add_listener(self._sink.apply_discovery)
+            await asyncio.gather(*(watched.ended() for watched in maps))  # until the store closes
+        finally:
+            await asyncio.gather(*(watched.close() for watched in maps), return_exceptions=True)
+
+    def _on_instance(self, key: str, inst: Instance | None) -> None:
+        if inst is not None:
+            self._saw(inst)
+        self._sink.apply_discovery(key, inst)

@@ -4,20 +4,19 @@ One subscription per (namespace, topic) with component ``*``. A subscription tha
 with capped backoff and the failure is shown as the ``events`` connection state, so a NATS outage
 is visible in the console and heals without a restart.
 
-Typed topics are decoded with their wire type's msgpack decoder (load, KV events, planner
+Every topic is decoded with its wire type's decoder (load, KV events, router and planner
 decisions), so a renamed field fails here as a decode error instead of showing as blanks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
-from typing import Any
 
 import msgspec
 
+from dynamod.console.state.decisions import decode_router_decision
 from dynamod.console.state.recording import StateSink
 from dynamod.shared.errors import DynamoError
 from dynamod.shared.events.plane import (
@@ -36,18 +35,6 @@ logger = logging.getLogger(__name__)
 
 TOPICS = (TOPIC_KV_METRICS, TOPIC_KV_EVENTS, TOPIC_ROUTER_DECISIONS, TOPIC_PLANNER_DECISIONS)
 _RETRY_MIN_S = 0.2
-_msgpack_any = msgspec.msgpack.Decoder()
-
-
-def decode_dict(payload: bytes) -> dict[str, Any]:
-    """Decisions arrive as msgpack or JSON maps (publishers choose); both are accepted."""
-    try:
-        value = _msgpack_any.decode(payload)
-    except msgspec.DecodeError:
-        value = json.loads(payload)
-    if not isinstance(value, dict):
-        raise ValueError(f"expected a map, got {type(value).__name__}")
-    return value
 
 
 class EventCollector:
@@ -116,7 +103,7 @@ class EventCollector:
             elif topic == TOPIC_KV_EVENTS:
                 self._sink.apply_kv_event(router_event_decoder.decode(msg.payload))
             elif topic == TOPIC_ROUTER_DECISIONS:
-                self._sink.apply_router_decision(namespace, decode_dict(msg.payload))
+                self._sink.apply_router_decision(namespace, decode_router_decision(msg.payload))
             elif topic == TOPIC_PLANNER_DECISIONS:
                 self._sink.apply_planner_decision(namespace, decision_decoder.decode(msg.payload))
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, UnicodeDecodeError) as exc:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from dynamod.console.actions.control import ActionResult, ControlClient
+from dynamod.console.actions.specs import LIST_LORAS
 from dynamod.console.collectors.connection import ClusterConnection
 from dynamod.console.ctl.restart import FAILED_COLUMNS, failed_rows
 from dynamod.console.present import (
@@ -157,41 +158,24 @@ def _report(result: ActionResult, as_json: bool) -> int:
 
 
 async def action(args: argparse.Namespace) -> int:
+    """Any worker action: the spec and body its subcommand carries (``worker_actions.py``); ``lora
+    list`` without an instance asks every worker."""
     async with _runtime(args) as rt:
         client = ControlClient(rt, namespace=_settings(args).namespace)
         try:
-            if args.command == "drain":
-                result = await client.drain(args.instance, wait=args.wait, timeout_s=args.drain_timeout)
-            elif args.command == "sleep":
-                result = await client.sleep(args.instance, args.level)
-            elif args.command == "wake":
-                result = await client.wake(args.instance)
-            else:
-                result = await client.clear_kv(args.instance, tier=getattr(args, "tier", None))
-        finally:
-            await client.close()
-    return _report(result, args.json)
-
-
-async def lora(args: argparse.Namespace) -> int:
-    async with _runtime(args) as rt:
-        client = ControlClient(rt, namespace=_settings(args).namespace)
-        try:
-            if args.lora_command == "load":
-                return _report(await client.load_lora(args.instance, args.name, args.source), args.json)
-            if args.lora_command == "unload":
-                return _report(await client.unload_lora(args.instance, args.name), args.json)
-            return await _lora_list(client, args)
+            if args.action_spec is LIST_LORAS:
+                return await _lora_list(client, args)
+            return _report(await client.run(args.action_spec, args.instance, args.body_of(args)), args.json)
         finally:
             await client.close()
 
 
 async def _lora_list(client: ControlClient, args: argparse.Namespace) -> int:
     if args.instance:
-        results = [await client.list_loras(args.instance)]
+        targets: list[str | int] = [args.instance]
     else:
-        targets = sorted({r.instance_id for r in await client.instances() if r.endpoint == control.LIST_LORAS})
-        results = list(await asyncio.gather(*(client.list_loras(t) for t in targets)))
+        targets = sorted({r.instance_id for r in await client.instances() if r.endpoint == LIST_LORAS.endpoint})
+    results = list(await asyncio.gather(*(client.run(LIST_LORAS, t, control.EmptyRequest()) for t in targets)))
     failed = [r for r in results if not r.ok]
     rows: list[dict[str, Any]] = []
     for r in results:

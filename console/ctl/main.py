@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from dynamod.console.settings import add_connection_args
 from dynamod.shared.cli_parser import ArgumentParser
@@ -68,45 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--all", action="store_true", help="include instances that just went away")
     s.add_argument("--wait", type=float, default=2.0, help="seconds to collect load metrics [default 2]")
 
-    d = sub.add_parser("drain", parents=[conn], help="stop sending new requests to a worker")
-    d.add_argument("instance")
-    d.add_argument("--wait", action="store_true", help="return only once in-flight requests finished")
-    d.add_argument("--drain-timeout", type=float, default=300.0, help="with --wait: give up after this many seconds")
-    d.add_argument("--json", action="store_true")
-    sl = sub.add_parser("sleep", parents=[conn], help="put a worker to sleep (release engine memory)")
-    sl.add_argument("instance")
-    sl.add_argument("--level", type=int, default=1, choices=(1, 2), help="1 keeps weights on host, 2 drops them [default 1]")
-    sl.add_argument("--json", action="store_true")
-    for name, text in (("wake", "wake a sleeping or drained worker"), ("clear-kv", "drop a worker's cached KV blocks")):
-        a = sub.add_parser(name, parents=[conn], help=text)
-        a.add_argument("instance")
-        a.add_argument("--json", action="store_true")
-        if name == "clear-kv":
-            a.add_argument("--tier", choices=("gpu", "host", "disk"), default=None,
-                           help="clear only this KV tier: gpu (device), host (CPU memory), disk [default: every tier]")
+    from dynamod.console.ctl import intent, planner, restart, targets, worker_actions
 
-    lora = sub.add_parser("lora", help="LoRA adapters: load, unload, list")
-    lsub = lora.add_subparsers(dest="lora_command", metavar="load|unload|list")
-    ll = lsub.add_parser("load", parents=[conn], help="load an adapter on a worker")
-    ll.add_argument("instance")
-    ll.add_argument("name")
-    ll.add_argument("source", help="path or URI of the adapter (file://, s3://, hf://, or a directory)")
-    ll.add_argument("--json", action="store_true")
-    lu = lsub.add_parser("unload", parents=[conn], help="unload an adapter from a worker")
-    lu.add_argument("instance")
-    lu.add_argument("name")
-    lu.add_argument("--json", action="store_true")
-    ls = lsub.add_parser("list", parents=[conn], help="adapters loaded on one worker, or on all")
-    ls.add_argument("instance", nargs="?")
-    ls.add_argument("--json", action="store_true")
+    worker_actions.add_commands(sub, conn)
+    worker_actions.add_lora_commands(sub, conn)
 
     w = sub.add_parser("watch", parents=[conn], help="print cluster events as they happen")
     w.add_argument("--json", action="store_true", help="one JSON object per event")
     w.add_argument("--raw", action="store_true", help="every collector input as a replayable recording line")
     w.add_argument("--kind", action="append", default=[], help="only these event kinds (repeatable)")
     w.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
-
-    from dynamod.console.ctl import intent, planner, restart, targets
 
     targets.add_commands(sub, conn)
     planner.add_commands(sub, conn)
@@ -128,10 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "logs":
             cp.add_argument("--lines", "-n", type=int, default=100, help="lines per role [default 100]")
     return p
-
-
-def _print_json(value: Any) -> None:
-    sys.stdout.write(json.dumps(value, indent=2, default=str) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,7 +141,7 @@ def _dispatch(args: argparse.Namespace) -> Callable[[], Awaitable[int]]:
         "sleep": commands.action,
         "wake": commands.action,
         "clear-kv": commands.action,
-        "lora": commands.lora,
+        "lora": commands.action,
         "watch": commands.watch,
         "planner": planner.planner,
         "scale": planner.scale,

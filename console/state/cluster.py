@@ -34,10 +34,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import msgspec
-
 from dynamod.console.state.connections import ConnectionTracker
-from dynamod.console.state.decisions import DecisionLog, decode_decision
+from dynamod.console.state.decisions import DecisionLog, HeardDecision
 from dynamod.console.state.event_log import EventListener, EventLog
 from dynamod.console.state.failed import FailedEntry, FailedWorkers
 from dynamod.console.state.frontends import FrontendScrapes
@@ -54,7 +52,6 @@ from dynamod.console.state.records import (
     Imbalance,
     ModelInfo,
     ModelStats,
-    RouterDecision,
     Worker,
     WorkerStats,
     fmt_id,
@@ -135,7 +132,7 @@ class ClusterState:
         return self.imbalance_watch.current
 
     @property
-    def decisions(self) -> deque[RouterDecision]:
+    def decisions(self) -> deque[HeardDecision]:
         """The latest routing decisions, newest last."""
         return self.decision_log.decisions
 
@@ -242,13 +239,12 @@ class ClusterState:
         """A worker's cached blocks read from its ``kv_dump`` (``collectors/kv_seed.py``)."""
         self.load.apply_kv_seed(worker_id, blocks, event_id)
 
-    def apply_router_decision(self, namespace: str, data: Mapping[str, Any]) -> RouterDecision | None:
-        """A ``router_decisions`` message (``RoutingDecision.to_dict()`` plus ``ts``/``model``)."""
-        try:
-            decision = decode_decision(namespace, data, self.clock())
-        except (msgspec.ValidationError, TypeError) as exc:
-            self.event_log.note_decode_error("router_decisions", str(exc))
-            return None
+    def apply_router_decision(self, namespace: str, decision: HeardDecision) -> HeardDecision:
+        """A ``router_decisions`` message heard in ``namespace`` (``decode_router_decision``). A
+        decision without a publish time is stamped with the console's clock."""
+        decision.namespace = namespace
+        if not decision.ts > 0:
+            decision.ts = self.clock()
         self.decision_log.add(decision)
         self.load.note_routed(decision.worker_id)
         self.versions.decisions += 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from dynamod.console.state.records import EV_ACTION, EV_ERROR, ClusterEvent
 from dynamod.console.state.versions import Versions
@@ -20,6 +20,19 @@ MAX_EVENTS = 2000
 DECODE_ERROR_REPEAT_S = 60.0
 
 EventListener = Callable[[ClusterEvent], None]
+
+
+class EventSubject(Protocol):
+    """Anything an event can be about: a worker, an imbalance found on one."""
+
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def component(self) -> str: ...
+
+    @property
+    def instance_id(self) -> int: ...
 
 
 def _as_id(value: Any) -> int | None:
@@ -66,6 +79,17 @@ class EventLog:
         for listener in self._listeners:
             listener(ev)
         return ev
+
+    def add_about(self, about: EventSubject, kind: str, message: str, *, severity: str = "info") -> ClusterEvent:
+        """An event about one instance (its namespace, component and id)."""
+        return self.add(
+            kind,
+            message,
+            namespace=about.namespace,
+            component=about.component,
+            instance_id=about.instance_id,
+            severity=severity,
+        )
 
     def recent(self, needle: str = "", kinds: Iterable[str] | None = None, limit: int | None = None) -> list[ClusterEvent]:
         """Newest first, optionally filtered by a text needle and a set of kinds."""

@@ -63,9 +63,5 @@ def add(into: dict[float, float], other: Buckets) -> dict[float, float]:
     return into
 
 
-def mean_from_sum_count(total: float, count: float) -> float | None:
-    return total / count if count > 0 else None
-
-
 def percentiles(buckets: Buckets, qs: Sequence[float] = (0.5, 0.99)) -> tuple[float | None, ...]:
     return tuple(quantile(q, buckets) for q in qs)

@@ -35,14 +35,7 @@ class ImbalanceWatch:
             last = self._reported.get(key)
             if key not in before and (last is None or now - last >= IMBALANCE_REPEAT_S):
                 self._reported[key] = now
-                self._log.add(
-                    EV_IMBALANCE,
-                    imb.message,
-                    namespace=imb.namespace,
-                    component=imb.component,
-                    instance_id=imb.instance_id,
-                    severity="warning",
-                )
+                self._log.add_about(imb, EV_IMBALANCE, imb.message, severity="warning")
         self.current = found
 
 

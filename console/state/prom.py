@@ -8,9 +8,11 @@ more than we read.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 REQUESTS = "dynamo_frontend_requests"
 TTFT = "dynamo_frontend_time_to_first_token_seconds"
@@ -62,6 +64,15 @@ def _bucket_bound(le: str) -> float:
     return math.inf if le in ("+Inf", "Inf", "inf") else float(le)
 
 
+def _sum_by_model(target: dict[str, float], samples: Iterable[Sample], *, suffix: str = "_total") -> None:
+    """Adds each sample named ``...suffix`` to its model's entry (a counter's ``_total`` by default;
+    label sets other than the model, such as a status, are summed)."""
+    for s in samples:
+        if s.name.endswith(suffix):
+            model = s.labels.get("model", "")
+            target[model] = target.get(model, 0.0) + s.value
+
+
 def parse_frontend_metrics(text: str) -> FrontendScrape:
     """Parses Prometheus text exposition; raises ValueError on text that is not exposition format."""
     out = FrontendScrape()
@@ -84,20 +95,11 @@ def parse_frontend_metrics(text: str) -> FrontendScrape:
                     le = _bucket_bound(s.labels["le"])
                     bounds[le] = bounds.get(le, 0.0) + s.value
         elif name == INFLIGHT:
-            for s in family.samples:
-                model = s.labels.get("model", "")
-                out.inflight[model] = out.inflight.get(model, 0.0) + s.value
+            _sum_by_model(out.inflight, family.samples, suffix="")
         elif name in MIGRATIONS:
-            for s in family.samples:
-                if s.name.endswith("_total"):
-                    model = s.labels.get("model", "")
-                    out.migrations[model] = out.migrations.get(model, 0.0) + s.value
+            _sum_by_model(out.migrations, family.samples)
         elif name in (PROMPT_TOKENS, CACHED_TOKENS):
-            target_t = out.prompt_tokens if name == PROMPT_TOKENS else out.cached_tokens
-            for s in family.samples:
-                if s.name.endswith("_total"):
-                    model = s.labels.get("model", "")
-                    target_t[model] = target_t.get(model, 0.0) + s.value
+            _sum_by_model(out.prompt_tokens if name == PROMPT_TOKENS else out.cached_tokens, family.samples)
         elif name in (WORKER_TTFT, WORKER_ITL):
             by = out.worker_ttft_by if name == WORKER_TTFT else out.worker_itl_by
             for s in family.samples:

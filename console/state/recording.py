@@ -10,7 +10,7 @@ One line per input, with the wall time it arrived (``t``) and its ``kind``::
     {"t": ..., "kind": "put", "key": "v1/planner/dynamo/status", "value": {...PlannerStatus...}}
     {"t": ..., "kind": "reconcile_planner", "value": {"v1/planner/...": {...}, ...}}
     {"t": ..., "kind": "reconcile_failed", "value": {"v1/supervisor/dynamo/failed/worker-1": {...}}}
-    {"t": ..., "kind": "router_decision", "namespace": "dynamo", "value": {...RoutingDecision...}}
+    {"t": ..., "kind": "router_decision", "namespace": "dynamo", "value": {...PublishedDecision...}}
     {"t": ..., "kind": "planner_decision", "namespace": "dynamo", "value": {...PlannerDecision...}}
     {"t": ..., "kind": "metrics", "source": "http://...", "text": "...prometheus text..."}
     {"t": ..., "kind": "scrape_failed", "source": "http://...", "reason": "401 from ...: give ..."}
@@ -20,7 +20,8 @@ One line per input, with the wall time it arrived (``t``) and its ``kind``::
 ``dynamoctl watch --raw`` prints exactly these lines, so a live cluster can be recorded and replayed
 in a unit test or a snapshot test with the same clock it was recorded with. A planner decision of
 another shape (recordings made before ``PlannerDecision`` was fixed) replays as a decode error, the
-way a live console shows a message it cannot read, rather than stopping the replay.
+way a live console shows a message it cannot read, rather than stopping the replay; so does a router
+decision that is not a ``PublishedDecision``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any, Protocol
 import msgspec
 
 from dynamod.console.state.cluster import ClusterState
+from dynamod.console.state.decisions import HeardDecision, convert_router_decision
 from dynamod.console.state.scaling import PlannerRecord, convert_planner_record
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.keys import INSTANCES_ROOT, MDC_ROOT, PLANNER_ROOT
@@ -54,7 +56,7 @@ class StateSink(Protocol):
     def apply_load(self, m: LoadMetrics) -> None: ...
     def apply_kv_event(self, ev: RouterEvent) -> None: ...
     def apply_kv_seed(self, worker_id: int, blocks: int, event_id: int) -> None: ...
-    def apply_router_decision(self, namespace: str, data: Mapping[str, Any]) -> Any: ...
+    def apply_router_decision(self, namespace: str, decision: HeardDecision) -> Any: ...
     def apply_planner_decision(self, namespace: str, decision: PlannerDecision) -> None: ...
     def apply_metrics_text(self, source: str, text: str) -> None: ...
     def forget_source(self, source: str) -> None: ...
@@ -129,9 +131,9 @@ class RecordingSink:
         self._emit("kv_seed", worker_id=worker_id, blocks=blocks, event_id=event_id)
         self.state.apply_kv_seed(worker_id, blocks, event_id)
 
-    def apply_router_decision(self, namespace: str, data: Mapping[str, Any]) -> Any:
-        self._emit("router_decision", namespace=namespace, value=dict(data))
-        return self.state.apply_router_decision(namespace, data)
+    def apply_router_decision(self, namespace: str, decision: HeardDecision) -> Any:
+        self._emit("router_decision", namespace=namespace, value=_builtins(decision))
+        return self.state.apply_router_decision(namespace, decision)
 
     def apply_planner_decision(self, namespace: str, decision: PlannerDecision) -> None:
         self._emit("planner_decision", namespace=namespace, value=_builtins(decision))
@@ -199,7 +201,12 @@ def apply_record(state: ClusterState, rec: Mapping[str, Any]) -> None:
     elif kind == "kv_seed":
         state.apply_kv_seed(int(rec["worker_id"]), int(rec["blocks"]), int(rec["event_id"]))
     elif kind == "router_decision":
-        state.apply_router_decision(rec.get("namespace", ""), rec["value"])
+        try:
+            heard = convert_router_decision(rec["value"])
+        except msgspec.ValidationError as exc:
+            state.note_decode_error("router_decisions", str(exc))
+        else:
+            state.apply_router_decision(rec.get("namespace", ""), heard)
     elif kind == "planner_decision":
         try:
             decision = msgspec.convert(rec["value"], PlannerDecision)
@@ -255,7 +262,3 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
             if line and not line.startswith("#"):
                 out.append(json.loads(line))
     return out
-
-
-def load_recording(path: str | Path, *, until: float | None = None) -> ClusterState:
-    return replay(read_records(path), until=until)

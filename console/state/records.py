@@ -1,5 +1,5 @@
 """The entities ClusterState keeps: endpoint instances, workers (one lease id in one component),
-their live statistics, models, router decisions and operator-facing events.
+their live statistics, models and operator-facing events (router decisions: ``decisions.py``).
 
 Plain dataclasses with slots: the console holds hundreds of workers updated ten times a second, so
 these stay small and are updated in place rather than rebuilt.
@@ -13,7 +13,6 @@ from typing import Any
 
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.load import LoadMetrics
-from dynamod.shared.protocol.routing import DISAGG_REMOTE, STAGE_AGG, DisaggInfo
 from dynamod.shared.protocol.worker_id import worker_id_or_dash
 
 ROLE_AGG = "agg"
@@ -243,102 +242,6 @@ class Worker:
 
     def label(self) -> str:
         return f"{self.namespace}/{self.component}/{self.id_hex}"
-
-
-@dataclass(slots=True)
-class Candidate:
-    worker_id: int
-    dp_rank: int = 0
-    overlap_blocks: float | None = None
-    prefill_blocks: float | None = None
-    decode_blocks: float | None = None
-    cost: float | None = None
-    tree_size: int | None = None
-
-
-# RoutingDecision.reason values (shared/protocol/routing.py) in words; the usual one says nothing.
-REASON_WORDS = {
-    "lowest_cost": "",
-    "only_candidate": "only candidate",
-    "tie_smallest_tree": "tie, smallest cache",
-    "tie_random": "tie, random",
-    "sampled": "sampled (temperature > 0)",
-}
-
-
-@dataclass(slots=True)
-class RouterDecision:
-    """One routing decision as the console shows it, decoded from a typed ``RoutingDecision``."""
-
-    ts: float
-    namespace: str
-    worker_id: int
-    dp_rank: int = 0
-    overlap_blocks: float | None = None
-    request_id: str = ""
-    isl_blocks: float | None = None
-    candidates: list[Candidate] = field(default_factory=list)
-    reason: str = ""
-    busy: int = 0  # workers skipped as busy
-    stage: str = STAGE_AGG  # agg | prefill | decode
-    disagg: DisaggInfo | None = None  # on decode (or local-prefill) decisions: where the prompt was prefilled
-    model: str = ""
-
-    def chosen(self) -> Candidate | None:
-        for c in self.candidates:
-            if c.worker_id == self.worker_id and c.dp_rank == self.dp_rank:
-                return c
-        return None
-
-    def prefill_text(self) -> str:
-        """Where the prompt was prefilled and why, in a few words ("" without disaggregation)."""
-        d = self.disagg
-        if d is None:
-            return ""
-        if d.mode == DISAGG_REMOTE:
-            where = f" on {fmt_id(d.prefill_worker_id)}" if d.prefill_worker_id is not None else ""
-            return f"remote prefill{where}"
-        # The reason keeps its wire spelling: it is the policy's name in flags and metric labels.
-        return f"local prefill ({d.reason})" if d.reason else "local prefill"
-
-    def cost_why(self) -> str:
-        """The cost breakdown of the chosen worker and its margin over the runner-up (and, when the
-        router says so, that it was a tie-break, a sample at temperature > 0, or the only choice)."""
-        text = self._breakdown()
-        reason = REASON_WORDS.get(self.reason, "")
-        if self.busy:
-            text += f"; {self.busy} busy skipped"
-        return f"{reason}: {text}" if reason else text
-
-    def why(self) -> str:
-        """``cost_why`` led by where the prompt was prefilled when the request was disaggregated."""
-        prefill = self.prefill_text()
-        return f"{prefill}; {self.cost_why()}" if prefill else self.cost_why()
-
-    def _breakdown(self) -> str:
-        chosen = self.chosen()
-        if chosen is None or chosen.cost is None:
-            parts = []
-            if self.overlap_blocks is not None:
-                parts.append(f"overlap {fmt_num(self.overlap_blocks)} blocks")
-            if self.candidates:
-                parts.append(f"{len(self.candidates)} candidates")
-            return ", ".join(parts) or "no cost breakdown published"
-        text = (
-            f"cost {fmt_num(chosen.cost)} = prefill {fmt_num(chosen.prefill_blocks)} + decode "
-            f"{fmt_num(chosen.decode_blocks)} (overlap {fmt_num(chosen.overlap_blocks)})"
-        )
-        others = sorted(
-            (c for c in self.candidates if c is not chosen and c.cost is not None), key=lambda c: c.cost or 0.0
-        )
-        if others:
-            text += f"; next {fmt_id(others[0].worker_id)} cost {fmt_num(others[0].cost)}"
-        return text
-
-    def explanation(self) -> str:
-        """One line an operator can read: which worker, why, and by how much it beat the next one."""
-        head = f"picked {fmt_id(self.worker_id)}" + (f"/dp{self.dp_rank}" if self.dp_rank else "")
-        return f"{head}: {self.why()}"
 
 
 def fmt_num(v: float | None) -> str:

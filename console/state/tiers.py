@@ -2,19 +2,15 @@
 
 Workers with offloading publish, per lower tier, its occupancy and cumulative counters (prompt
 tokens served from it, blocks onboarded back to the device, blocks offloaded into it); an operator
-wants occupancy and rates. Rates are taken over the last ``RATE_WINDOW_S`` of messages on the
-publisher's timestamps, for the same reason as transfers.py (messages also arrive on change); a
-counter going backwards is a restarted worker, whose samples start again.
+wants occupancy and rates, taken as counter_rates.py says (a window of the publisher's messages).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from dynamod.console.state.counter_rates import CounterRates
 from dynamod.shared.protocol.load import LoadMetrics
-
-RATE_WINDOW_S = 5.0
 
 
 @dataclass(slots=True)
@@ -32,35 +28,13 @@ class TierFigures:
         return self.blocks / self.total_blocks if self.total_blocks else None
 
 
-@dataclass(slots=True)
-class _Series:
-    """One rank's one tier: (time, cumulative onboarded, cumulative offloaded) samples."""
-
-    samples: deque[tuple[float, int, int]] = field(default_factory=deque)
-
-    def add(self, t: float, onboarded: int, offloaded: int) -> None:
-        samples = self.samples
-        if samples and (onboarded < samples[-1][1] or offloaded < samples[-1][2]):
-            samples.clear()  # restarted worker
-        if samples and t <= samples[-1][0]:
-            return
-        samples.append((t, onboarded, offloaded))
-        while len(samples) > 2 and samples[1][0] <= t - RATE_WINDOW_S:
-            samples.popleft()
-
-    def rates(self) -> tuple[float, float] | None:
-        if len(self.samples) < 2:
-            return None
-        (t0, on0, off0), (t1, on1, off1) = self.samples[0], self.samples[-1]
-        return ((on1 - on0) / (t1 - t0), (off1 - off0) / (t1 - t0))
-
-
 class KvTierTracker:
     """Per-worker, per-tier figures, updated on every load message (only workers with tiers pay)."""
 
     def __init__(self) -> None:
         self._latest: dict[int, dict[int, LoadMetrics]] = {}  # worker id -> dp rank -> message
-        self._series: dict[tuple[int, int, str], _Series] = {}
+        # (worker id, dp rank, medium) -> its cumulative (onboarded, offloaded) blocks
+        self._series: dict[tuple[int, int, str], CounterRates] = {}
         self._figures: dict[int, dict[str, TierFigures]] = {}
 
     def observe(self, m: LoadMetrics, now: float) -> None:
@@ -71,7 +45,7 @@ class KvTierTracker:
         for medium, tier in (tiers or {}).items():
             series = self._series.get((m.worker_id, m.dp_rank, medium))
             if series is None:
-                series = self._series[(m.worker_id, m.dp_rank, medium)] = _Series()
+                series = self._series[(m.worker_id, m.dp_rank, medium)] = CounterRates()
             series.add(t, tier.onboarded_blocks, tier.offloaded_blocks)
         ranks = self._latest.setdefault(m.worker_id, {})
         ranks[m.dp_rank] = m

@@ -90,12 +90,8 @@ class Topology:
             self._load.worker_gone(worker)
             what = "worker" if worker.is_worker else worker.component
             reason = "after draining" if before == "draining" else "(deregistered or lease expired)"
-            self._log.add(
-                EV_EXPIRED,
-                f"{what} {worker.id_hex} gone {reason}",
-                namespace=worker.namespace,
-                component=worker.component,
-                instance_id=worker.instance_id,
+            self._log.add_about(
+                worker, EV_EXPIRED, f"{what} {worker.id_hex} gone {reason}",
                 severity="info" if before == "draining" else "warning",
             )
 
@@ -113,13 +109,7 @@ class Topology:
         model = f" model={worker.model}" if worker.model else ""
         node = f" node={worker.node}" if worker.node else ""
         role = f" role={worker.role}" if worker.role else ""
-        self._log.add(
-            EV_REGISTERED,
-            f"{what} {worker.id_hex} registered{role}{model}{node}",
-            namespace=worker.namespace,
-            component=worker.component,
-            instance_id=worker.instance_id,
-        )
+        self._log.add_about(worker, EV_REGISTERED, f"{what} {worker.id_hex} registered{role}{model}{node}")
 
     def _emit_status_change(self, worker: Worker, old: str) -> None:
         new = worker.status
@@ -131,14 +121,7 @@ class Topology:
             kind, msg, sev = EV_WAKE, "woke up: ready", "info"
         else:
             kind, msg, sev = EV_WAKE if new == "ready" else EV_DRAIN, f"status {old} -> {new}", "info"
-        self._log.add(
-            kind,
-            f"worker {worker.id_hex} {msg}",
-            namespace=worker.namespace,
-            component=worker.component,
-            instance_id=worker.instance_id,
-            severity=sev,
-        )
+        self._log.add_about(worker, kind, f"worker {worker.id_hex} {msg}", severity=sev)
 
     # -- model cards ------------------------------------------------------------------------------
 
@@ -157,12 +140,8 @@ class Topology:
             if worker is not None:
                 worker.loras[name] = card.base_model or ""
             if old is None:
-                self._log.add(
-                    EV_LORA,
-                    f"LoRA {name} loaded on {fmt_id(parsed.instance_id)} (base {card.base_model or '?'})",
-                    namespace=parsed.namespace,
-                    component=parsed.component,
-                    instance_id=parsed.instance_id,
+                self._log.add_about(
+                    parsed, EV_LORA, f"LoRA {name} loaded on {fmt_id(parsed.instance_id)} (base {card.base_model or '?'})"
                 )
         elif worker is not None:
             worker.card_model = card.served_model_name

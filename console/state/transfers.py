@@ -1,11 +1,8 @@
 """KV transfer figures per worker, derived from the transfer fields of ``kv_metrics``.
 
 Workers publish cumulative counters (bytes moved, transfers, failures) and window percentiles of
-transfer time; an operator wants a rate. The rate is taken over the last ``RATE_WINDOW_S`` of
-messages, on the publisher's own timestamps, because messages arrive once a second *and on
-change*: two messages 20 ms apart would otherwise turn one transfer into a spike of hundreds of
-MB/s. A counter that goes backwards is a restarted worker: its samples start again rather than
-giving a negative rate.
+transfer time; an operator wants a rate, taken as counter_rates.py says (over a window of the
+publisher's messages, never across a restart).
 
 A decode worker counts what it pulled and a prefill worker what was read from it, so the same bytes
 appear once in each pool; pool sums are per pool, never added across pools.
@@ -13,13 +10,11 @@ appear once in each pool; pool sums are per pool, never added across pools.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from dynamod.console.state.counter_rates import CounterRates
 from dynamod.shared.protocol.load import LoadMetrics
-
-RATE_WINDOW_S = 5.0
 
 
 @dataclass(slots=True)
@@ -42,27 +37,20 @@ class TransferFigures:
 
 @dataclass(slots=True)
 class _RankSeries:
-    """One data-parallel rank's latest transfer fields and its (time, cumulative bytes) samples."""
+    """One data-parallel rank's latest transfer fields and its cumulative (bytes, transfers);
+    the transfer count is sampled too, so a restart is seen even before any byte moved."""
 
     latest: LoadMetrics
-    samples: deque[tuple[float, int]] = field(default_factory=deque)
+    counters: CounterRates = field(default_factory=CounterRates)
 
     def add(self, m: LoadMetrics, t: float) -> None:
-        samples = self.samples
-        if samples and (m.kv_transfer_bytes < samples[-1][1] or m.kv_transfers < self.latest.kv_transfers):
-            samples.clear()  # the worker restarted: its counters began again
         self.latest = m
-        if samples and t <= samples[-1][0]:
-            return  # same instant (or out of order): nothing to learn about the rate
-        samples.append((t, m.kv_transfer_bytes))
-        while len(samples) > 2 and samples[1][0] <= t - RATE_WINDOW_S:
-            samples.popleft()
+        self.counters.add(t, m.kv_transfer_bytes, m.kv_transfers)
 
     def rate(self) -> float | None:
-        if len(self.samples) < 2:
-            return None
-        (t0, b0), (t1, b1) = self.samples[0], self.samples[-1]
-        return (b1 - b0) / (t1 - t0) if t1 > t0 else None
+        """Bytes per second over the window."""
+        rates = self.counters.rates()
+        return rates[0] if rates is not None else None
 
 
 class KvTransferTracker:

@@ -28,21 +28,19 @@ from textual.worker import WorkerState
 
 from dynamod.console.actions.control import ActionResult, ControlClient
 from dynamod.console.actions.scaling import ScaleClient
-from dynamod.console.actions.specs import ACTIONS, ACTIONS_BY_NAME, POOL_ACTIONS_BY_NAME
+from dynamod.console.actions.specs import ACTIONS, ACTIONS_BY_NAME, POOL_ACTIONS_BY_NAME, ActionSpec
 from dynamod.console.collectors.connection import ClusterConnection
 from dynamod.console.present import fmt_budget
 from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.scaling import PoolScaling
+from dynamod.console.tui.asks import Question, ask_body, confirm_text
 from dynamod.console.tui.commands import ConsoleCommands
 from dynamod.console.tui.messages import ActionFinished, JumpToView, ShowDetail, ShowWorker
 from dynamod.console.tui.screens import (
     ConfirmScreen,
     DetailScreen,
     HelpScreen,
-    LoraLoadScreen,
-    LoraUnloadScreen,
     ScaleScreen,
-    SleepLevelScreen,
     WorkerScreen,
 )
 from dynamod.console.tui.views.base import ViewMixin
@@ -53,6 +51,7 @@ from dynamod.console.tui.views.scaling import ScalingView
 from dynamod.console.tui.views.topology import TopologyView
 from dynamod.console.tui.views.workers import WorkersView
 from dynamod.console.tui.widgets import TopBar, ViewTabs, top_bar_text
+from dynamod.shared.protocol.control import ControlBody
 from dynamod.shared.protocol.worker_id import worker_id_hex
 from dynamod.shared.security.printable import printable
 
@@ -61,14 +60,6 @@ logger = logging.getLogger(__name__)
 ControlFactory = Callable[[], ControlClient | None]
 ScaleFactory = Callable[[], ScaleClient | None]
 REFRESH_SAMPLES = 100_000
-
-CONFIRM_TEXT = {
-    "drain": "Drain worker {t}{m}? It stops taking new requests; in-flight requests finish.",
-    "sleep": "Put worker {t}{m} to sleep at level {level}? It stops serving until woken.",
-    "unload_lora": "Unload LoRA {lora} from worker {t}? Requests for it will fail there.",
-    "clear_kv": "Clear the KV cache of worker {t}{m}? Cached prefixes are lost.",
-}
-
 
 class ConsoleApp(App[None]):
     TITLE = "dynamo-console"
@@ -295,7 +286,8 @@ class ConsoleApp(App[None]):
         self.start_action(name)
 
     def start_action(self, name: str) -> None:
-        """Starts action ``name`` on the selected worker: asks what it needs, confirms, calls."""
+        """Starts action ``name`` on the selected worker: asks what it needs (``asks.py``),
+        confirms if it removes capacity, then calls."""
         if self.read_only:
             self.notify("read-only console: actions are disabled", severity="warning")
             return
@@ -307,41 +299,32 @@ class ConsoleApp(App[None]):
         worker = self.state.find_worker(iid)
         target = worker_id_hex(iid)
         model = f" ({printable(worker.model)})" if worker is not None and worker.model else ""
-        if name == "sleep":
-            self.push_screen(SleepLevelScreen(target), partial(self._sleep_level_chosen, iid, model))
-        elif name == "load_lora":
-            self.push_screen(LoraLoadScreen(target), partial(self._lora_chosen, iid))
-        elif name == "unload_lora":
-            loras = sorted(worker.loras) if worker is not None else []
-            if not loras:
-                self.notify(f"no LoRA adapter is loaded on {target}", severity="warning")
-                return
-            self.push_screen(LoraUnloadScreen(target, loras), partial(self._unload_chosen, iid))
-        elif spec.removes_capacity:
-            self._confirm_then(name, iid, CONFIRM_TEXT[name].format(t=target, m=model))
-        else:
-            self._execute(name, iid)
+        asked = ask_body(spec, target, worker)
+        if isinstance(asked, str):
+            self.notify(asked, severity="warning")
+        elif isinstance(asked, Question):
+            question = asked
 
-    def _confirm_then(self, name: str, iid: int, question: str, **kwargs: object) -> None:
+            def answered(answer: object) -> None:
+                if answer:
+                    self._body_chosen(spec, iid, model, question.to_body(answer))
+
+            self.push_screen(question.screen, answered)
+        else:
+            self._body_chosen(spec, iid, model, asked)
+
+    def _body_chosen(self, spec: ActionSpec, iid: int, model: str, body: ControlBody) -> None:
+        if not spec.removes_capacity:
+            self._execute(spec, iid, body)
+            return
+
         def answered(yes: bool | None) -> None:
             if yes:
-                self._execute(name, iid, **kwargs)
+                self._execute(spec, iid, body)
             else:
-                self.notify(f"{ACTIONS_BY_NAME[name].title} {worker_id_hex(iid)} cancelled")
+                self.notify(f"{spec.title} {worker_id_hex(iid)} cancelled")
 
-        self.push_screen(ConfirmScreen(question), answered)
-
-    def _sleep_level_chosen(self, iid: int, model: str, level: int | None) -> None:
-        if level:
-            self._confirm_then("sleep", iid, CONFIRM_TEXT["sleep"].format(t=worker_id_hex(iid), m=model, level=level), level=level)
-
-    def _lora_chosen(self, iid: int, answer: tuple[str, str] | None) -> None:
-        if answer:
-            self._execute("load_lora", iid, lora=answer[0], source=answer[1])
-
-    def _unload_chosen(self, iid: int, lora: str | None) -> None:
-        if lora:
-            self._confirm_then("unload_lora", iid, CONFIRM_TEXT["unload_lora"].format(t=worker_id_hex(iid), lora=printable(lora)), lora=lora)
+        self.push_screen(ConfirmScreen(confirm_text(spec, worker_id_hex(iid), model, body)), answered)
 
     # -- pool actions (Scaling view) ----------------------------------------------------------
 
@@ -422,26 +405,16 @@ class ConsoleApp(App[None]):
             self._control = ControlClient(self.connection.runtime)
         return self._control
 
-    def _execute(self, name: str, iid: int, **kwargs: object) -> None:
-        self.notify(f"{ACTIONS_BY_NAME[name].title} {worker_id_hex(iid)}…", timeout=2)
-        self.run_worker(self._call(name, iid, kwargs), group="actions", name=f"action:{name}", exit_on_error=False)
+    def _execute(self, spec: ActionSpec, iid: int, body: ControlBody) -> None:
+        self.notify(f"{spec.title} {worker_id_hex(iid)}…", timeout=2)
+        self.run_worker(self._call(spec, iid, body), group="actions", name=f"action:{spec.name}", exit_on_error=False)
 
-    async def _call(self, name: str, iid: int, kwargs: dict[str, object]) -> ActionResult:
+    async def _call(self, spec: ActionSpec, iid: int, body: ControlBody) -> ActionResult:
         control = self.control()
         if control is None:
-            result = ActionResult(name, f"{worker_id_hex(iid)}", False, "not connected to a cluster")
-        elif name == "drain":
-            result = await control.drain(iid, wait=False)
-        elif name == "sleep":
-            result = await control.sleep(iid, int(kwargs.get("level", 1)))  # type: ignore[call-overload]
-        elif name == "wake":
-            result = await control.wake(iid)
-        elif name == "load_lora":
-            result = await control.load_lora(iid, str(kwargs["lora"]), str(kwargs["source"]))
-        elif name == "unload_lora":
-            result = await control.unload_lora(iid, str(kwargs["lora"]))
+            result = ActionResult(spec.verb, worker_id_hex(iid), False, "not connected to a cluster")
         else:
-            result = await control.clear_kv(iid)
+            result = await control.run(spec, iid, body)
         self.post_message(ActionFinished(result))
         return result
 

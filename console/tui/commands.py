@@ -1,23 +1,38 @@
 """Command palette (ctrl+p): every view and, unless read-only, every action on the selected worker
-and on the selected pool (Scaling view)."""
+and on the selected pool (Scaling view).
+
+The provider knows the app only as ``PaletteHost`` (what it reads and calls), so the app can
+import this module without this module importing the app back.
+"""
 
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
 from dynamod.console.actions.specs import ACTIONS, POOL_ACTIONS
+from dynamod.console.state.scaling import PoolScaling
 from dynamod.shared.protocol.worker_id import worker_id_hex
 
-if TYPE_CHECKING:
-    from dynamod.console.tui.app import ConsoleApp
+
+class PaletteHost(Protocol):
+    """The app as the palette sees it (``ConsoleApp``)."""
+
+    VIEWS: tuple[str, ...]
+    read_only: bool
+
+    def show_view(self, name: str) -> None: ...
+    def selected_worker_id(self) -> int | None: ...
+    def start_action(self, name: str) -> None: ...
+    def selected_pool(self) -> PoolScaling | None: ...
+    def start_pool_action(self, name: str) -> None: ...
 
 
 class ConsoleCommands(Provider):
     def _entries(self) -> list[tuple[str, object, str]]:
-        app: ConsoleApp = self.app  # type: ignore[assignment]
+        app: PaletteHost = self.app  # type: ignore[assignment]
         out: list[tuple[str, object, str]] = []
         for view in app.VIEWS:
             out.append((f"View: {view}", partial(app.show_view, view), f"jump to the {view} view"))

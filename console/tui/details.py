@@ -14,7 +14,8 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from dynamod.console.present import fmt_age
-from dynamod.console.state.records import ClusterEvent, RouterDecision, fmt_id, fmt_num
+from dynamod.console.state.decisions import HeardDecision
+from dynamod.console.state.records import ClusterEvent, fmt_id, fmt_num
 from dynamod.console.state.scaling import PoolScaling
 from dynamod.console.tui.pool_facts import pool_facts
 from dynamod.console.tui.style import severity_text
@@ -44,7 +45,7 @@ def event_detail(ev: ClusterEvent, now: float) -> tuple[str, RenderableType]:
     return f"event: {ev.kind}", Group(head, where, Text(""), severity_text(printable(ev.message), ev.severity))
 
 
-def decision_detail(d: RouterDecision, now: float) -> tuple[str, RenderableType]:
+def decision_detail(d: HeardDecision, now: float) -> tuple[str, RenderableType]:
     head = Text()
     _field(head, "at", _stamp(d.ts, now))
     _field(head, "stage", d.stage)
@@ -64,7 +65,7 @@ def decision_detail(d: RouterDecision, now: float) -> tuple[str, RenderableType]
         parts.append(disagg)
     if d.candidates:
         cands = Text("\ncandidates (cost = prefill + decode blocks, lowest wins):\n", style="dim")
-        for c in sorted(d.candidates, key=lambda c: (c.cost is None, c.cost or 0.0)):
+        for c in sorted(d.candidates, key=lambda c: c.cost):
             mark = "▶ " if c.worker_id == d.worker_id and c.dp_rank == d.dp_rank else "  "
             cands.append(f"{mark}{fmt_id(c.worker_id)}/dp{c.dp_rank}  cost {fmt_num(c.cost)} = prefill "
                          f"{fmt_num(c.prefill_blocks)} + decode {fmt_num(c.decode_blocks)}  overlap "

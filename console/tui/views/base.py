@@ -6,7 +6,7 @@ keeps its own filter, and tells the app which worker is selected (the target of 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from rich.text import Text
 from textual.widgets import DataTable
@@ -70,6 +70,27 @@ class LiveTable(DataTable):
         self.refresh()
 
 
+def _update_changed_cells(
+    table: DataTable, rows: Iterable[Row], cache: dict[str, tuple[Cell, ...]]
+) -> None:
+    """Updates in place the cells of ``rows`` (keys the table and ``cache`` already hold) that
+    differ from ``cache``, in one batch on a ``LiveTable``, and records the new cells."""
+    columns = [c.value for c in table.columns]
+    changes: list[tuple[str, str, Cell]] = []
+    for key, cells in rows:
+        old = cache[key]
+        for i, cell in enumerate(cells):
+            before = old[i]
+            if before is not cell and before != cell:
+                changes.append((key, columns[i], cell))  # type: ignore[arg-type]
+        cache[key] = tuple(cells)
+    if isinstance(table, LiveTable):
+        table.update_cells(changes)
+    else:
+        for key, col, cell in changes:
+            table.update_cell(key, col, cell, update_width=True)
+
+
 def sync_table(table: DataTable, rows: list[Row], cache: dict[str, tuple[Cell, ...]]) -> None:
     """Brings ``table`` to ``rows`` with the least work.
 
@@ -79,20 +100,7 @@ def sync_table(table: DataTable, rows: list[Row], cache: dict[str, tuple[Cell, .
     """
     keys = [k for k, _ in rows]
     if keys == list(cache):
-        columns = [c.value for c in table.columns]
-        changes: list[tuple[str, str, Cell]] = []
-        for key, cells in rows:
-            old = cache[key]
-            for i, cell in enumerate(cells):
-                before = old[i]
-                if before is not cell and before != cell:
-                    changes.append((key, columns[i], cell))  # type: ignore[arg-type]
-            cache[key] = tuple(cells)
-        if isinstance(table, LiveTable):
-            table.update_cells(changes)
-        else:
-            for key, col, cell in changes:
-                table.update_cell(key, col, cell, update_width=True)
+        _update_changed_cells(table, rows, cache)
         return
     cursor_key = None
     if table.row_count and 0 <= table.cursor_row < table.row_count:
@@ -122,21 +130,7 @@ def sync_slots(table: DataTable, rows: list[Sequence[Cell]], cache: dict[str, tu
         for i in range(len(rows), count):
             table.remove_row(str(i))
             del cache[str(i)]
-    changes: list[tuple[str, str, Cell]] = []
-    columns = [c.value for c in table.columns]
-    for i, cells in enumerate(rows[: len(cache)]):
-        key = str(i)
-        old = cache[key]
-        for j, cell in enumerate(cells):
-            before = old[j]
-            if before is not cell and before != cell:
-                changes.append((key, columns[j], cell))  # type: ignore[arg-type]
-        cache[key] = tuple(cells)
-    if isinstance(table, LiveTable):
-        table.update_cells(changes)
-    else:
-        for key, col, cell in changes:
-            table.update_cell(key, col, cell, update_width=True)
+    _update_changed_cells(table, [(str(i), cells) for i, cells in enumerate(rows[: len(cache)])], cache)
     for i in range(len(cache), len(rows)):
         table.add_row(*rows[i], key=str(i))
         cache[str(i)] = tuple(rows[i])

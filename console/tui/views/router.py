@@ -16,7 +16,8 @@ from textual.widgets import DataTable, Static
 
 from dynamod.console.present import fmt_age
 from dynamod.console.state.cluster import ClusterState
-from dynamod.console.state.records import RouterDecision, fmt_id, fmt_num
+from dynamod.console.state.decisions import HeardDecision
+from dynamod.console.state.records import fmt_id, fmt_num
 from dynamod.console.tui.details import decision_detail
 from dynamod.console.tui.messages import ShowDetail
 from dynamod.console.tui.views.base import (
@@ -42,7 +43,7 @@ MAX_ROWS = 200
 MODE_STYLE = {DISAGG_REMOTE: "green", DISAGG_LOCAL: "yellow"}
 
 
-def decision_matches(d: RouterDecision, needle: str) -> bool:
+def decision_matches(d: HeardDecision, needle: str) -> bool:
     if not needle:
         return True
     hay = f"{fmt_id(d.worker_id)} {d.namespace} {d.request_id} {d.stage} " + " ".join(fmt_id(c.worker_id) for c in d.candidates)
@@ -51,7 +52,7 @@ def decision_matches(d: RouterDecision, needle: str) -> bool:
     return needle.lower() in hay.lower()
 
 
-def disagg_why(d: RouterDecision) -> str:
+def disagg_why(d: HeardDecision) -> str:
     """The WHY cell of a two-stage table: a local prefill's reason in words (what the operator
     tunes), a remote one's source worker, then the cost breakdown."""
     info = d.disagg
@@ -109,7 +110,7 @@ class RouterView(Vertical, ViewMixin):
         super().__init__(id=id)
         self._row_cache: dict[str, tuple[Cell, ...]] = {}
         self._cand_cache: dict[str, tuple[Cell, ...]] = {}
-        self._by_key: dict[str, RouterDecision] = {}
+        self._by_key: dict[str, HeardDecision] = {}
         self._seen = (-1, -1.0)
         self._shown_key: tuple[str | None, int] = (None, -1)
         self._room = 0
@@ -189,7 +190,7 @@ class RouterView(Vertical, ViewMixin):
         self._shown_key = shown
         rows: list[Row] = []
         if d is not None:
-            for i, c in enumerate(sorted(d.candidates, key=lambda c: (c.cost is None, c.cost or 0.0))):
+            for i, c in enumerate(sorted(d.candidates, key=lambda c: c.cost)):
                 chosen = c.worker_id == d.worker_id and c.dp_rank == d.dp_rank
                 rows.append(
                     (
