@@ -37,17 +37,11 @@ def _isolated_logging() -> Iterator[None]:
 @pytest.fixture
 def etcd_server() -> Iterator[EtcdServer]:
     """A fresh etcd per test (restart tests mutate it)."""
-    server = EtcdServer().start()
-    try:
+    with EtcdServer() as server:
         yield server
-    finally:
-        server.cleanup()
 
 
 @pytest.fixture
 def nats_server() -> Iterator[NatsServer]:
-    server = NatsServer().start()
-    try:
+    with NatsServer() as server:
         yield server
-    finally:
-        server.cleanup()

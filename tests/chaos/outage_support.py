@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from tests.fixtures.servers import EtcdServer, NatsServer
-from tests.integration.test_frontend_support import LocalCluster
+from tests.integration.frontend.test_frontend_support import LocalCluster
 
 
 class ServerCluster(LocalCluster):

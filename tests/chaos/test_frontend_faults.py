@@ -16,7 +16,7 @@ import pytest
 
 from tests.chaos.outage_support import StreamLoad
 from tests.fixtures.servers import free_port, wait_until
-from tests.integration.test_frontend_support import clean_env, get_json, pid_gone
+from tests.integration.frontend.test_frontend_support import clean_env, get_json, pid_gone
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
 

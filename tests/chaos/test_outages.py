@@ -17,7 +17,7 @@ import pytest
 
 from tests.chaos.outage_support import ServerCluster, StreamLoad
 from tests.fixtures.servers import EtcdServer, NatsServer, wait_until
-from tests.integration.test_frontend_support import get_text
+from tests.integration.frontend.test_frontend_support import get_text
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 

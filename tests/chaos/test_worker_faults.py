@@ -17,13 +17,14 @@ import asyncio
 import re
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import openai
 import pytest
 
 from tests.fixtures.servers import wait_until
-from tests.integration.test_frontend_support import LocalCluster, get_text
+from tests.integration.frontend.test_frontend_support import LocalCluster, get_text
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(120)]
 
@@ -128,6 +129,18 @@ def _victim(cluster: LocalCluster, load: Load) -> tuple[str, object]:
     return victim, proc
 
 
+async def _stop_a_loaded_worker(cluster: LocalCluster, stop: Callable[[Any], object]) -> object:
+    """Runs the load, applies ``stop`` to the worker of the first stream once every stream has started,
+    and checks that every stream still completed; returns that worker's process."""
+    load = Load(cluster)
+    load.start()
+    await load.all_started()
+    _, proc = _victim(cluster, load)
+    stop(proc)
+    load.assert_complete(await load.results())
+    return proc
+
+
 def _metric(cluster: LocalCluster, name: str) -> float:
     text = get_text(cluster.url + "/metrics")
     return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? ([0-9.e+]+)$", text, re.M))
@@ -188,17 +201,8 @@ def test_sigstopped_worker_fails_over_within_the_heartbeat_timeout_and_serves_af
 
 def test_killed_worker_under_load_loses_no_request(cluster: LocalCluster) -> None:
     _ensure_two_workers(cluster)
-
-    async def run() -> None:
-        load = Load(cluster)
-        load.start()
-        await load.all_started()
-        _, proc = _victim(cluster, load)
-        proc.kill9()  # type: ignore[attr-defined]
-        load.assert_complete(await load.results())
-
     migrations_before = _metric(cluster, "dynamo_frontend_model_migration_total")
-    asyncio.run(run())
+    asyncio.run(_stop_a_loaded_worker(cluster, lambda proc: proc.kill9()))
     assert _metric(cluster, "dynamo_frontend_model_migration_total") > migrations_before
 
 
@@ -206,18 +210,8 @@ def test_sigterm_drains_without_migrating(cluster: LocalCluster) -> None:
     """A graceful stop keeps the worker registered (draining) until its streams finished, so the
     frontend, which fails streams to an instance the moment it leaves discovery, migrates none."""
     _ensure_two_workers(cluster)
-
-    async def run() -> object:
-        load = Load(cluster)
-        load.start()
-        await load.all_started()
-        _, proc = _victim(cluster, load)
-        proc.popen.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
-        load.assert_complete(await load.results())
-        return proc
-
     migrations_before = _metric(cluster, "dynamo_frontend_model_migration_total")
-    proc = asyncio.run(run())
+    proc = asyncio.run(_stop_a_loaded_worker(cluster, lambda proc: proc.popen.send_signal(signal.SIGTERM)))
     assert _metric(cluster, "dynamo_frontend_model_migration_total") == migrations_before
     wait_until(lambda: not proc.alive(), 30, what="the stopped worker to exit")  # type: ignore[attr-defined]
     assert proc.popen.returncode == 0  # type: ignore[attr-defined]

@@ -4,42 +4,32 @@
 from __future__ import annotations
 
 from dynamod.console.actions.control import ActionResult
+from dynamod.console.actions.specs import ActionSpec
+from dynamod.shared.protocol import control
 from dynamod.shared.protocol.worker_id import worker_id_hex
+
+# What a worker would answer each action with, from the body it was sent.
+MESSAGES = {
+    "drain": lambda body: "draining",
+    "sleep": lambda body: f"sleeping at level {body.level}",
+    "wake": lambda body: "awake",
+    "clear_kv": lambda body: "cleared 12 cached blocks",
+    "load_lora": lambda body: f"loaded {body.lora_name}",
+    "unload_lora": lambda body: f"unloaded {body.lora_name}",
+}
 
 
 class FakeControl:
     def __init__(self, *, fail: str | None = None) -> None:
-        self.calls: list[tuple] = []
+        self.calls: list[tuple[str, int, control.ControlBody]] = []
         self.fail = fail
 
-    def _result(self, action: str, target: int, message: str) -> ActionResult:
+    async def run(self, spec: ActionSpec, target: int, body: control.ControlBody) -> ActionResult:
+        assert isinstance(body, spec.body), f"{spec.name} sent a {type(body).__name__}"
+        self.calls.append((spec.name, target, body))
         if self.fail:
-            return ActionResult(action, worker_id_hex(target), False, self.fail)
-        return ActionResult(action, worker_id_hex(target), True, message)
-
-    async def drain(self, target: int, *, wait: bool = False, timeout_s: float = 300.0) -> ActionResult:
-        self.calls.append(("drain", target))
-        return self._result("drain", target, "draining")
-
-    async def sleep(self, target: int, level: int = 1) -> ActionResult:
-        self.calls.append(("sleep", target, level))
-        return self._result("sleep", target, f"sleeping at level {level}")
-
-    async def wake(self, target: int) -> ActionResult:
-        self.calls.append(("wake", target))
-        return self._result("wake", target, "awake")
-
-    async def clear_kv(self, target: int) -> ActionResult:
-        self.calls.append(("clear_kv", target))
-        return self._result("clear-kv", target, "cleared 12 cached blocks")
-
-    async def load_lora(self, target: int, name: str, source: str) -> ActionResult:
-        self.calls.append(("load_lora", target, name, source))
-        return self._result("lora load", target, f"loaded {name}")
-
-    async def unload_lora(self, target: int, name: str) -> ActionResult:
-        self.calls.append(("unload_lora", target, name))
-        return self._result("lora unload", target, f"unloaded {name}")
+            return ActionResult(spec.verb, worker_id_hex(target), False, self.fail)
+        return ActionResult(spec.verb, worker_id_hex(target), True, MESSAGES[spec.name](body))
 
     async def close(self) -> None:
         return None

@@ -12,11 +12,16 @@ import random
 import subprocess
 import sys
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from dynamod.console.collectors.connection import ClusterConnection
+from dynamod.console.settings import ConsoleSettings
+from dynamod.console.state.cluster import ClusterState
 from dynamod.shared.config import RuntimeSettings
 from dynamod.shared.discovery.factory import make_store
 from dynamod.shared.protocol.instance import decode_instance
@@ -88,6 +93,12 @@ class MockerCluster:
         """``read_instance_ids`` for synchronous callers (fixtures), outside any event loop."""
         return asyncio.run(self.read_instance_ids())
 
+    def __enter__(self) -> MockerCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self.proc is None:
             return
@@ -120,3 +131,20 @@ def request_body(model: str = "tiny", blocks: int = 2, max_tokens: int = 4, lora
     req = PreprocessedRequest(request_id=uuid.uuid4().hex, model=model, token_ids=tokens,
                               stop=StopConditions(max_tokens=max_tokens, ignore_eos=True), lora_name=lora)
     return msgspec.to_builtins(req)
+
+
+@asynccontextmanager
+async def collecting(file_kv: Path, namespace: str) -> AsyncIterator[ClusterState]:
+    """The console's collectors (no frontend scrapes) on file discovery at ``file_kv``, once they
+    are connected; yields the state they fill and stops them on the way out."""
+    state = ClusterState()
+    settings = ConsoleSettings(discovery="file", file_kv=str(file_kv), namespace=namespace, frontend_urls=[],
+                               probe_interval_s=0.3, retry_max_s=1.0)
+    conn = ClusterConnection(settings, state, scrape=False)
+    task = asyncio.create_task(conn.run())
+    try:
+        await conn.wait_ready(20)
+        yield state
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -25,6 +25,7 @@ from dynamod.console.tui.screens import (
     SleepLevelScreen,
     WorkerScreen,
 )
+from dynamod.shared.protocol import control
 from tests.console.fakes import FakeControl
 from tests.console.fixtures.make_recording import WORKER_A, WORKER_B
 from tests.console.pilot import cursor_to_worker, row_keys, until, workers_table
@@ -85,7 +86,7 @@ FLOWS = [
                 Step(("n",), gone=ConfirmScreen),  # cancelled: nothing is sent
                 Step(("d", "y")),
             ),
-            (("drain", WORKER_A),),
+            (("drain", WORKER_A, control.DrainRequest(wait=False)),),
             f"drain {WORKER_A:x}: ok: draining",
         ),
         id="drain_asks_and_can_be_cancelled",
@@ -94,20 +95,20 @@ FLOWS = [
         Flow(
             WORKER_B,
             (Step(("s",), SleepLevelScreen), Step(("2",), ConfirmScreen, "level 2"), Step(("y",))),
-            (("sleep", WORKER_B, 2),),
+            (("sleep", WORKER_B, control.SleepRequest(level=2)),),
             f"sleep {WORKER_B:x}: ok: sleeping at level 2",
         ),
         id="sleep_asks_level_then_confirms",
     ),
     pytest.param(
-        Flow(WORKER_A, (Step(("w",)),), (("wake", WORKER_A),), f"wake {WORKER_A:x}: ok: awake"),
+        Flow(WORKER_A, (Step(("w",)),), (("wake", WORKER_A, control.EmptyRequest()),), f"wake {WORKER_A:x}: ok: awake"),
         id="wake_needs_no_confirmation",
     ),
     pytest.param(
         Flow(
             WORKER_A,
             (Step(("c",), ConfirmScreen, "KV cache"), Step(("y",))),
-            (("clear_kv", WORKER_A),),
+            (("clear_kv", WORKER_A, control.ClearKvRequest()),),
             f"clear-kv {WORKER_A:x}: ok: cleared 12 cached blocks",
         ),
         id="clear_kv_confirms",
@@ -116,7 +117,7 @@ FLOWS = [
         Flow(
             WORKER_B,
             (Step(("u",), LoraUnloadScreen), Step(("enter",), ConfirmScreen, "sql-lora"), Step(("y",))),
-            (("unload_lora", WORKER_B, "sql-lora"),),
+            (("unload_lora", WORKER_B, control.UnloadLoraRequest(lora_name="sql-lora")),),
             f"lora unload {WORKER_B:x}: ok: unloaded sql-lora",
         ),
         id="unload_lora_picks_from_loaded_ones",
@@ -125,7 +126,7 @@ FLOWS = [
         Flow(
             WORKER_A,
             (Step(("d", "y")),),
-            (("drain", WORKER_A),),
+            (("drain", WORKER_A, control.DrainRequest(wait=False)),),
             f"drain {WORKER_A:x}: failed: worker is sleeping; wake it before draining",
             fail="worker is sleeping; wake it before draining",
         ),
@@ -179,7 +180,7 @@ async def test_load_lora_form(recorded_state: ClusterState) -> None:
         app.screen.query_one("#lora-source", Input).focus()
         await pilot.press("enter")
         await app.workers.wait_for_complete()
-    assert fake.calls == [("load_lora", WORKER_A, "sql", "file:///adapters/a")]
+    assert fake.calls == [("load_lora", WORKER_A, control.LoadLoraRequest(lora_name="sql", source=control.LoraSource(uri="file:///adapters/a")))]
 
 
 async def test_read_only_refuses_and_hides_actions(recorded_state: ClusterState) -> None:
@@ -209,7 +210,7 @@ async def test_palette_runs_actions(recorded_state: ClusterState) -> None:
         await pilot.press("enter")
         await app.workers.wait_for_complete()
         await pilot.pause()
-    assert fake.calls == [("wake", WORKER_A)]
+    assert fake.calls == [("wake", WORKER_A, control.EmptyRequest())]
 
 
 # -- navigation ---------------------------------------------------------------------------------------

@@ -6,10 +6,12 @@ from __future__ import annotations
 import io
 import json
 
+import msgspec
 import pytest
 
 from dynamod.console.present import status_records
 from dynamod.console.state.cluster import ClusterState
+from dynamod.console.state.decisions import decode_router_decision
 from dynamod.console.state.recording import ManualClock, RecordingSink, apply_record, read_records, replay
 from dynamod.console.state.records import STATUS_GONE
 from dynamod.console.state.topology import GONE_RETENTION_S
@@ -253,10 +255,15 @@ def test_connection_loss_and_recovery_are_events() -> None:
 
 
 def test_router_decision_that_is_not_a_routing_decision_is_a_decode_error() -> None:
-    """Decisions are decoded with the wire type: a map missing its fields is reported, not guessed."""
+    """Decisions are decoded with the wire type: a map missing its fields is reported, not guessed,
+    whether it arrives live (msgpack or JSON) or from a recording."""
+    for payload in (msgspec.msgpack.encode({"worker_id": "1f", "candidates": [{"worker_id": "1f", "cost": 3}]}),
+                    msgspec.msgpack.encode({"nothing": 1}), b'{"worker_id": 5}', b"\xc1"):
+        with pytest.raises(msgspec.DecodeError):
+            decode_router_decision(payload)
     state, _ = make_state()
-    assert state.apply_router_decision("ns", {"worker_id": "1f", "candidates": [{"worker_id": "1f", "cost": 3}]}) is None
-    assert state.apply_router_decision("ns", {"nothing": 1}) is None
+    for value in ({"worker_id": "1f", "candidates": [{"worker_id": "1f", "cost": 3}]}, {"nothing": 1}):
+        apply_record(state, {"t": 0, "kind": "router_decision", "namespace": "ns", "value": value})
     assert state.counters["decode_errors"] == 2 and not state.decisions
     errors = state.recent_events(kinds=["error"])
     assert len(errors) == 1 and "unreadable router_decisions message" in errors[0].message
@@ -318,9 +325,9 @@ def test_unknown_record_kind_is_rejected() -> None:
 
 
 def test_router_decision_from_the_routers_own_format() -> None:
-    """The dict RoutingDecision.to_dict() publishes: reason and busy workers are explained too."""
+    """A RoutingDecision's fields as published: reason and busy workers are explained too."""
     state, _ = make_state()
-    d = state.apply_router_decision("ns", {
+    wire = {
         "request_id": "r1", "worker_id": 5, "dp_rank": 0, "overlap_blocks": 2, "request_blocks": 4, "isl": 300,
         "reason": "tie_smallest_tree", "detail": "tie at cost 6.0", "overlap_weight": 1.0, "temperature": 0.0,
         "candidates": [
@@ -328,7 +335,9 @@ def test_router_decision_from_the_routers_own_format() -> None:
             {"worker_id": 6, "dp_rank": 0, "overlap_blocks": 2, "prefill_tokens": 40, "prefill_blocks": 2.5, "decode_blocks": 3, "cost": 5.5, "tree_size": 90},
         ],
         "busy": [[7, 0, "queue full"]],
-    })
-    assert d is not None and d.request_id == "r1" and d.isl_blocks == 4
-    assert d.candidates[0].tree_size == 10 and d.stage == "agg" and d.disagg is None
-    assert d.why() == "tie, smallest cache: cost 5.50 = prefill 2.50 + decode 3 (overlap 2); next 0000000000000006 cost 5.50; 1 busy skipped"
+    }
+    for payload in (msgspec.msgpack.encode(wire), msgspec.json.encode(wire)):  # the publisher's msgpack, or JSON
+        d = state.apply_router_decision("ns", decode_router_decision(payload))
+        assert d.request_id == "r1" and d.request_blocks == 4 and d.namespace == "ns" and d.ts == state.clock()
+        assert d.candidates[0].tree_size == 10 and d.stage == "agg" and d.disagg is None
+        assert d.why() == "tie, smallest cache: cost 5.50 = prefill 2.50 + decode 3 (overlap 2); next 0000000000000006 cost 5.50; 1 busy skipped"

@@ -8,6 +8,8 @@ import asyncio
 import io
 import re
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -32,11 +34,8 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MockerCluster]:
-    c = MockerCluster(tmp_path_factory.mktemp("live-console"), workers=3).start()
-    try:
+    with MockerCluster(tmp_path_factory.mktemp("live-console"), workers=3).start() as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture
@@ -63,12 +62,17 @@ def status_cell(app: ConsoleApp, iid: int) -> str:
     return str(table.get_cell(key, "STATUS"))
 
 
-async def ready_console(app: ConsoleApp, pilot, cluster: MockerCluster) -> list[int]:
-    ids = await cluster.read_instance_ids()
-    await until(pilot, lambda: all((w := app.state.find_worker(i)) is not None and w.stats.loads for i in ids),
-                what="every worker with its load")
-    await pilot.pause(0.2)
-    return ids
+@asynccontextmanager
+async def ready_console(cluster: MockerCluster) -> AsyncIterator[tuple[ConsoleApp, Any, list[int]]]:
+    """The console running on ``cluster`` once it shows every worker with its load: (app, its
+    pilot, the workers' ids)."""
+    app = console(cluster)
+    async with app.run_test(size=SIZE) as pilot:
+        ids = await cluster.read_instance_ids()
+        await until(pilot, lambda: all((w := app.state.find_worker(i)) is not None and w.stats.loads for i in ids),
+                    what="every worker with its load")
+        await pilot.pause(0.2)
+        yield app, pilot, ids
 
 
 async def select(app: ConsoleApp, pilot, iid: int) -> None:
@@ -89,9 +93,7 @@ async def send(client: EndpointClient, n: int, *, instance_id: int | None = None
 
 
 async def test_drained_worker_shows_draining_and_gets_no_new_requests(cluster: MockerCluster, generate_client: EndpointClient) -> None:
-    app = console(cluster)
-    async with app.run_test(size=SIZE) as pilot:
-        ids = await ready_console(app, pilot, cluster)
+    async with ready_console(cluster) as (app, pilot, ids):
         target, others = ids[0], ids[1:]
         await select(app, pilot, target)
         await pilot.press("d")
@@ -114,9 +116,7 @@ async def test_drained_worker_shows_draining_and_gets_no_new_requests(cluster: M
 
 
 async def test_slept_worker_wakes(cluster: MockerCluster) -> None:
-    app = console(cluster)
-    async with app.run_test(size=SIZE) as pilot:
-        ids = await ready_console(app, pilot, cluster)
+    async with ready_console(cluster) as (app, pilot, ids):
         target = ids[1]
         await select(app, pilot, target)
         await pilot.press("s")
@@ -131,9 +131,7 @@ async def test_slept_worker_wakes(cluster: MockerCluster) -> None:
 
 
 async def test_lora_appears_as_a_model_and_goes_away(cluster: MockerCluster) -> None:
-    app = console(cluster)
-    async with app.run_test(size=SIZE) as pilot:
-        ids = await ready_console(app, pilot, cluster)
+    async with ready_console(cluster) as (app, pilot, ids):
         target = ids[2]
         await select(app, pilot, target)
         await pilot.press("l")
@@ -160,9 +158,7 @@ async def test_lora_appears_as_a_model_and_goes_away(cluster: MockerCluster) -> 
 
 
 async def test_clear_kv_empties_the_cache(cluster: MockerCluster, generate_client: EndpointClient) -> None:
-    app = console(cluster)
-    async with app.run_test(size=SIZE) as pilot:
-        ids = await ready_console(app, pilot, cluster)
+    async with ready_console(cluster) as (app, pilot, ids):
         target = ids[2]
         await send(generate_client, 2, instance_id=target)
         await until(pilot, lambda: app.state.find_worker(target).stats.cached_blocks > 0, what="cached blocks")
@@ -176,9 +172,7 @@ async def test_clear_kv_empties_the_cache(cluster: MockerCluster, generate_clien
 
 async def test_action_error_is_shown(cluster: MockerCluster) -> None:
     """Draining a sleeping worker is refused by the worker; the console says why."""
-    app = console(cluster)
-    async with app.run_test(size=SIZE) as pilot:
-        ids = await ready_console(app, pilot, cluster)
+    async with ready_console(cluster) as (app, pilot, ids):
         target = ids[0]
         await select(app, pilot, target)
         await pilot.press("s", "1", "y")

@@ -16,10 +16,17 @@ import pytest
 from dynamod.console.ctl import commands
 from dynamod.console.present import fmt_bytes_rate, pool_records, pool_row, status_records
 from dynamod.console.state.cluster import ClusterState
-from dynamod.console.state.transfers import RATE_WINDOW_S
+from dynamod.console.state.counter_rates import RATE_WINDOW_S
+from dynamod.console.state.decisions import HeardDecision, decode_router_decision
 from dynamod.console.tui.views.workers import fit_columns
 from dynamod.shared.protocol.load import LoadMetrics
-from dynamod.shared.protocol.routing import CandidateScore, DisaggInfo, RoutingDecision
+from dynamod.shared.protocol.routing import (
+    CandidateScore,
+    DisaggInfo,
+    PublishedDecision,
+    RoutingDecision,
+    published_decision_encoder,
+)
 from tests.console.factories import make_state, register
 from tests.console.fixtures.make_recording import (
     BLOCK_BYTES,
@@ -187,12 +194,14 @@ def test_fmt_bytes_rate() -> None:
 # -- decisions ------------------------------------------------------------------------------------
 
 
-def _decision(stage: str, wid: int, disagg: DisaggInfo | None = None, request: str = "r") -> dict:
+def _decision(stage: str, wid: int, disagg: DisaggInfo | None = None, request: str = "r") -> HeardDecision:
+    """A decision as the decision publisher sends it, decoded as the console's collector does."""
     c = CandidateScore(wid, 0, 0, 32, 2.0, 8, 10.0, 0)
     rd = RoutingDecision(request_id=request, worker_id=wid, overlap_blocks=0, request_blocks=2, isl=32,
                          reason="only_candidate", detail="", overlap_weight=1.0, temperature=0.0, candidates=[c],
                          stage=stage, disagg=disagg)
-    return {**rd.to_dict(), "ts": 990.0, "model": "m", "source": "frontend"}
+    published = PublishedDecision.of(rd, ts=990.0, source="frontend", router_instance_id="1f", model="m")
+    return decode_router_decision(published_decision_encoder.encode(published))
 
 
 def test_decisions_decoded_typed_with_stage_and_disagg(disagg_state: ClusterState) -> None:

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 from textual.widgets import DataTable, Input
 
 from dynamod.console.actions.scaling import ScaleClient
-from dynamod.console.collectors.connection import ClusterConnection
 from dynamod.console.ctl.main import main as dynamoctl
-from dynamod.console.settings import ConsoleSettings
 from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.recording import RecordingSink, apply_record, read_records, replay
 from dynamod.console.tui.app import ConsoleApp
@@ -37,6 +38,7 @@ from dynamod.shared.protocol.planner import (
 )
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from tests.console.factories import NAMESPACE, make_state, register
+from tests.console.live import collecting
 from tests.console.pilot import until
 
 NS = NAMESPACE
@@ -158,36 +160,29 @@ async def test_console_collects_decisions_status_and_overrides(tmp_path: Path) -
     """A planner-like process publishes typed decisions on the real event plane and writes its
     status; an operator writes an override: the console's collectors put all three in the state."""
     planner = await DistributedRuntime.create(_file_settings(tmp_path), events=True)
-    state = ClusterState()
-    settings = ConsoleSettings(discovery="file", file_kv=str(tmp_path), namespace=NS, frontend_urls=[],
-                               probe_interval_s=0.3, retry_max_s=1.0)
-    conn = ClusterConnection(settings, state, scrape=False)
-    task = asyncio.create_task(conn.run())
     try:
-        await conn.wait_ready(20)
-        pub = await planner.namespace(NS).component(PLANNER_COMPONENT).publisher(TOPIC_PLANNER_DECISIONS)
-        await planner.store.put(planner_status_key(NS), msgspec.json.encode(status(decode=(1, 2))))
-        await ScaleClient(planner.store, set_by="test").set_override(NS, "decode", 3, reason="why not")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 20
-        while not state.scaling.decisions(NS, "decode"):
-            assert loop.time() < deadline, "no planner decision reached the console"
-            await pub.publish(TOPIC_PLANNER_DECISIONS, decision_encoder.encode(decision(9, current=1, desired=2)))
-            await asyncio.sleep(0.1)
-        while not (state.scaling_pools() and state.scaling_pools()[0].override is not None):
-            assert loop.time() < deadline, "status/override never reached the console"
-            await asyncio.sleep(0.05)
-        (p,) = state.scaling_pools()
-        assert (p.desired, p.override.replicas if p.override else None, p.decisions[0].decision_id) == (2, 3, 9)
-        assert p.override is not None and p.override.set_by == "test" and p.override.reason == "why not"
-        # Garbage on the topic is counted, not fatal.
-        await pub.publish(TOPIC_PLANNER_DECISIONS, b"\x81\xa3foo\x01")
-        while state.counters["decode_errors"] == 0:
-            assert loop.time() < deadline, "an unreadable decision was not reported"
-            await asyncio.sleep(0.05)
+        async with collecting(tmp_path, NS) as state:
+            pub = await planner.namespace(NS).component(PLANNER_COMPONENT).publisher(TOPIC_PLANNER_DECISIONS)
+            await planner.store.put(planner_status_key(NS), msgspec.json.encode(status(decode=(1, 2))))
+            await ScaleClient(planner.store, set_by="test").set_override(NS, "decode", 3, reason="why not")
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 20
+            while not state.scaling.decisions(NS, "decode"):
+                assert loop.time() < deadline, "no planner decision reached the console"
+                await pub.publish(TOPIC_PLANNER_DECISIONS, decision_encoder.encode(decision(9, current=1, desired=2)))
+                await asyncio.sleep(0.1)
+            while not (state.scaling_pools() and state.scaling_pools()[0].override is not None):
+                assert loop.time() < deadline, "status/override never reached the console"
+                await asyncio.sleep(0.05)
+            (p,) = state.scaling_pools()
+            assert (p.desired, p.override.replicas if p.override else None, p.decisions[0].decision_id) == (2, 3, 9)
+            assert p.override is not None and p.override.set_by == "test" and p.override.reason == "why not"
+            # Garbage on the topic is counted, not fatal.
+            await pub.publish(TOPIC_PLANNER_DECISIONS, b"\x81\xa3foo\x01")
+            while state.counters["decode_errors"] == 0:
+                assert loop.time() < deadline, "an unreadable decision was not reported"
+                await asyncio.sleep(0.05)
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
         await planner.shutdown(grace_s=0.0)
 
 
@@ -344,13 +339,21 @@ async def test_scaling_view_shows_pools_decisions_and_routers(disagg_state: Clus
         assert app.current_view == "scaling"
 
 
-async def test_scale_down_asks_then_writes_the_override(disagg_state: ClusterState) -> None:
-    store = await _store_with_status(disagg_state)
-    app = await _scaling_app(disagg_state, store)
+@asynccontextmanager
+async def _scale_dialog(state: ClusterState, pool_key: str) -> AsyncIterator[tuple[ConsoleApp, Any, MemStore]]:
+    """The Scaling view with ``pool_key`` selected and its scale dialog open; yields the app, its
+    pilot and the store the overrides are written to."""
+    store = await _store_with_status(state)
+    app = await _scaling_app(state, store)
     async with app.run_test(size=SIZE) as pilot:
-        await _select_pool(pilot, "dynamo/decode")
+        await _select_pool(pilot, pool_key)
         await pilot.press("r")
         await until(pilot, lambda: isinstance(app.screen, ScaleScreen), what="the scale dialog")
+        yield app, pilot, store
+
+
+async def test_scale_down_asks_then_writes_the_override(disagg_state: ClusterState) -> None:
+    async with _scale_dialog(disagg_state, "dynamo/decode") as (app, pilot, store):
         await pilot.press("1", "enter")
         await pilot.press(*"night", "enter")
         await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the confirm dialog")
@@ -364,13 +367,8 @@ async def test_scale_down_asks_then_writes_the_override(disagg_state: ClusterSta
 
 
 async def test_scale_up_needs_no_confirm_and_clear_does(disagg_state: ClusterState) -> None:
-    store = await _store_with_status(disagg_state)
-    app = await _scaling_app(disagg_state, store)
     key = planner_override_key("dynamo", "prefill")
-    async with app.run_test(size=SIZE) as pilot:
-        await _select_pool(pilot, "dynamo/prefill")
-        await pilot.press("r")
-        await until(pilot, lambda: isinstance(app.screen, ScaleScreen), what="the scale dialog")
+    async with _scale_dialog(disagg_state, "dynamo/prefill") as (app, pilot, store):
         app.screen.query_one("#scale-replicas", Input).value = "3"
         app.screen.query_one("#scale-reason", Input).value = "burst"
         await pilot.press("enter")
@@ -389,12 +387,7 @@ async def test_scale_up_needs_no_confirm_and_clear_does(disagg_state: ClusterSta
 
 
 async def test_bad_replicas_stay_in_the_dialog(disagg_state: ClusterState) -> None:
-    store = await _store_with_status(disagg_state)
-    app = await _scaling_app(disagg_state, store)
-    async with app.run_test(size=SIZE) as pilot:
-        await _select_pool(pilot, "dynamo/decode")
-        await pilot.press("r")
-        await until(pilot, lambda: isinstance(app.screen, ScaleScreen), what="the scale dialog")
+    async with _scale_dialog(disagg_state, "dynamo/decode") as (app, pilot, store):
         app.screen.query_one("#scale-replicas", Input).value = "-2"
         await pilot.press("enter")
         await pilot.pause()

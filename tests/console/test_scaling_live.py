@@ -13,10 +13,8 @@ import pytest
 from rich.console import Console
 from textual.widgets import Static
 
-from dynamod.console.collectors.connection import ClusterConnection
 from dynamod.console.ctl.main import main as dynamoctl
 from dynamod.console.present import SCALING_COLUMNS, scaling_row
-from dynamod.console.settings import ConsoleSettings
 from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.recording import read_records, replay
 from dynamod.console.state.scaling_history import ScalingHistory
@@ -27,6 +25,7 @@ from dynamod.shared.protocol.keys import planner_status_key
 from dynamod.shared.protocol.planner import PlannerStatus, PoolStatus
 from tests.console.factories import NAMESPACE as NS
 from tests.console.factories import make_state
+from tests.console.live import collecting
 from tests.console.pilot import until
 
 SCALING_RECORDING = Path(__file__).parent / "fixtures" / "scaling_recording.jsonl"
@@ -80,13 +79,7 @@ async def test_dynamoctl_and_the_console_show_the_same_live_figures(tmp_path: Pa
     assert pool["observed"]["request_rate"] == 6.5 and pool["load"]["waiting"] == 12.0
     assert pool["measured"]["ttft_ms"] == 3400.0
 
-    state = ClusterState()
-    settings = ConsoleSettings(discovery="file", file_kv=str(tmp_path), namespace=NS, frontend_urls=[],
-                               probe_interval_s=0.3, retry_max_s=1.0)
-    conn = ClusterConnection(settings, state, scrape=False)
-    task = asyncio.create_task(conn.run())
-    try:
-        await conn.wait_ready(20)
+    async with collecting(tmp_path, NS) as state:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 20
         while not state.scaling_pools():
@@ -95,9 +88,6 @@ async def test_dynamoctl_and_the_console_show_the_same_live_figures(tmp_path: Pa
         (p,) = state.scaling_pools()
         assert _cells(scaling_row(p)) == ctl
         assert scaling_row(p)[-1] == "scale_up queue_backlog"
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 def test_the_planners_figures_win_over_the_consoles_scrapes() -> None:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from tests.fixtures.servers import wait_until
-from tests.integration.test_frontend_support import LocalCluster
+from tests.integration.frontend.test_frontend_support import LocalCluster
 
 KEYS = {"fanout": "key-fanout-0123456789abcdef", "normal": "key-normal-0123456789abcdef",
         "rate": "key-rate-0123456789abcdef012", "slow": "key-slow-0123456789abcdef012"}

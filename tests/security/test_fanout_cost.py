@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from dynamod.daemon.frontend.fanout import check_fanout, fanout_cost
-from dynamod.daemon.frontend.limits import RATE_LIMIT_SCOPE_KEY, RateLimiter
-from dynamod.daemon.frontend.protocol import ChatCompletionRequest, CompletionRequest
-from dynamod.daemon.frontend.state import FrontendConfig, FrontendState
+from dynamod.daemon.frontend.http.limits import RATE_LIMIT_SCOPE_KEY, RateLimiter
+from dynamod.daemon.frontend.openai.fanout import check_fanout, fanout_cost
+from dynamod.daemon.frontend.openai.schema import ChatCompletionRequest, CompletionRequest
+from dynamod.daemon.frontend.pipeline.state import FrontendConfig, FrontendState
 from dynamod.shared.errors import InvalidRequestError, OverloadedError, RateLimitedError
 
 

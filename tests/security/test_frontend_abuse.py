@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.test_frontend_support import LocalCluster
+from tests.integration.frontend.test_frontend_support import LocalCluster
 from tests.security.frontend_abuse_support import (
     KEYS,
     chat,
@@ -29,16 +29,13 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = start_guarded_cluster(
+    with start_guarded_cluster(
         tmp_path_factory.mktemp("abuse"),
         "--http-idle-timeout", "1", "--http-header-timeout", "1", "--http-body-timeout", "1",
         "--http-max-connections-per-address", "400", "--max-prompts-per-request", "16", "--max-inflight", "64",
         "--rate-limit", "40", "--rate-limit-burst", "20", "--auth-failure-rate", "0.5", "--auth-failure-burst", "5",
-    )
-    try:
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def test_a_batch_of_50000_prompts_is_refused_before_any_generation(cluster: LocalCluster) -> None:

@@ -22,7 +22,7 @@ from dynamod.shared.events.nats_plane import NatsEventPlane
 from dynamod.shared.security.settings import _FLAGS, _SWITCHES, EtcdSecurity
 from tests.fixtures.servers import _find_binary, free_port
 from tests.fixtures.tls import NATS_PASSWORD, ClusterCerts, cluster_certs  # noqa: F401 - fixture
-from tests.integration.test_security_deploy_configs import DEPLOY, _start, _stop
+from tests.integration.security.test_security_deploy_configs import DEPLOY, _start, _stop
 from tests.unit.deploy.conftest import rendered
 
 pytestmark = pytest.mark.timeout(90)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.servers import wait_until
-from tests.integration.test_frontend_support import get_text, running_cluster
+from tests.integration.frontend.test_frontend_support import get_text, running_cluster
 from tests.security.frontend_abuse_support import request
 
 pytestmark = pytest.mark.timeout(90)

@@ -21,10 +21,12 @@ from pathlib import Path
 import pytest
 
 from dynamod.console.actions.control import ControlClient
+from dynamod.console.actions.specs import ACTIONS_BY_NAME as ACT
 from dynamod.shared.config import RuntimeSettings
 from dynamod.shared.kv.transfer.memory import KvBlockMemory
 from dynamod.shared.kv.transfer.tcp_server import KvBlockServer
 from dynamod.shared.kv.transfer.tcp_wire import LENGTH, HelloRequest, OkReply, encode_frame, reply_decoder
+from dynamod.shared.protocol import control
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from dynamod.shared.security.settings import RequestPlaneSecurity
 from dynamod.shared.security.token import ClusterToken
@@ -85,8 +87,8 @@ async def test_idle_unauthenticated_connections_leave_room_for_members(tmp_path:
             fresh = await DistributedRuntime.create(settings, events=False)
             ctl = ControlClient(fresh, namespace="dynamo")
             try:
-                assert (await ctl.drain(inst.instance_id)).ok
-                assert (await ctl.wake(inst.instance_id)).ok
+                assert (await ctl.run(ACT["drain"], inst.instance_id, control.DrainRequest(wait=False))).ok
+                assert (await ctl.run(ACT["wake"], inst.instance_id, control.EmptyRequest())).ok
             finally:
                 await ctl.close()
                 await fresh.shutdown(0)

@@ -96,8 +96,8 @@ def _health(port: int) -> dict:
 
 @pytest.mark.timeout(90)
 def test_prestop_script_drains_a_real_worker(tmp_path: Path) -> None:
-    from tests.integration.test_frontend_support import clean_env
-    from tests.integration.test_up_supervisor import Up, _up_command
+    from tests.fixtures.daemons import Up, up_command
+    from tests.integration.frontend.test_frontend_support import clean_env
 
     (dep,) = [d for d in _deployments("dev") if _component(d) == "agg"]
     (c,) = pod_spec(dep)["containers"]
@@ -107,13 +107,12 @@ def test_prestop_script_drains_a_real_worker(tmp_path: Path) -> None:
     token = tmp_path / "cluster.token"
     token.write_text(TOKEN)
     token.chmod(0o600)
-    up = Up(_up_command("--http-port", str(free_port()), "--workers", "1", "--file-kv", str(file_kv),
+    up = Up(up_command("--http-port", str(free_port()), "--workers", "1", "--file-kv", str(file_kv),
                         "--log-dir", str(tmp_path / "logs"), "--prometheus-sd", str(sd),
                         "--cluster-token-file", str(token)),
             clean_env(file_kv), cwd=tmp_path)
     try:
-        wait_until(lambda: "dynamod is up" in up.output or up.proc.poll() is not None, 60, what="the banner")
-        assert "dynamod is up" in up.output, up.output
+        up.wait_up(60)
         groups = wait_until(lambda: [g for g in json.loads(sd.read_text()) if g["labels"]["role"] == "agg"], 20)
         port = int(groups[0]["targets"][0].rsplit(":", 1)[1])
         assert _health(port)["endpoints"][0]["status"] == "ready"

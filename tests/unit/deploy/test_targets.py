@@ -2,7 +2,7 @@
 ``dynamoctl targets`` over a real file-discovery directory, the sticky targets of ``dynamod up
 --prometheus-sd`` (``daemon/supervisor/prometheus_sd.py``), and promtool accepting the shipped
 file_sd scrape config. The live path (a real Prometheus scraping ``dynamod up`` through the file)
-is tests/integration/test_prometheus_live.py."""
+is tests/integration/deploy/test_prometheus_live.py."""
 
 from __future__ import annotations
 

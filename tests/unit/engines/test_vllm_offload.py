@@ -19,19 +19,19 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from dynamod.daemon.engines.base import EngineState
 from dynamod.daemon.engines.common.native_kv import NativeKvEventQueue
 from dynamod.daemon.engines.vllm import adapter, disagg, offload
 from dynamod.daemon.engines.vllm.engine import VllmEngine
 from dynamod.daemon.models.kv_layout import KvGeometry
 from dynamod.daemon.models.local import load_model_dir
-from dynamod.daemon.router.config import KvRouterConfig
-from dynamod.daemon.router.kv_router import KvRouter
-from dynamod.daemon.worker.engine import EngineState
+from dynamod.daemon.router.core.config import KvRouterConfig
+from dynamod.daemon.router.core.kv_router import KvRouter
 from dynamod.shared.errors import ConfigError, InvalidRequestError, UnavailableError
 from dynamod.shared.kv.hashing import compute_block_hashes
 from dynamod.shared.kv.indexer import KvIndexer
 from dynamod.shared.protocol.kv_events import KvCleared, decode_native_batch
-from tests.integration.test_vllm_support import build_tiny_model, vllm_python
+from tests.integration.engines.test_vllm_support import build_tiny_model, vllm_python
 
 ROOT = Path(__file__).resolve().parents[3]
 BS = 16

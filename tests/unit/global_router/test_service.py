@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from dynamod.daemon.frontend.protocol import ChatCompletionRequest
+from dynamod.daemon.frontend.openai.schema import ChatCompletionRequest
 from dynamod.daemon.global_router.config import config_from_dict
 from dynamod.daemon.global_router.service import ROLE, GlobalRouterService, GlobalRouterServiceConfig
 from dynamod.daemon.models import TINY_MODEL_DIR

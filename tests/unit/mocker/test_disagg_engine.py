@@ -8,9 +8,10 @@ import time
 import msgspec
 import pytest
 
+from dynamod.daemon.engines.base import KvTransferEngine
+from dynamod.daemon.engines.kv_transfer import KvTransferContext, KvTransferSettings
 from dynamod.daemon.engines.mocker.engine import MockerEngine
-from dynamod.daemon.worker.engine import KvTransferEngine
-from dynamod.daemon.worker.kv_transfer import KvTransferContext, KvTransferSettings, KvTransferStats
+from dynamod.daemon.worker.kv_transfer import KvTransferStats
 from dynamod.shared.errors import InvalidRequestError, NotFoundError
 from dynamod.shared.kv.transfer.tcp import TcpKvAgent
 from dynamod.shared.protocol.kv_transfer import KvLayout, KvTransferMetadata, KvTransferParams

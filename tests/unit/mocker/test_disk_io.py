@@ -21,7 +21,7 @@ from dynamod.daemon.engines.mocker.disk_io import READ, WRITE, DiskIo
 from dynamod.daemon.engines.mocker.disk_tier import DiskStore
 from dynamod.daemon.engines.mocker.engine import MockerEngine
 from dynamod.daemon.engines.mocker.request import RequestStatus
-from dynamod.daemon.engines.mocker.tiers import TierEntry
+from dynamod.daemon.engines.mocker.tier_entry import TierEntry
 from dynamod.shared.kv.transfer.memory import KvBlockMemory
 from dynamod.shared.protocol.kv_events import MEDIUM_DISK, MEDIUM_GPU, KvRemoved, KvStored
 from dynamod.shared.protocol.kv_transfer import KvLayout
@@ -80,6 +80,13 @@ def store_of(core: MockerCore) -> GatedStore:
     return store
 
 
+def held_store(core: MockerCore) -> GatedStore:
+    """The core's disk store with every write held at its publish step until ``publish_gate`` is set."""
+    store = store_of(core)
+    store.publish_gate = threading.Event()
+    return store
+
+
 def run(core: MockerCore, rid: str, prompt: list[int]) -> list:
     core.add_request(rid, prompt, max_tokens=1, ignore_eos=True)
     return run_to_completion(core)
@@ -115,12 +122,18 @@ def offload_a(core: MockerCore) -> tuple[list[int], np.ndarray]:
     return a_hashes, original
 
 
+def offload_a_until_writing(core: MockerCore, store: GatedStore) -> tuple[list[int], np.ndarray]:
+    """``offload_a`` on a held store, returning once the first block is being written (under its
+    temporary name)."""
+    offloaded = offload_a(core)
+    assert store.publishing.wait(TIMEOUT)
+    return offloaded
+
+
 def test_a_block_being_written_is_onboarded_from_memory_and_has_no_file_yet(tmp_path):
     core = disk_core(tmp_path)
-    store = store_of(core)
-    store.publish_gate = threading.Event()
-    a_hashes, original = offload_a(core)
-    assert store.publishing.wait(TIMEOUT)  # the first file is written under its temporary name
+    store = held_store(core)
+    a_hashes, original = offload_a_until_writing(core, store)
     assert set(core.tiers.disk.entries) == set(a_hashes)  # the index has them at once
     assert not [n for n in block_files(core) if n.endswith(".kvb")]  # no valid file yet
     assert core.io_pending == 3
@@ -198,8 +211,7 @@ def test_an_unreadable_block_file_is_dropped_and_its_prefix_recomputed(tmp_path)
 
 def test_a_full_io_queue_skips_the_disk_instead_of_blocking_the_step(tmp_path):
     core = disk_core(tmp_path, queue=1)
-    store = store_of(core)
-    store.publish_gate = threading.Event()
+    store = held_store(core)
     a_hashes = stored(evs(run(core, "a", PROMPT_A)), MEDIUM_GPU)
     outs = run(core, "b", PROMPT_B)  # 3 offloads, a queue of 1: two are refused
     on_disk = stored(evs(outs), MEDIUM_DISK)
@@ -214,10 +226,8 @@ def test_a_full_io_queue_skips_the_disk_instead_of_blocking_the_step(tmp_path):
 
 def test_shutdown_flushes_queued_writes_of_a_persistent_tier(tmp_path):
     core = disk_core(tmp_path, persist=True)
-    store = store_of(core)
-    store.publish_gate = threading.Event()
-    a_hashes, original = offload_a(core)
-    assert store.publishing.wait(TIMEOUT)
+    store = held_store(core)
+    a_hashes, original = offload_a_until_writing(core, store)
     threading.Timer(0.05, store.publish_gate.set).start()  # the disk catches up during close
     core.close()  # waits for the three queued writes
     assert block_files(tmp_path / "disk" / "dp0") == sorted(f"{h:016x}.kvb" for h in a_hashes)
@@ -232,10 +242,8 @@ def test_shutdown_flushes_queued_writes_of_a_persistent_tier(tmp_path):
 
 def test_shutdown_discards_queued_writes_of_a_throwaway_tier(tmp_path):
     core = disk_core(tmp_path, persist=False)
-    store = store_of(core)
-    store.publish_gate = threading.Event()
-    offload_a(core)
-    assert store.publishing.wait(TIMEOUT)
+    store = held_store(core)
+    offload_a_until_writing(core, store)
     closer = threading.Thread(target=core.close)
     closer.start()
     deadline = time.monotonic() + TIMEOUT
@@ -251,10 +259,8 @@ def test_shutdown_discards_queued_writes_of_a_throwaway_tier(tmp_path):
 
 def test_a_crash_mid_write_leaves_no_block_file_behind_a_valid_name(tmp_path):
     core = disk_core(tmp_path, persist=True)
-    store = store_of(core)
-    store.publish_gate = threading.Event()
-    offload_a(core)
-    assert store.publishing.wait(TIMEOUT)
+    store = held_store(core)
+    offload_a_until_writing(core, store)
     # What a crash now leaves on disk: the directory as it is, one file under its temporary name.
     crashed = tmp_path / "crashed"
     shutil.copytree(tmp_path / "disk", crashed)
@@ -329,8 +335,8 @@ async def test_the_engine_wakes_a_request_whose_block_files_were_read(tmp_path):
         while not store.reading.is_set():  # the read has begun and holds: "long" must keep going
             assert time.monotonic() < deadline, "the disk read never started"
             await asyncio.sleep(0.005)
-        tokens_before = second._streams["long"].num_tokens
-        while second._streams["long"].num_tokens < tokens_before + 20:
+        tokens_before = second._active["long"].num_tokens
+        while second._active["long"].num_tokens < tokens_before + 20:
             assert time.monotonic() < deadline, "the other request stopped while a disk read was held"
             await asyncio.sleep(0.005)
         assert not a2.done()

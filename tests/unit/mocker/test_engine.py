@@ -1,16 +1,20 @@
-"""MockerEngine: the async Engine Protocol around mocker cores (streams, aborts, events, control)."""
+"""MockerEngine: the async Engine Protocol around mocker cores (streams, aborts, events, control).
+
+stop() keeping its caller's cancellation is a repair found in review: that test fails without it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 
+from dynamod.daemon.engines.base import Engine
 from dynamod.daemon.engines.mocker.engine import MockerEngine
 from dynamod.daemon.engines.mocker.sampling import TokenSampler
-from dynamod.daemon.worker.engine import Engine
 from dynamod.shared.errors import ContextLengthError, InvalidRequestError, NotFoundError, UnavailableError
 from dynamod.shared.kv.hashing import hash_tokens
 from dynamod.shared.protocol.kv_events import KvCleared, KvStored, RouterEvent
@@ -21,6 +25,8 @@ from dynamod.shared.protocol.llm import (
     SamplingOptions,
     StopConditions,
 )
+from tests.fixtures.cancellation import close_check
+from tests.fixtures.started import started_by
 from tests.unit.mocker.factories import make_config
 
 WORKER_ID = 0xABC
@@ -53,21 +59,15 @@ def drain_events(engine: MockerEngine) -> list[RouterEvent]:
     return out
 
 
+def _engine(**overrides: Any) -> MockerEngine:
+    """A small, fast mocker engine (not started); ``overrides`` replace its config's knobs."""
+    return MockerEngine(make_config(**{"num_gpu_blocks": 64, "speedup_ratio": 1000.0, **overrides}), worker_id=WORKER_ID)
+
+
 @pytest.fixture
-async def make_engine():
-    engines: list[MockerEngine] = []
-
-    async def factory(**overrides) -> MockerEngine:
-        knobs = {"num_gpu_blocks": 64, "speedup_ratio": 1000.0}
-        knobs.update(overrides)
-        engine = MockerEngine(make_config(**knobs), worker_id=WORKER_ID)
-        await engine.start()
-        engines.append(engine)
-        return engine
-
-    yield factory
-    for engine in engines:
-        await engine.stop()
+async def make_engine() -> AsyncIterator[Callable[..., Awaitable[MockerEngine]]]:
+    async with started_by(_engine, MockerEngine.start, MockerEngine.stop) as make:
+        yield make
 
 
 async def test_implements_the_engine_protocol(make_engine):
@@ -291,3 +291,16 @@ async def test_a_request_whose_sampling_fails_fails_alone(make_engine, monkeypat
     outs = await good
     assert outs[-1].finish_reason == "length" and sum(len(o.token_ids) for o in outs) == 30
     await until(lambda: engine.num_active_requests == 0)
+
+
+async def test_mocker_engine_stop_keeps_the_callers_cancellation() -> None:
+    for expect_cancel in (True, False):
+        engine = MockerEngine(make_config(), worker_id=1)
+        await engine.start()
+
+        def install(task: asyncio.Task[None], engine: MockerEngine = engine) -> None:
+            engine._tasks.append(task)
+
+        await close_check(expect_cancel)(install, engine.stop)
+        # The cleanup ran either way: kv_events() ends.
+        assert engine._events.get_nowait() is None

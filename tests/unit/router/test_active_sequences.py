@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dynamod.daemon.router.active_sequences import ActiveSequences
+from dynamod.daemon.router.core.active_sequences import ActiveSequences
 
 BS = 16
 W = (7, 0)

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from dynamod.daemon.router import KvRouterConfig, add_router_args, config_from_args
+from dynamod.daemon.router.core import KvRouterConfig, add_router_args, config_from_args
 from dynamod.shared.errors import ConfigError
 
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from dynamod.daemon.router.decision_publisher import DecisionPublisher
+from dynamod.daemon.router.core.decision_publisher import DecisionPublisher
 from dynamod.shared.config import RuntimeSettings
 from dynamod.shared.discovery.mem import MemStore
 from dynamod.shared.events.plane import TOPIC_ROUTER_DECISIONS

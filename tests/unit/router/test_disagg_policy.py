@@ -4,12 +4,13 @@ configuration, and the numbers a decision explains itself with (labelled, worker
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
 
-from dynamod.daemon.engines.mocker.timing import decode_time_ms, prefill_time_ms
-from dynamod.daemon.router.disagg_cost import (
+from dynamod.daemon.perf.mocker_timing import decode_time_ms, prefill_time_ms
+from dynamod.daemon.router.core.disagg_cost import (
     BANDWIDTH_CONFIG,
     BANDWIDTH_MEASURED,
     MockerCompute,
@@ -17,7 +18,7 @@ from dynamod.daemon.router.disagg_cost import (
     TransferEstimate,
     stall_ms,
 )
-from dynamod.daemon.router.disagg_policy import (
+from dynamod.daemon.router.core.disagg_policy import (
     POLICY_COST,
     REASON_COST_LOCAL,
     REASON_COST_REMOTE,
@@ -108,6 +109,30 @@ def test_cost_terms_add_up_from_the_mocker_timing_model() -> None:
     assert c.decode_start_ms == pytest.approx(step + prefill_time_ms(100), abs=1e-3)
     assert c.remote_ttft_ms == pytest.approx(c.remote_compute_ms + c.transfer_ms + c.decode_start_ms, abs=1e-2)
     assert c.bandwidth_source == BANDWIDTH_CONFIG and c.compute_model == "mocker"
+
+
+def test_chunked_transfer_counts_only_the_part_left_when_the_prefill_ends() -> None:
+    # 40k tokens, the decode worker caching the first 24,576 (three 8,192-token chunks): the rest
+    # moves while the prefill worker computes the last two chunks, so only the last chunk's blocks
+    # (7,232 tokens, ~38 ms at 25 GB/s) and the latency wait after it. Moved after the prefill, the
+    # whole 15,424 tokens (~81 ms) wait and the decode worker's own prefill is cheaper.
+    state = {"isl": 40_000, "decode_cached_tokens": 3 * 8192, "running_decodes": 2, "decode_kv_fraction": 0.1}
+    after = cost(**state)
+    chunked = cost(**state, transfer=dataclasses.replace(COST.transfer, overlap="chunk"))
+    assert after.mode == DISAGG_LOCAL and chunked.mode == DISAGG_REMOTE
+    a, c = after.cost, chunked.cost
+    assert a is not None and c is not None
+    per_token_ms = COST.kv_bytes_per_token / 25e9 * 1000
+    assert a.transfer_exposed_ms == a.transfer_ms == pytest.approx(1.0 + 15_424 * per_token_ms, abs=1e-3)
+    assert c.transfer_ms == a.transfer_ms and c.transfer_overlap == "chunk" and a.transfer_overlap == "none"
+    assert c.transfer_exposed_ms == pytest.approx(1.0 + 7_232 * per_token_ms, abs=1e-3)
+    assert c.remote_ttft_ms == pytest.approx(c.remote_compute_ms + c.transfer_exposed_ms + c.decode_start_ms, abs=1e-2)
+    # A link slower than the compute: the bytes queue up, and the exposed part grows to match.
+    slow = dataclasses.replace(COST.transfer, overlap="chunk", bandwidth_gb_s=1.0)
+    compute_ms = MOCKER.prefill_ms(40_000)
+    link_ms = 15_424 * COST.kv_bytes_per_token / 1e9 * 1000
+    starts = MOCKER.prefill_ms(4 * 8192)  # the 4th chunk's end: the first lacking block's start
+    assert slow.exposed_ms(MOCKER, 40_000, 3 * 8192, 0) == pytest.approx(starts + link_ms - compute_ms + 1.0, abs=1e-3)
 
 
 def test_ties_go_local() -> None:

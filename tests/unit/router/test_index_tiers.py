@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from dynamod.daemon.router.config import KvRouterConfig, add_router_args, config_from_args
-from dynamod.daemon.router.kv_router import KvRouter
+from dynamod.daemon.router.core.config import KvRouterConfig, add_router_args, config_from_args
+from dynamod.daemon.router.core.kv_router import KvRouter
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.kv.hashing import compute_block_hashes, compute_sequence_hashes
 from dynamod.shared.kv.index_common import APPLIED, PARENT_MISSING, UNKNOWN_MEDIUM

@@ -8,8 +8,8 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry
 
-from dynamod.daemon.router import HEADER_NAME, KvRouter, KvRouterConfig
-from dynamod.daemon.router.busy import BUSY_DECODE_BLOCKS, BUSY_PREFILL_TOKENS
+from dynamod.daemon.router.core import HEADER_NAME, KvRouter, KvRouterConfig
+from dynamod.daemon.router.core.busy import BUSY_DECODE_BLOCKS, BUSY_PREFILL_TOKENS
 from dynamod.shared.errors import InvalidRequestError, NoInstancesError, OverloadedError
 from dynamod.shared.kv.hashing import hash_tokens
 from dynamod.shared.protocol.kv_events import KvStored, RouterEvent, StoredBlock
@@ -195,10 +195,16 @@ def test_decode_threshold_with_capacity_from_model_card(clock):
     router.select_worker("r2", [2] * BS)
 
 
-async def test_waiting_request_gets_the_worker_when_one_frees(clock):
+def _busy_router(clock, holder: str) -> KvRouter:
+    """One worker, busy with request ``holder`` and no prefill room left: the next request must wait."""
     router = _router(clock, active_prefill_tokens_threshold=0)
     router.update_workers([(1, 0)])
-    router.select_worker("first", PROMPT)
+    router.select_worker(holder, PROMPT)
+    return router
+
+
+async def test_waiting_request_gets_the_worker_when_one_frees(clock):
+    router = _busy_router(clock, "first")
     waiting = asyncio.create_task(router.select_worker_waiting("second", PROMPT))
     await _until(lambda: len(router.queue) == 1)
     assert not waiting.done()
@@ -209,9 +215,7 @@ async def test_waiting_request_gets_the_worker_when_one_frees(clock):
 
 
 async def test_waiters_are_served_in_order(clock):
-    router = _router(clock, active_prefill_tokens_threshold=0)
-    router.update_workers([(1, 0)])
-    router.select_worker("hold", PROMPT)
+    router = _busy_router(clock, "hold")
     a = asyncio.create_task(router.select_worker_waiting("a", PROMPT))
     await _until(lambda: len(router.queue) == 1)
     b = asyncio.create_task(router.select_worker_waiting("b", PROMPT))

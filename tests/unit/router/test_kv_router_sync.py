@@ -7,7 +7,7 @@ import random
 
 from prometheus_client import CollectorRegistry
 
-from dynamod.daemon.router import KvRouter, KvRouterConfig
+from dynamod.daemon.router.core import KvRouter, KvRouterConfig
 from dynamod.shared.kv.hashing import hash_tokens
 from dynamod.shared.kv.router_sync import SequenceAdded, decode_sequence_event, encode_sequence_event
 from dynamod.shared.protocol.kv_events import KvRemoved, KvStored, RouterEvent, StoredBlock

@@ -8,9 +8,9 @@ import random
 
 from prometheus_client import CollectorRegistry
 
-from dynamod.daemon.router import KvRouter, KvRouterConfig
-from dynamod.daemon.router.config import prefill_router_config
-from dynamod.daemon.router.worker_load import decode_load, prefill_queue_tokens, queued_prefill_tokens
+from dynamod.daemon.router.core import KvRouter, KvRouterConfig
+from dynamod.daemon.router.core.config import prefill_router_config
+from dynamod.daemon.router.core.worker_load import decode_load, prefill_queue_tokens, queued_prefill_tokens
 from dynamod.shared.kv.hashing import hash_tokens
 from dynamod.shared.protocol.kv_events import KvStored, RouterEvent, StoredBlock
 from dynamod.shared.protocol.load import LoadMetrics

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from dynamod.daemon.models import TINY_MODEL_DIR
-from dynamod.daemon.router.config import KvRouterConfig
-from dynamod.daemon.router.disagg_policy import DisaggPolicyConfig
-from dynamod.daemon.router.prefill_stage import DisaggMetrics, PrefillStage
+from dynamod.daemon.router.core.config import KvRouterConfig
+from dynamod.daemon.router.core.disagg_policy import DisaggPolicyConfig
+from dynamod.daemon.router.core.prefill_stage import DisaggMetrics, PrefillStage
 from dynamod.daemon.router.service import RouterService, RouterServiceConfig
 from dynamod.shared.config import RuntimeSettings
 from dynamod.shared.discovery.mem import MemStore

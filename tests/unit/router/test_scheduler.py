@@ -10,8 +10,8 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from dynamod.daemon.router.active_sequences import ActiveSequences
-from dynamod.daemon.router.scheduler import KvScheduler, weight_ratio
+from dynamod.daemon.router.core.active_sequences import ActiveSequences
+from dynamod.daemon.router.core.scheduler import KvScheduler, weight_ratio
 from dynamod.shared.kv.indexer import OverlapScores
 from dynamod.shared.protocol.routing import (
     REASON_LOWEST_COST,

@@ -1,4 +1,4 @@
-"""The compiled scheduler loop and active-block sets (shared/kv/_native/schedcore.c) against their
+"""The compiled scheduler loop and active-block sets (daemon/router/core/_native/schedcore.c) against their
 Python references: same scores, keys, choices and explanations on random inputs.
 
 Both paths run in one session: the compiled core is imported directly, whatever
@@ -14,17 +14,17 @@ import pytest
 from hypothesis import given, settings
 from prometheus_client import CollectorRegistry
 
-from dynamod.daemon.router import KvRouter, KvRouterConfig
-from dynamod.daemon.router.active_sequences import ActiveSequences, CountedBlocks
-from dynamod.daemon.router.scheduler import KvScheduler, weight_ratio
+from dynamod.daemon.router.core import KvRouter, KvRouterConfig
+from dynamod.daemon.router.core.active_sequences import ActiveSequences, CountedBlocks
+from dynamod.daemon.router.core.scheduler import KvScheduler, weight_ratio
 from dynamod.shared.kv.hashing import compute_block_hashes
 from dynamod.shared.kv.index_common import OverlapScores
 from dynamod.shared.protocol.kv_events import KvStored, RouterEvent, StoredBlock
 from dynamod.shared.protocol.routing import CandidateScore
 
-from .kv_impls import NATIVE_CORE, needs_native
+from .kv_impls import SCHED_CORE, needs_sched_native
 
-pytestmark = needs_native
+pytestmark = needs_sched_native
 
 BS = 16
 WEIGHTS = [0.0, 0.1, 0.3, 1.0, 2.5, 7.0]
@@ -54,7 +54,7 @@ def _chains(rng: random.Random, count: int) -> list[list[int]]:
 def _twin_actives(rng: random.Random, workers, chains, ops: int) -> tuple[ActiveSequences, ActiveSequences]:
     """The same random history of add / prefill done / free on a Python and a compiled set."""
     py = ActiveSequences(BS, core=None)
-    nat = ActiveSequences(BS, core=NATIVE_CORE)
+    nat = ActiveSequences(BS, core=SCHED_CORE)
     live: list[int] = []
     for i in range(ops):
         roll = rng.random()
@@ -104,7 +104,7 @@ def test_compiled_and_python_decisions_agree(seed, n_workers, weight, tiered, ho
         candidates = rng.sample(workers, rng.randint(1, n_workers))
         kwargs = dict(isl=isl, seq_hashes=prompt, overlap_weight=weight, host_weight=host_weight, disk_weight=disk_weight)
         py_sched = KvScheduler(BS, random.Random(seed), core=None)
-        nat_sched = KvScheduler(BS, random.Random(seed), core=NATIVE_CORE)
+        nat_sched = KvScheduler(BS, random.Random(seed), core=SCHED_CORE)
         assert (py_sched.implementation, nat_sched.implementation) == ("python", "native")
         py_scores, py_keys = py_sched.score(candidates, overlaps, py_active, **kwargs)
         nat_scores, nat_keys = nat_sched.score(candidates, overlaps, nat_active, **kwargs)
@@ -124,30 +124,30 @@ def test_values_beyond_exact_arithmetic_take_the_python_path():
     worker = (1, 0)
     overlaps = OverlapScores({}, {worker: 0})
     isl = 1 << 40  # absurd, but the arithmetic must stay exact
-    out = NATIVE_CORE.score_candidates([worker], {}, {worker: 0}, {}, {}, {}, CandidateScore, isl, BS, a, b * BS, 1, 0, 0)
+    out = SCHED_CORE.score_candidates([worker], {}, {worker: 0}, {}, {}, {}, CandidateScore, isl, BS, a, b * BS, 1, 0, 0)
     assert out is None
-    active_py, active_nat = ActiveSequences(BS, core=None), ActiveSequences(BS, core=NATIVE_CORE)
+    active_py, active_nat = ActiveSequences(BS, core=None), ActiveSequences(BS, core=SCHED_CORE)
     py = KvScheduler(BS, random.Random(0), core=None).score([worker, (2, 0)], overlaps, active_py, isl=isl, seq_hashes=[], overlap_weight=weight)
-    nat = KvScheduler(BS, random.Random(0), core=NATIVE_CORE).score([worker, (2, 0)], overlaps, active_nat, isl=isl, seq_hashes=[], overlap_weight=weight)
+    nat = KvScheduler(BS, random.Random(0), core=SCHED_CORE).score([worker, (2, 0)], overlaps, active_nat, isl=isl, seq_hashes=[], overlap_weight=weight)
     assert nat == py
 
 
 def test_compiled_loop_rejects_malformed_candidates():
     with pytest.raises(TypeError):
-        NATIVE_CORE.score_candidates([[1, 0]], {}, {}, {}, {}, {}, CandidateScore, 16, BS, 1, BS, 1, 0, 0)
+        SCHED_CORE.score_candidates([[1, 0]], {}, {}, {}, {}, {}, CandidateScore, 16, BS, 1, BS, 1, 0, 0)
     with pytest.raises(TypeError):
-        NATIVE_CORE.score_candidates([(1, 0)], [], {}, {}, {}, {}, CandidateScore, 16, BS, 1, BS, 1, 0, 0)
+        SCHED_CORE.score_candidates([(1, 0)], [], {}, {}, {}, {}, CandidateScore, 16, BS, 1, BS, 1, 0, 0)
 
 
 @settings(max_examples=300, deadline=None)
 @given(keys=st.lists(st.integers(-(2**62), 2**62) | st.integers(0, 5), min_size=1, max_size=30))
 def test_lowest_keys_matches_min_count_index(keys):
     best = min(keys)
-    i, ties, second = NATIVE_CORE.lowest_keys(keys)
+    i, ties, second = SCHED_CORE.lowest_keys(keys)
     assert (i, ties) == (keys.index(best), keys.count(best))
     if len(keys) > 1 and ties == 1:
         assert second == keys.index(min(keys[:i] + keys[i + 1 :]))
-    assert NATIVE_CORE.lowest_keys([1, 2**70]) is None  # not an int64: the caller's Python path
+    assert SCHED_CORE.lowest_keys([1, 2**70]) is None  # not an int64: the caller's Python path
 
 
 @settings(max_examples=200, deadline=None)
@@ -162,7 +162,7 @@ def test_active_block_sets_agree(ops):
     prefix search's answer does not depend on its hint."""
     rng = random.Random(len(ops))
     chains = _chains(rng, 8)
-    py, nat = CountedBlocks(), NATIVE_CORE.ActiveBlocks()
+    py, nat = CountedBlocks(), SCHED_CORE.ActiveBlocks()
     added: list[list[int]] = []
     for op, c, cut, hint in ops:
         chain = chains[c][:cut]
@@ -194,7 +194,7 @@ def test_routers_on_either_path_make_the_same_decisions():
     decision, with its explanation, is the same."""
     rng = random.Random(11)
     workers = _workers(24)
-    routers = [_router(None, 3), _router(NATIVE_CORE, 3)]
+    routers = [_router(None, 3), _router(SCHED_CORE, 3)]
     for r in routers:
         r.update_workers(workers)
     heads = [[rng.randrange(1, 50) for _ in range(rng.randint(1, 6) * BS)] for _ in range(6)]

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from dynamod.shared.discovery.mem import MemStore
-from dynamod.shared.discovery.store import DiscoveryStore, WatchEvent
+from dynamod.shared.discovery.store import DiscoveryStore, PrefixListing, WatchEvent
 from dynamod.shared.errors import DiscoveryError
 from dynamod.shared.protocol.keys import mdc_key, mdc_prefix
 from dynamod.shared.protocol.model_card import ModelCard, encode_card
@@ -125,7 +125,7 @@ def test_prefix_must_be_a_model_card_prefix() -> None:
 
 
 class FailingOnce:
-    """A mem store whose first watch fails after its snapshot, as a backend outage would."""
+    """A mem store whose first watch fails right after the seed listing, as a backend outage would."""
 
     name = "mem"
 
@@ -138,15 +138,17 @@ class FailingOnce:
     async def get_prefix(self, prefix: str) -> dict[str, bytes]:
         return await self.inner.get_prefix(prefix)
 
-    async def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]:
+    async def list_prefix(self, prefix: str) -> PrefixListing:
+        return await self.inner.list_prefix(prefix)
+
+    async def watch_prefix(self, prefix: str, *, after: PrefixListing | None = None) -> AsyncIterator[WatchEvent]:
         self.watches += 1
-        first = self.watches == 1
-        async for ev in self.inner.watch_prefix(prefix):
+        if self.watches == 1:
+            self.failed.set()
+            await self.resume.wait()
+            raise DiscoveryError("watch lost")
+        async for ev in self.inner.watch_prefix(prefix, after=after):
             yield ev
-            if first and ev.key.endswith("/2"):  # the snapshot's last key
-                self.failed.set()
-                await self.resume.wait()
-                raise DiscoveryError("watch lost")
 
 
 async def test_failed_watch_is_retried_and_deletes_missed_meanwhile_are_told() -> None:

@@ -1,7 +1,7 @@
 """Model cards carry their tokenizer files through discovery: the bundle, its copies, the reader.
 
 Run on the in-process and the file discovery backends (``conftest.store``); the etcd request limit
-is exercised against a real etcd in ``tests/integration/test_model_files_etcd.py``.
+is exercised against a real etcd in ``tests/integration/discovery/test_model_files_etcd.py``.
 """
 
 from __future__ import annotations

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
+from dynamod.daemon.engines.base import LoraInfo
 from dynamod.daemon.engines.mocker.engine import MockerEngine
-from dynamod.daemon.worker.engine import EngineInfo, LoraInfo
 from dynamod.daemon.worker.lora_policy import LoraSourcePolicy
 from dynamod.daemon.worker.main import worker_names
 from dynamod.daemon.worker.metrics import WorkerMetrics
@@ -22,13 +23,13 @@ from dynamod.shared.errors import ConfigError, NotFoundError, UnavailableError
 from dynamod.shared.protocol.instance import decode_instance
 from dynamod.shared.protocol.intent import WorkerIntent, decode_intent, encode_intent
 from dynamod.shared.protocol.keys import instances_prefix, intent_key, mdc_key
-from dynamod.shared.protocol.model_card import ModelCard
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from dynamod.shared.runtime.intent import IntentRecorder, clear_intent, list_intents
 from tests.fixtures.discovery_faults import FlakyStore
 from tests.fixtures.lora import make_adapter
 from tests.unit.mocker.factories import make_config
 from tests.unit.runtime.support import until
+from tests.unit.worker.support import card_for
 
 KEY = intent_key("ns", "backend", "decode-0")
 ADAPTERS: dict[str, str] = {}  # adapter name -> its resolved directory under this test's --lora-root
@@ -213,11 +214,6 @@ class PickyMocker(MockerEngine):
         await super().sleep(level)
 
 
-def _card(info: EngineInfo) -> ModelCard:
-    return ModelCard(served_model_name="m", model_types=["chat"], tokenizer_source="t", context_length=info.context_length,
-                     kv_block_size=info.kv_block_size, runtime_config=info.runtime_config)
-
-
 @pytest.fixture
 async def runtime(store: FlakyStore):
     rt = await DistributedRuntime.create(RuntimeSettings(discovery_backend="mem", event_plane="zmq", namespace="ns"), store=store)
@@ -232,7 +228,7 @@ async def _worker(rt: DistributedRuntime, name: str | None = "decode-0", *, can_
     component = rt.namespace().component("backend")
     intent = IntentRecorder(rt.store, "ns", "backend", name) if name else None
     policy = LoraSourcePolicy.create([ADAPTERS["root"]], ["gone"])
-    svc = WorkerService(component, engine, _card, lease, role="decode", metrics=WorkerMetrics(CollectorRegistry()), intent=intent,
+    svc = WorkerService(component, engine, card_for, lease, role="decode", metrics=WorkerMetrics(CollectorRegistry()), intent=intent,
                         lora_policy=policy)
     await svc.start()
     return svc
@@ -240,6 +236,24 @@ async def _worker(rt: DistributedRuntime, name: str | None = "decode-0", *, can_
 
 async def _call(handler, body: dict | None = None) -> dict:
     return [x async for x in handler(body or {}, None)][-1]
+
+
+@contextlib.asynccontextmanager
+async def _worker_in_outage(rt: DistributedRuntime, store: FlakyStore) -> AsyncIterator[WorkerService]:
+    """A started worker whose intent writes discovery refuses until ``_intent_lands``; stopped on exit."""
+    svc = await _worker(rt)
+    try:
+        store.fail_prefix, store.failures_left = KEY, 10**6
+        yield svc
+    finally:
+        await svc.stop(grace_s=0)
+
+
+async def _intent_lands(store: FlakyStore, svc: WorkerService) -> WorkerIntent:
+    """Discovery answers again: waits for the worker's pending intent write to land; returns what is stored."""
+    store.failures_left = 0
+    await until(lambda: svc._intent is not None and not svc._intent.pending, timeout=10)
+    return decode_intent(await store.get(KEY))
 
 
 async def _started_seeing(rt: DistributedRuntime, start) -> tuple[WorkerService, list[str]]:
@@ -320,16 +334,12 @@ async def test_a_sleep_the_engine_refuses_at_restart_registers_draining(runtime:
 async def test_an_intent_write_discovery_refuses_is_reported_pending_and_lands_later(
     runtime: DistributedRuntime, store: FlakyStore
 ) -> None:
-    svc = await _worker(runtime)
-    try:
-        store.fail_prefix, store.failures_left = KEY, 10**6  # the instance records take the drain; the intent waits
+    async with _worker_in_outage(runtime, store) as svc:  # the instance records take the drain; the intent waits
         reply = await _call(svc._drain, {"wait": False})
         assert reply["status"] == "ok" and reply["discovery_pending"] is True and "not answering" in reply["message"]
         assert reply["state"] == "draining" and svc.status == "draining"  # the drain itself stands
         assert await store.get(KEY) is None
-        store.failures_left = 0
-        await until(lambda: svc._intent is not None and not svc._intent.pending, timeout=10)
-        assert decode_intent(await store.get(KEY)).draining
+        assert (await _intent_lands(store, svc)).draining
 
         assert (await _call(svc._load_lora, {"lora_name": "sql", "source": ADAPTERS["sql"]}))["status"] == "ok"
         store.failures_left = 1  # one failed write: the retry lands within the reply's wait
@@ -338,24 +348,16 @@ async def test_an_intent_write_discovery_refuses_is_reported_pending_and_lands_l
         assert svc.engine.list_loras() == [] and decode_intent(await store.get(KEY)).loras == {}
         with pytest.raises(NotFoundError):
             await _call(svc._unload_lora, {"lora_name": "sql"})
-    finally:
-        await svc.stop(grace_s=0)
 
 
 async def test_sleep_during_an_outage_saves_the_level_when_discovery_answers(
     runtime: DistributedRuntime, store: FlakyStore
 ) -> None:
-    svc = await _worker(runtime)
-    try:
-        store.fail_prefix, store.failures_left = KEY, 10**6
+    async with _worker_in_outage(runtime, store) as svc:
         assert (await _call(svc._sleep, {"level": 2}))["discovery_pending"] is True
         assert svc.status == "sleeping"
-        store.failures_left = 0
-        await until(lambda: svc._intent is not None and not svc._intent.pending, timeout=10)
-        stored = decode_intent(await store.get(KEY))
+        stored = await _intent_lands(store, svc)
         assert stored.sleeping and stored.sleep_level == 2
-    finally:
-        await svc.stop(grace_s=0)
 
 
 async def test_clear_kv_and_unnamed_workers_keep_no_intent(runtime: DistributedRuntime) -> None:

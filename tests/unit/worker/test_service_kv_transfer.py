@@ -7,26 +7,20 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
+from dynamod.daemon.engines.kv_transfer import KvTransferSettings
 from dynamod.daemon.engines.mocker.engine import MockerEngine
-from dynamod.daemon.worker.engine import EngineInfo
-from dynamod.daemon.worker.kv_transfer import KvTransferSettings
 from dynamod.daemon.worker.metrics import WorkerMetrics
 from dynamod.daemon.worker.service import WorkerService
 from dynamod.shared.config import RuntimeSettings
 from dynamod.shared.protocol.keys import kv_transfer_key
 from dynamod.shared.protocol.kv_transfer import KvLayout, decode_transfer_metadata
 from dynamod.shared.protocol.llm import EngineOutput, PreprocessedRequest, StopConditions
-from dynamod.shared.protocol.model_card import ModelCard
 from dynamod.shared.protocol.worker_id import worker_id_hex
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from tests.unit.mocker.factories import make_config
+from tests.unit.worker.support import card_for
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype_bytes=4, block_size=4)
-
-
-def card(info: EngineInfo) -> ModelCard:
-    return ModelCard(served_model_name="m", model_types=["chat"], tokenizer_source="t", context_length=info.context_length,
-                     kv_block_size=info.kv_block_size, runtime_config=info.runtime_config)
 
 
 @pytest.fixture
@@ -40,7 +34,7 @@ async def service(rt: DistributedRuntime, role: str, metrics: WorkerMetrics) -> 
     component = rt.namespace().component("prefill" if role == "prefill" else "backend")
     lease = await rt.create_lease()
     engine = MockerEngine(make_config(num_gpu_blocks=64, speedup_ratio=1000.0), lease.id, kv_layout=LAYOUT)
-    svc = WorkerService(component, engine, card, lease, role=role, metrics=metrics,
+    svc = WorkerService(component, engine, card_for, lease, role=role, metrics=metrics,
                         kv_transfer=KvTransferSettings(backend="tcp"))
     await svc.start()
     return svc
