@@ -35,11 +35,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_util import free_port, percentile  # noqa: E402
+from bench_util import free_port, percentile, stop_processes  # noqa: E402
 
 from dynamod.console.actions.control import ControlClient  # noqa: E402
 from dynamod.shared.config import RuntimeSettings  # noqa: E402
@@ -81,13 +82,7 @@ class Cluster:
         self.worker_address = ("127.0.0.1", 0)
 
     def stop(self) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(self.procs, 15)
 
 
 def http_call(port: int, method: str, path: str, body: Any = None, key: str | None = KEY, source: str = "127.0.0.1",
@@ -135,7 +130,7 @@ def _summary(results: list[tuple[bool, float]]) -> dict[str, float]:
     lat = [t * 1000 for ok, t in results if ok]
     return {
         "served": sum(ok for ok, _ in results), "tried": len(results),
-        "p50_ms": round(percentile(lat, 50), 1), "max_ms": round(max(lat), 1) if lat else 0.0,
+        "p50_ms": round(percentile(lat, 0.5), 1), "max_ms": round(max(lat), 1) if lat else 0.0,
     }
 
 
@@ -163,21 +158,31 @@ def _reap_closed(socks: list[socket.socket]) -> tuple[list[socket.socket], int]:
     return alive, len(socks) - len(alive)
 
 
-def attack_preauth_flood(cluster: Cluster, stop: threading.Event, args: argparse.Namespace) -> dict[str, Any]:
+def _hold_connections(stop: threading.Event, count: int, connect: Callable[[int], socket.socket],
+                      every_s: float) -> tuple[int, int]:
+    """Keeps ``count`` connections open until ``stop``: every ``every_s`` the ones the server closed
+    are reaped and replaced (``connect(n)`` opens the n-th). Returns (opened, closed by the server)."""
     socks: list[socket.socket] = []
     opened = cut = 0
     while not stop.is_set():
         socks, dropped = _reap_closed(socks)
         cut += dropped
-        while len(socks) < args.flood_connections and not stop.is_set():
+        while len(socks) < count and not stop.is_set():
             try:
-                socks.append(socket.create_connection(cluster.worker_address, timeout=2))
+                socks.append(connect(opened))
                 opened += 1
             except OSError:
                 break
-        stop.wait(0.05)
+        stop.wait(every_s)
     for s in socks:
         s.close()
+    return opened, cut
+
+
+def attack_preauth_flood(cluster: Cluster, stop: threading.Event, args: argparse.Namespace) -> dict[str, Any]:
+    opened, cut = _hold_connections(
+        stop, args.flood_connections, lambda _: socket.create_connection(cluster.worker_address, timeout=2), 0.05
+    )
     return {"opened": opened, "closed_by_worker": cut}
 
 
@@ -196,24 +201,19 @@ def attack_slow_clients(cluster: Cluster, stop: threading.Event, args: argparse.
         "headers": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ",
         "body": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{",
     }
-    socks: list[socket.socket] = []
-    opened = cut = 0
-    while not stop.is_set():
-        socks, dropped = _reap_closed(socks)
-        cut += dropped
-        while len(socks) < 3 * args.slow and not stop.is_set():
-            kind = ("idle", "headers", "body")[opened % 3]
-            try:
-                s = socket.create_connection(("127.0.0.1", cluster.http_port), timeout=2, source_address=("127.0.0.3", 0))
-                if partial[kind]:
-                    s.sendall(partial[kind])
-                socks.append(s)
-                opened += 1
-            except OSError:
-                break
-        stop.wait(0.1)
-    for s in socks:
-        s.close()
+
+    def connect(n: int) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", cluster.http_port), timeout=2, source_address=("127.0.0.3", 0))
+        kind = ("idle", "headers", "body")[n % 3]
+        try:
+            if partial[kind]:
+                s.sendall(partial[kind])
+        except OSError:
+            s.close()
+            raise
+        return s
+
+    opened, cut = _hold_connections(stop, 3 * args.slow, connect, 0.1)
     return {"opened": opened, "cut_by_frontend": cut}
 
 

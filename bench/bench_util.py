@@ -1,16 +1,36 @@
 """Small helpers the benchmarks share: ports, health reads, percentiles, and the yardsticks of an
-in-process run (how fast this machine runs Python right now, the process's RSS)."""
+in-process run (how fast this machine runs Python right now, the process's RSS).
+
+``percentile``/``percentiles`` are ``dynamod.shared.stats``'s (linear interpolation, ``q`` a
+fraction: 0.99 for p99), so a benchmark's p99 means what a replay's and the product's mean."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
 import socket
 import statistics
+import subprocess
 import time
 import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+try:
+    from dynamod.shared.stats import percentile, percentiles
+except ImportError:  # a bare checkout (frontend_load.py on a client box): the same module by its path
+    _spec = importlib.util.spec_from_file_location(
+        "dynamod_shared_stats", Path(__file__).resolve().parent.parent / "shared" / "stats.py"
+    )
+    assert _spec is not None and _spec.loader is not None
+    _stats = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_stats)
+    percentile, percentiles = _stats.percentile, _stats.percentiles
+
+__all__ = ["calibrate", "free_port", "get_json", "latency_summary", "percentile", "percentiles", "rss_mb", "stop_processes"]
 
 
 def free_port() -> int:
@@ -26,14 +46,6 @@ def get_json(url: str, timeout_s: float = 2.0) -> dict[str, Any] | None:
             return json.loads(resp.read())
     except (OSError, ValueError):
         return None
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) by nearest rank; 0 for no values."""
-    if not values:
-        return 0.0
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q / 100.0 * len(s)))]
 
 
 def calibrate() -> float:
@@ -59,13 +71,24 @@ def rss_mb() -> float:
 def latency_summary(values: list[float], *, unit: str = "us", digits: int = 1, with_max: bool = True) -> dict[str, float]:
     """p50/p99(/max)/mean of durations in seconds, in ``unit`` ("us" or "ms"), keys named after it."""
     scale = {"us": 1e6, "ms": 1e3}[unit]
-    out = {
-        f"p50_{unit}": round(percentile(values, 50) * scale, digits),
-        f"p99_{unit}": round(percentile(values, 99) * scale, digits),
-    }
+    p50, p99 = percentiles(values, (0.5, 0.99))
+    out = {f"p50_{unit}": round(p50 * scale, digits), f"p99_{unit}": round(p99 * scale, digits)}
     if with_max:
         out[f"max_{unit}"] = round(max(values) * scale, digits)
     out[f"mean_{unit}"] = round(statistics.fmean(values) * scale, digits)
     out["n"] = len(values)
     return out
 
+
+
+def stop_processes(procs: Sequence[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """SIGTERM every process in order (all at once, so their graceful stops overlap), then wait up to
+    ``grace_s`` for each and SIGKILL the ones still running."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()

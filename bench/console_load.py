@@ -29,14 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from dynamod.shared.stats import percentile
+
 NAMESPACE = "bench"
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 # -- feeder (a separate process: the simulated cluster) -------------------------------------------
@@ -193,8 +188,8 @@ async def _run_console(args: argparse.Namespace) -> dict:
         "duration_s": round(elapsed, 2),
         "refreshes": len(samples),
         "refresh_ms": {
-            "p50": round(_percentile(samples, 0.5), 3),
-            "p99": round(_percentile(samples, 0.99), 3),
+            "p50": round(percentile(samples, 0.5, default=float("nan")), 3),
+            "p99": round(percentile(samples, 0.99, default=float("nan")), 3),
             "max": round(max(samples), 3) if samples else None,
             "mean": round(statistics.fmean(samples), 3) if samples else None,
         },

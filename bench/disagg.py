@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -40,16 +39,12 @@ from dynamod.shared.kv.transfer.factory import create_agent, nixl_unavailable_re
 from dynamod.shared.kv.transfer.memory import KvBlockMemory  # noqa: E402
 from dynamod.shared.kv.transfer.peer import block_pattern, parse_ready_line, spawn_peer  # noqa: E402
 from dynamod.shared.protocol.kv_transfer import KvLayout  # noqa: E402
+from dynamod.shared.stats import percentiles  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from disagg_serving import add_serving_args, serving_section  # noqa: E402
 
 LLAMA3_8B_BLOCK = KvLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2, block_size=16)
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 class _Peer:
@@ -98,7 +93,7 @@ async def bench_backend(
                 result = await reader.read_blocks(meta, ids, ids, timeout_s=120, notify=f"bench-{n}-{i}")
                 seconds.append(result.seconds)
             num_bytes = n * block_bytes
-            p50 = statistics.median(seconds)
+            p50, p99 = percentiles(seconds, (0.5, 0.99))
             rows.append(
                 {
                     "backend": backend,
@@ -107,7 +102,7 @@ async def bench_backend(
                     "bytes": num_bytes,
                     "iterations": iterations,
                     "latency_ms_p50": round(p50 * 1e3, 3),
-                    "latency_ms_p99": round(_percentile(seconds, 0.99) * 1e3, 3),
+                    "latency_ms_p99": round(p99 * 1e3, 3),
                     "throughput_gbps_p50": round(num_bytes / p50 / 1e9, 3),
                     "throughput_gbps_mean": round(num_bytes * len(seconds) / sum(seconds) / 1e9, 3),
                     "checksum_ok": checksum_ok,

@@ -31,7 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench_util import free_port, get_json, percentile
+from bench_util import free_port, get_json, percentile, stop_processes
 from frontend_load import Connection, HttpError, make_prompts, stream_request
 
 CLI = [sys.executable, "-m", "dynamod.daemon.cli"]
@@ -104,14 +104,7 @@ class Cluster:
         raise SystemExit(f"{self.topology}: cluster not ready after {timeout_s}s; logs in {self.root}")
 
     def close(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(self.procs[::-1], 20)
         shutil.rmtree(self.root, ignore_errors=True)
 
 
@@ -127,9 +120,9 @@ class ClassStats:
         ms = 1000.0
         return {
             "requests": self.done, "errors": self.errors,
-            "ttft_ms_p50": round(percentile(self.ttft, 50) * ms, 2), "ttft_ms_p99": round(percentile(self.ttft, 99) * ms, 2),
-            "itl_ms_p50": round(percentile(self.itl, 50) * ms, 2), "itl_ms_p99": round(percentile(self.itl, 99) * ms, 2),
-            "itl_ms_p999": round(percentile(self.itl, 99.9) * ms, 2), "itl_ms_max": round(max(self.itl, default=0.0) * ms, 2),
+            "ttft_ms_p50": round(percentile(self.ttft, 0.5) * ms, 2), "ttft_ms_p99": round(percentile(self.ttft, 0.99) * ms, 2),
+            "itl_ms_p50": round(percentile(self.itl, 0.5) * ms, 2), "itl_ms_p99": round(percentile(self.itl, 0.99) * ms, 2),
+            "itl_ms_p999": round(percentile(self.itl, 0.999) * ms, 2), "itl_ms_max": round(max(self.itl, default=0.0) * ms, 2),
             # Gaps longer than a long prompt's prefill would cause: decodes stalled behind one.
             "itl_over_50ms": sum(1 for x in self.itl if x > 0.05),
             **({"last_error": self.last_error} if self.last_error else {}),

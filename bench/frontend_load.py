@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_util import calibrate  # noqa: E402
+from bench_util import calibrate, percentile  # noqa: E402
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 NAGLE_SUSPECT_MS = 30.0
@@ -250,14 +250,6 @@ def cpu_seconds(pids: list[int]) -> float:
 # The run.
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[index]
-
-
 async def run_load(args: argparse.Namespace, fresh: bool, prompts: list[str]) -> dict:
     parts = urlsplit(args.url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
@@ -317,9 +309,9 @@ async def run_load(args: argparse.Namespace, fresh: bool, prompts: list[str]) ->
         "duration_s": round(elapsed, 3),
         "req_per_s": round(len(ok) / elapsed, 1),
         "output_tok_per_s": round(tokens / elapsed, 1),
-        "ttft_ms": {"p50": round(_pct(ttfts, 0.5), 2), "p99": round(_pct(ttfts, 0.99), 2),
+        "ttft_ms": {"p50": round(percentile(ttfts, 0.5), 2), "p99": round(percentile(ttfts, 0.99), 2),
                     "mean": round(statistics.fmean(ttfts), 2) if ttfts else 0.0},
-        "itl_ms": {"p50": round(_pct(itls, 0.5), 3), "p99": round(_pct(itls, 0.99), 3),
+        "itl_ms": {"p50": round(percentile(itls, 0.5), 3), "p99": round(percentile(itls, 0.99), 3),
                    "mean": round(statistics.fmean(itls), 3) if itls else 0.0},
         "frontend_pids": pids,
         "frontend_cpu_s": round(cpu1 - cpu0, 3),

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from dynamod.daemon.router import KvRouter, KvRouterConfig
+from dynamod.daemon.router.core import KvRouter, KvRouterConfig
 from dynamod.shared.kv import indexer as kv_indexer
 from dynamod.shared.kv.hashing import compute_block_hashes, compute_sequence_hashes, hash_tokens
 from dynamod.shared.kv.indexer import KvIndexer

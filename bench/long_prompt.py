@@ -32,10 +32,10 @@ import time
 import msgspec
 from prometheus_client import CollectorRegistry
 
+from dynamod.daemon.frontend.openai.schema import ChatCompletionRequest
 from dynamod.daemon.frontend.preprocess.model_preprocessor import ModelPreprocessor
-from dynamod.daemon.frontend.protocol import ChatCompletionRequest
 from dynamod.daemon.models.local import resolve_model
-from dynamod.daemon.router import KvRouter, KvRouterConfig
+from dynamod.daemon.router.core import KvRouter, KvRouterConfig
 from dynamod.shared.kv import indexer as kv_indexer
 from dynamod.shared.kv.hashing import compute_block_hashes, compute_sequence_hashes, hash_tokens
 from dynamod.shared.protocol.kv_events import KvStored, RouterEvent, StoredBlock

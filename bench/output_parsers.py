@@ -14,7 +14,7 @@ import argparse
 import json
 import time
 
-from dynamod.daemon.frontend.formatters import ChatFormatter, make_usage
+from dynamod.daemon.frontend.openai.formatters import ChatFormatter, make_usage
 from dynamod.daemon.frontend.parsers import ToolSettings, build_output_parser
 
 TOOLS = [{"type": "function", "function": {"name": n}} for n in ("get_weather", "get_time", "search_web")]

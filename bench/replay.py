@@ -32,8 +32,9 @@ from pathlib import Path
 
 from dynamod.daemon.engines.mocker.config import MockerConfig
 from dynamod.daemon.replay.main import REPLAY_VOCAB
-from dynamod.daemon.replay.simulator import MODES, replay, replay_disagg
+from dynamod.daemon.replay.simulator import MODES, TransferModel, replay, replay_disagg
 from dynamod.daemon.replay.trace import TraceRecord, build_requests, load_trace
+from dynamod.daemon.router.core.disagg_cost import OVERLAP_CHUNK, OVERLAPS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_util import calibrate  # noqa: E402
@@ -55,9 +56,10 @@ def tiled(records: list[TraceRecord], copies: int) -> list[TraceRecord]:
 
 
 def one_run(path: Path, copies: int, topology: tuple[int, int], mode: str, seed: int,
-            fast_forward: bool) -> tuple[dict, float, float]:
+            fast_forward: bool, overlap: str = "chunk") -> tuple[dict, float, float]:
     """(figures, wall seconds, CPU seconds) of loading, building and replaying the trace;
-    ``topology`` is (0, workers) for agg, (prefill, decode) workers for disagg."""
+    ``topology`` is (0, workers) for agg, (prefill, decode) workers for disagg; ``overlap`` the
+    disaggregated KV transfer's (``dynamod replay --kv-transfer-overlap``)."""
     w0, c0 = time.perf_counter(), time.process_time()
     records = tiled(load_trace(path), copies)
     requests = build_requests(records, trace_block_size=512, vocab_size=REPLAY_VOCAB)
@@ -65,7 +67,8 @@ def one_run(path: Path, copies: int, topology: tuple[int, int], mode: str, seed:
     prefill, decode = topology
     if prefill:
         figures = replay_disagg(requests, prefill_workers=prefill, decode_workers=decode, mode=mode, mocker=mocker,
-                                seed=seed, sla_targets=(500.0, 50.0), fast_forward=fast_forward)
+                                transfer=TransferModel(overlap=overlap), seed=seed,
+                                sla_targets=(500.0, 50.0), fast_forward=fast_forward)
     else:
         figures = replay(requests, workers=decode, mode=mode, mocker=mocker, seed=seed, sla_targets=(500.0, 50.0),
                          fast_forward=fast_forward)
@@ -89,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disagg", type=_split, action="append", default=[], metavar="P:D",
                     help="also replay disaggregated on P prefill and D decode workers (repeatable)")
     ap.add_argument("--no-agg", action="store_true", help="skip the aggregated replay")
+    ap.add_argument("--kv-transfer-overlap", choices=OVERLAPS, default=OVERLAP_CHUNK,
+                    help="disaggregated replays' KV transfer: chunk by chunk or layer by layer with the prefill, "
+                    "or after it (none) [default chunk]")
     ap.add_argument("--repeat", type=int, default=2, help="runs per mode [default 2]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check", action="store_true", help="also replay step by step once per mode and compare")
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         for topology in topologies:
             walls, cpus, figures = [], [], None
             for _ in range(args.repeat):
-                res, wall, cpu = one_run(args.trace, args.tile, topology, mode, args.seed, True)
+                res, wall, cpu = one_run(args.trace, args.tile, topology, mode, args.seed, True, args.kv_transfer_overlap)
                 assert figures is None or res == figures, "the replay is not deterministic"
                 figures = res
                 walls.append(wall)
@@ -125,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             entry: dict[str, object] = {"mode": mode, "topology": name, "wall_s": walls, "cpu_s": cpus,
                                         "best_wall_s": min(walls), "best_cpu_s": min(cpus), "figures": figures}
             if args.check:
-                ref, wall, cpu = one_run(args.trace, args.tile, topology, mode, args.seed, False)
+                ref, wall, cpu = one_run(args.trace, args.tile, topology, mode, args.seed, False, args.kv_transfer_overlap)
                 entry["step_by_step"] = {"identical": ref == figures, "wall_s": wall, "cpu_s": cpu}
             doc["runs"].append(entry)  # type: ignore[union-attr]
     doc["calibration_ns_per_dict_insert"] = {"before": before, "after": calibrate()}

@@ -2,6 +2,7 @@
 
     python bench/replay_peer.py [--trace FILE.jsonl] [--dynamo-venv DIR] [--max-requests N]
                                 [--topologies agg:8,disagg:3:5,disagg:2:6] [--transfer dynamo|dynamod|each]
+                                [--kv-transfer-overlap chunk|layer|none]
 
 Dynamo's replay (``dynamo.replay.run_trace_replay``: its Rust KV router and mocker on a simulated
 clock) runs in its own virtualenv (``/work/shared/notes/dynamo-peer.md``; default
@@ -29,7 +30,9 @@ Settings that differ, and why:
   the decode worker admits the request the instant the prefill ends; see ``source_held_ms ==
   decode_admit_ms`` in its per-request records). dynamod's default charges 1 ms plus the prompt
   blocks the decode worker lacks at 25 GB/s with Llama-3-8B's 128 KiB per token (a 5.7k-token
-  prompt: 31 ms; 40k tokens: 211 ms). ``--transfer dynamo`` (the default) makes dynamod's transfer
+  prompt: 31 ms; 40k tokens: 211 ms), moved chunk by chunk as the prefill computes them, so only
+  the part still moving when the prefill ends delays the first token (``--kv-transfer-overlap
+  none`` in ``dynamod replay`` moves it all after the prefill). ``--transfer dynamo`` (the default) makes dynamod's transfer
   free too (``--kv-transfer-latency-ms 0``, an unbounded bandwidth) so that the two pipelines are
   compared, not the two transfer models. ``--transfer dynamod`` gives Dynamo dynamod's model
   instead, as far as it has one: ``kv_transfer_bandwidth`` 25 GB/s and
@@ -135,7 +138,8 @@ def run_dynamo(python: Path, trace: Path, prefill: int, decode: int, transfer: s
     return _round(out)  # type: ignore[return-value]
 
 
-def run_dynamod(trace: Path, prefill: int, decode: int, conditional: bool, transfer: str, max_requests: int | None) -> dict:
+def run_dynamod(trace: Path, prefill: int, decode: int, conditional: bool, transfer: str, max_requests: int | None,
+                overlap: str = "chunk") -> dict:
     cmd = [sys.executable, "-m", "dynamod.daemon.cli", "replay", "--trace", str(trace), "--json", "--router-mode", "kv",
            "--trace-block-size", str(TRACE_BLOCK), "--block-size", str(ENGINE["block_size"]),
            "--num-gpu-blocks", str(ENGINE["num_gpu_blocks"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
@@ -145,7 +149,7 @@ def run_dynamod(trace: Path, prefill: int, decode: int, conditional: bool, trans
     if prefill == 0:
         cmd += ["--workers", str(decode)]
     else:
-        cmd += ["--prefill-workers", str(prefill), "--decode-workers", str(decode)]
+        cmd += ["--prefill-workers", str(prefill), "--decode-workers", str(decode), "--kv-transfer-overlap", overlap]
         if transfer == "dynamo":
             cmd += ["--kv-transfer-latency-ms", "0", "--kv-transfer-bandwidth", str(FREE_BANDWIDTH_GB_S)]
         if conditional:
@@ -174,6 +178,9 @@ def run_dynamod(trace: Path, prefill: int, decode: int, conditional: bool, trans
             out["stages"] = {"prefill_done_ms": {"mean": pre["mean"], "p99": pre["p99"]},
                              "after_prefill_ms": {"mean": round(ttft["mean"] - pre["mean"], 3)},
                              "transfer_ms": {"mean": dis["transfer_ms"]["mean"], "p99": dis["transfer_ms"]["p99"]}}
+            if "exposed_transfer_ms" in dis:  # the part after the prefill ends (chunk-wise transfer overlaps the rest)
+                exposed = dis["exposed_transfer_ms"]
+                out["stages"]["exposed_transfer_ms"] = {"mean": exposed["mean"], "p99": exposed["p99"]}  # type: ignore[index]
     return out
 
 
@@ -202,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transfer", choices=("dynamo", "dynamod", "each"), default="dynamo",
                     help="whose KV transfer model both sides use, or each its own [default dynamo: none]")
     ap.add_argument("--max-requests", type=int, help="only the first N requests of the trace")
+    ap.add_argument("--kv-transfer-overlap", choices=("chunk", "layer", "none"), default="chunk",
+                    help="dynamod's disaggregated KV transfer: with the prefill chunk by chunk or layer by layer, "
+                    "or after it [default chunk]")
     args = ap.parse_args(argv)
     python = args.dynamo_venv / "bin" / "python"
     if not python.is_file():
@@ -222,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             lines = [ln for ln in trace.read_text().splitlines() if ln.strip()][: args.max_requests]
             cut.write_text("\n".join(lines) + "\n")
             trace = cut
-        doc: dict[str, object] = {"trace": str(args.trace), "transfer": args.transfer, "engine": ENGINE,
+        doc: dict[str, object] = {"trace": str(args.trace), "transfer": args.transfer,
+                                  "kv_transfer_overlap": args.kv_transfer_overlap, "engine": ENGINE,
                                   "calibration_ns_per_dict_insert": {"before": calibrate()}, "runs": []}
         try:
             for prefill, decode in topologies:
@@ -232,8 +243,10 @@ def main(argv: list[str] | None = None) -> int:
                 if prefill == 0:
                     entry["dynamod"] = run_dynamod(trace, 0, decode, False, args.transfer, None)
                 else:
-                    entry["dynamod_always_remote"] = run_dynamod(trace, prefill, decode, False, args.transfer, None)
-                    entry["dynamod_conditional"] = run_dynamod(trace, prefill, decode, True, args.transfer, None)
+                    entry["dynamod_always_remote"] = run_dynamod(trace, prefill, decode, False, args.transfer, None,
+                                                                       args.kv_transfer_overlap)
+                    entry["dynamod_conditional"] = run_dynamod(trace, prefill, decode, True, args.transfer, None,
+                                                                     args.kv_transfer_overlap)
                 doc["runs"].append(entry)  # type: ignore[union-attr]
                 print(json.dumps(entry), file=sys.stderr)  # progress: a full run takes minutes
         except (RuntimeError, subprocess.TimeoutExpired) as exc:

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dynamod.shared.stats import percentile_of_sorted
+
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 SMALL_BODY = {"token_ids": [1234], "finish_reason": None}
 
@@ -70,11 +72,6 @@ def _proc_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
-
-
-def _percentile(sorted_values: list[float], q: float) -> float:
-    idx = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[idx]
 
 
 async def _measure(
@@ -124,8 +121,8 @@ async def _measure(
         assert sum(counts) == per * args.concurrency
 
         return {
-            "rtt_p50_us": round(_percentile(lat, 0.50) * 1e6, 1),
-            "rtt_p99_us": round(_percentile(lat, 0.99) * 1e6, 1),
+            "rtt_p50_us": round(percentile_of_sorted(lat, 0.50) * 1e6, 1),
+            "rtt_p99_us": round(percentile_of_sorted(lat, 0.99) * 1e6, 1),
             "rtt_mean_us": round(sum(lat) / len(lat) * 1e6, 1),
             "requests": args.requests,
             "stream_msgs_per_s": round(n / stream_s),

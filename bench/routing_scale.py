@@ -30,7 +30,7 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry
 
-from dynamod.daemon.router import KvRouter, KvRouterConfig
+from dynamod.daemon.router.core import KvRouter, KvRouterConfig
 from dynamod.shared.kv import indexer as kv_indexer
 from dynamod.shared.kv import native
 from dynamod.shared.kv.hashing import compute_block_hashes, compute_sequence_hashes, hash_tokens

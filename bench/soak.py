@@ -120,11 +120,7 @@ def scrape_tasks(url: str) -> int | None:
 
 
 def _median(values: list[int]) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    mid = len(v) // 2
-    return float(v[mid]) if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+    return percentile(values, 0.5) if values else None
 
 
 def _each_minute(run: list[tuple[float, int, int, int, int, int]]) -> list[tuple[float, int, int, int, int, int]]:
@@ -283,8 +279,8 @@ def latency(outcomes: list[Outcome], lo: float, hi: float) -> dict[str, Any]:
     itl = [x * 1000 for o in ok for x in o.itls]
     return {
         "from_s": round(lo, 1), "to_s": round(hi, 1), "requests": len(window), "errors": len(window) - len(ok),
-        "ttft_ms_p50": round(percentile(ttft, 50), 2), "ttft_ms_p99": round(percentile(ttft, 99), 2),
-        "itl_ms_p50": round(percentile(itl, 50), 2), "itl_ms_p99": round(percentile(itl, 99), 2),
+        "ttft_ms_p50": round(percentile(ttft, 0.5), 2), "ttft_ms_p99": round(percentile(ttft, 0.99), 2),
+        "itl_ms_p50": round(percentile(itl, 0.5), 2), "itl_ms_p99": round(percentile(itl, 0.99), 2),
     }
 
 
