@@ -33,6 +33,7 @@ REASON_WORDS = {
     "tie_smallest_tree": "tie, smallest cache",
     "tie_random": "tie, random",
     "sampled": "sampled (temperature > 0)",
+    "session": "session affinity",
 }
 
 

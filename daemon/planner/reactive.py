@@ -86,9 +86,9 @@ REASON_ORDER = (R_TTFT_MISS, R_ITL_INTERFERENCE, R_ITL_MISS, R_BACKLOG, R_KV_HIG
                 R_CAPACITY, R_CONSOLIDATION, R_COLD, R_WITHIN, R_IDLE)
 
 MIN_MISSES = 3  # fewer misses than this in the window are noise, not a trend
-MIN_SAMPLES = 20
+MIN_SAMPLES = 20  # requests (TTFT) or gaps (ITL) before a miss rate says anything
 TREND_CAP = 1.5  # a projected rate at most this times the recent one
-RAMP = 1.5  # the last interval's rate this much over the window's: demand is rising, do not learn  # requests (TTFT) or gaps (ITL) before a miss rate says anything
+RAMP = 1.5  # the last interval's rate this much over the window's: demand is rising, do not learn
 LEARN_UP_S = 30.0  # e-folding time of the learned factor's rise while misses exceed the aim
 # Never under the model: it already plans for ``MISS_AIM`` of the budget. A fleet the model sized
 # that met the SLO says nothing about a smaller one when the traffic comes in bursts (probing one

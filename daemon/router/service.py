@@ -334,6 +334,7 @@ class RouterService:
                 key, request.token_ids, lora_name=request.lora_name, allowed=allowed,
                 overlap_weight=None if outcome is None or self.prefill_stage is None
                 else self.prefill_stage.policy.decode_overlap_weight(outcome.remote),
+                priority=request.priority,
             )
             if outcome is not None:
                 decision.stage = STAGE_DECODE

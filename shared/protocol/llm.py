@@ -70,10 +70,35 @@ class SlaTargets(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class RoutingHints(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Routing hints from ``nvext.agent_hints`` (Dynamo's ``routing``): ``priority`` selects the
-    global router's priority overrides."""
+    """Routing hints from ``nvext.agent_hints`` (Dynamo's ``routing``).
+
+    ``priority`` is Dynamo's request priority: higher is more urgent, 0 (or unset) the default,
+    negative is background work. It picks the global router's priority overrides, orders the KV
+    router's wait queue (daemon/router/core/wait_queue.py) and reaches the engines' priority
+    scheduling; an engine whose own convention differs converts it (vLLM and the mocker schedule
+    lower values first, so they get ``engine_priority``)."""
 
     priority: int | None = None
+
+
+# The bounded set of ``priority_class`` metric label values: one series per class, not per integer.
+PRIORITY_HIGH = "high"
+PRIORITY_NORMAL = "normal"
+PRIORITY_LOW = "low"
+PRIORITY_CLASSES = (PRIORITY_HIGH, PRIORITY_NORMAL, PRIORITY_LOW)
+
+
+def priority_class(priority: int | None) -> str:
+    """``high`` above 0, ``normal`` at 0 or unset, ``low`` below 0 (Dynamo's polarity)."""
+    if not priority:
+        return PRIORITY_NORMAL
+    return PRIORITY_HIGH if priority > 0 else PRIORITY_LOW
+
+
+def engine_priority(priority: int | None) -> int:
+    """Dynamo's priority in vLLM's convention (``AsyncLLM.generate(priority=)``, the mocker's
+    scheduler): lower values are scheduled first, so the sign flips."""
+    return -priority if priority else 0
 
 
 class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -90,6 +115,12 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     dp_rank: int | None = None
     router: SlaTargets | None = None
     routing: RoutingHints | None = None
+
+    @property
+    def priority(self) -> int:
+        """The request's Dynamo priority (``routing.priority``; 0 when unset)."""
+        routing = self.routing
+        return 0 if routing is None or routing.priority is None else routing.priority
 
 
 class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -26,6 +26,7 @@ REASON_LOWEST_COST = "lowest_cost"
 REASON_TIE_SMALLEST_TREE = "tie_smallest_tree"
 REASON_TIE_RANDOM = "tie_random"
 REASON_SAMPLED = "sampled"
+REASON_SESSION = "session"  # the session's worker, kept (session affinity)
 
 # How a frontend (or ``--role router``) picks a worker (``--router-mode``); here so that the
 # supervisor offers the same choices without importing the frontend.
@@ -145,6 +146,46 @@ class DisaggInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
             value = body.get(key)
             if value is not None:
                 body[key] = worker_id_hex(value)
+        return body
+
+
+# Session affinity (``x-dynamo-session-id``): what became of the session's binding.
+SESSION_NEW = "new"  # no live binding: routed by the mode, then bound there
+SESSION_KEPT = "kept"  # routed to the worker the session held
+SESSION_MOVED = "moved"  # its worker could not take it (``reason``): routed by the mode, bound there
+SESSION_OUTCOMES = (SESSION_NEW, SESSION_KEPT, SESSION_MOVED)
+# Why a session left its worker.
+SESSION_GONE = "gone"  # the worker left discovery
+SESSION_DRAINING = "draining"
+SESSION_SLEEPING = "sleeping"
+SESSION_UNAVAILABLE = "unavailable"  # quarantined after a failed connection, or failed this request
+SESSION_BUSY = "busy"  # past the router's busy threshold
+
+
+class SessionInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The ``session`` object of ``x-dynamo-route-explain``: which worker the session held, and
+    whether it stayed there or moved and why. ``expired``: the session had a binding whose idle
+    TTL had run out, so it was routed as new."""
+
+    session_id: str
+    outcome: str  # SESSION_NEW | SESSION_KEPT | SESSION_MOVED
+    worker_id: int = 0  # where the request went (and the session is bound now)
+    dp_rank: int = 0
+    held_worker_id: int | None = None
+    held_dp_rank: int | None = None
+    reason: str = ""  # SESSION_GONE ... SESSION_BUSY when moved
+    expired: bool = False
+
+    def explain(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": self.session_id, "outcome": self.outcome, "worker_id": worker_id_hex(self.worker_id),
+                                "dp_rank": self.dp_rank}
+        if self.held_worker_id is not None:
+            body["held_worker_id"] = worker_id_hex(self.held_worker_id)
+            body["held_dp_rank"] = self.held_dp_rank or 0
+        if self.reason:
+            body["reason"] = self.reason
+        if self.expired:
+            body["expired"] = True
         return body
 
 

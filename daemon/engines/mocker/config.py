@@ -13,6 +13,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from dynamod.daemon.engines.mocker.request_queue import POLICY_FCFS, SCHEDULING_POLICIES
 from dynamod.daemon.perf.mocker_timing import DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.security.private_dir import user_runtime_dir
@@ -51,6 +52,7 @@ class MockerConfig:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enable_prefix_caching: bool = True
     watermark: float = DEFAULT_WATERMARK
+    scheduling_policy: str = POLICY_FCFS  # vLLM's --scheduling-policy: fcfs or priority
     speedup_ratio: float = DEFAULT_SPEEDUP_RATIO
     data_parallel_size: int = DEFAULT_DATA_PARALLEL_SIZE
     vocab_size: int = DEFAULT_VOCAB_SIZE
@@ -98,6 +100,10 @@ class MockerConfig:
         _positive("vocab_size", self.vocab_size)
         if not 0.0 <= self.watermark < 1.0:
             raise MockerConfigError(f"--watermark must be in [0, 1), got {self.watermark}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise MockerConfigError(
+                f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
         if not self.speedup_ratio > 0.0:
             raise MockerConfigError(f"--speedup-ratio must be > 0, got {self.speedup_ratio}")
         if self.context_length < 0:
@@ -167,6 +173,12 @@ def add_mocker_flags(group: argparse._ActionsContainer) -> None:
     group.add_argument(
         "--watermark", type=float, default=DEFAULT_WATERMARK,
         help="fraction of KV blocks kept free when admitting requests (default: %(default)s)",
+    )
+    group.add_argument(
+        "--scheduling-policy", choices=SCHEDULING_POLICIES, default=POLICY_FCFS,
+        help="as vLLM's: fcfs admits in arrival order; priority admits by request priority (nvext.agent_hints."
+        "priority, higher first), then arrival, and preempts the least urgent request when memory runs out "
+        "(default: %(default)s)",
     )
     group.add_argument(
         "--speedup-ratio", type=float, default=DEFAULT_SPEEDUP_RATIO,
@@ -244,6 +256,7 @@ def config_from_args(
         max_num_batched_tokens=ns.max_num_batched_tokens,
         enable_prefix_caching=ns.enable_prefix_caching,
         watermark=ns.watermark,
+        scheduling_policy=getattr(ns, "scheduling_policy", POLICY_FCFS),
         speedup_ratio=ns.speedup_ratio,
         data_parallel_size=ns.data_parallel_size,
         vocab_size=DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size,

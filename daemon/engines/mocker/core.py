@@ -49,7 +49,13 @@ from dynamod.shared.protocol.kv_events import (
     StoredBlock,
 )
 from dynamod.shared.protocol.kv_transfer import KvLayout, KvTransferParams
-from dynamod.shared.protocol.llm import FINISH_ERROR, PreprocessedRequest, SamplingOptions, Usage
+from dynamod.shared.protocol.llm import (
+    FINISH_ERROR,
+    PreprocessedRequest,
+    SamplingOptions,
+    Usage,
+    engine_priority,
+)
 
 
 @dataclass(slots=True)
@@ -178,6 +184,7 @@ class MockerCore:
             watermark_blocks=config.watermark_blocks,
             context_length=config.context_length,
             prompt_hasher=prompt_hasher,
+            policy=config.scheduling_policy,
         )
         self._eos = frozenset(config.eos_token_ids)
         self.num_steps = 0
@@ -279,6 +286,7 @@ class MockerCore:
         sampling: SamplingOptions | None = None,
         guided: GuidedState | None = None,
         check_tokens: bool = True,
+        priority: int = 0,
     ) -> None:
         """Queues a request. Raises ``InvalidRequestError`` (``ContextLengthError`` for length).
 
@@ -294,7 +302,10 @@ class MockerCore:
 
         ``check_tokens=False`` skips the scan of every prompt token against the vocabulary, for a
         caller whose token ids are in range by construction: a trace replayer checks each trace
-        block once, where scanning 145 million prompt tokens here would cost seconds."""
+        block once, where scanning 145 million prompt tokens here would cost seconds.
+
+        ``priority``: in the engine's convention (lower first), used under the priority policy;
+        ``add_preprocessed`` converts the request's Dynamo priority to it."""
         # ``MockRequest`` copies the prompt; a list is only read here (a replay's prompts are
         # thousands of tokens: one copy per admission, not two).
         prompt = prompt_token_ids if type(prompt_token_ids) is list else list(prompt_token_ids)
@@ -314,6 +325,7 @@ class MockerCore:
             lora_name=lora_name,
             seed=seed,
             kv_transferred=kv_transferred,
+            priority=priority,
         )
         if remote is not None:
             request.remote = RemoteKv(remote)
@@ -355,6 +367,7 @@ class MockerCore:
             hold_kv=hold_kv,
             sampling=request.sampling,
             guided=guided,
+            priority=engine_priority(request.priority),
         )
 
     def check_request(

@@ -66,7 +66,7 @@ class MockRequest:
         "lora_name", "kv_transferred", "status", "num_computed_tokens", "prefill_target",
         "num_cached_tokens", "blocks", "num_cached_blocks", "block_hashes", "local_hashes",
         "num_preemptions", "rng_state", "vocab_size", "finish_reason", "remote", "hold_kv", "sampler",
-        "staged_kv",
+        "staged_kv", "priority", "arrival",
     )
 
     def __init__(
@@ -81,6 +81,7 @@ class MockRequest:
         lora_name: str | None = None,
         seed: int | None = None,
         kv_transferred: bool = False,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -117,6 +118,10 @@ class MockRequest:
         # Block hash -> bytes read from the disk tier for this request's next admission; None
         # until it has waited for such reads (it waits at most once per admission).
         self.staged_kv: dict[int, np.ndarray] | None = None
+        # Scheduling order under the priority policy, in vLLM's convention: lower ``priority``
+        # first, then earlier ``arrival`` (numbered by the scheduler as requests are added).
+        self.priority = priority
+        self.arrival = 0
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,13 @@ admitting waiting ones. When a running request cannot grow, the newest running r
 is preempted: its blocks are freed and it goes back to the front of the waiting queue to be
 recomputed later, keeping the tokens it already produced.
 
+``policy="priority"`` is vLLM's ``--scheduling-policy priority``: waiting requests are admitted by
+``(priority, arrival)`` (lower first: vLLM's convention; request_queue.py), and the request
+preempted when one cannot grow is the running one with the largest ``(priority, arrival)``, even
+one already scheduled this step (its tokens go back to the budget), so urgent requests keep their
+blocks under memory pressure. As in vLLM, a waiting request never preempts a running one: priority
+decides who is admitted when a slot frees and who loses blocks when memory runs out.
+
 Disaggregation follows vLLM's connector states. A decode request whose prompt KV lives on a prefill
 worker (``request.remote``) is admitted like any other, but its blocks are allocated for the whole
 prompt at once (leading prefix-cache hits included, the rest kept out of the prefix cache) and it
@@ -30,8 +37,8 @@ bytes go and prefilling the rest. It waits at most once per admission.
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -41,6 +48,7 @@ import numpy as np
 from dynamod.daemon.engines.mocker.block_pool import KVBlock
 from dynamod.daemon.engines.mocker.kv_manager import KVCacheManager
 from dynamod.daemon.engines.mocker.request import MockRequest, RequestStatus
+from dynamod.daemon.engines.mocker.request_queue import POLICY_FCFS, POLICY_PRIORITY, create_request_queue
 from dynamod.daemon.engines.mocker.tiers import OnboardPlan
 from dynamod.shared.protocol.llm import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 
@@ -92,6 +100,36 @@ class UpdateResult:
     logprobs: list[tuple[str, float, list[tuple[int, float]] | None]] = field(default_factory=list)
 
 
+def _least_urgent(running: list[MockRequest]) -> int:
+    """The index of the running request vLLM's priority policy preempts: the largest
+    ``(priority, arrival)``, i.e. the least urgent and, among equals, the newest."""
+    best = 0
+    key = (running[0].priority, running[0].arrival)
+    for j in range(1, len(running)):
+        r = running[j]
+        k = (r.priority, r.arrival)
+        if k > key:
+            best, key = j, k
+    return best
+
+
+def _unschedule(out: SchedulerOutput, request: MockRequest) -> int:
+    """Takes ``request`` out of this step's batch (it is being preempted after it was scheduled);
+    returns the tokens it had been given."""
+    for j, r in enumerate(out.decode_reqs):
+        if r is request:
+            del out.decode_reqs[j]
+            return 1
+    for j, r in enumerate(out.prefill_reqs):
+        if r is request:
+            del out.prefill_reqs[j]
+            num = out.prefill_num_tokens.pop(j)
+            if not request.kv_transferred:
+                out.num_prefill_tokens -= num
+            return num
+    return 0
+
+
 class Scheduler:
     """Owns the request queues of one data-parallel rank; memory decisions go to the KV manager."""
 
@@ -104,7 +142,9 @@ class Scheduler:
         watermark_blocks: int,
         context_length: int,
         prompt_hasher: PromptHasher | None = None,
+        policy: str = POLICY_FCFS,
     ) -> None:
+        """``policy``: vLLM's ``--scheduling-policy``, ``fcfs`` or ``priority`` (request_queue.py)."""
         self.kv_manager = kv_manager
         # Gives an admitted request's (local, sequence) prompt hashes; None: the request hashes
         # its own prompt (``MockRequest.hash_prompt``). See ``MockerCore``.
@@ -114,7 +154,9 @@ class Scheduler:
         self.watermark_blocks = watermark_blocks
         self.context_length = context_length
         self.requests: dict[str, MockRequest] = {}
-        self.waiting: deque[MockRequest] = deque()
+        self.policy = policy
+        self.waiting = create_request_queue(policy)
+        self._arrivals = itertools.count()
         self.running: list[MockRequest] = []
         self.waiting_for_remote: dict[str, MockRequest] = {}
         # Aborted while their KV was being read: the read may still write into their blocks, so
@@ -139,6 +181,7 @@ class Scheduler:
                 request.hash_prompt(self.kv_manager.block_size)
             else:
                 request.local_hashes, request.block_hashes = self.prompt_hasher(request)
+        request.arrival = next(self._arrivals)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -276,7 +319,9 @@ class Scheduler:
         if tiers is not None and tiers.io is not None:
             self._collect_disk_reads(tiers.poll())
 
-        # 1. Running requests, in order; preempt from the tail when one cannot grow.
+        # 1. Running requests, in order; when one cannot grow, preempt the newest (fcfs) or the
+        # least urgent, newest first (priority: vLLM's max over (priority, arrival)).
+        by_priority = self.policy == POLICY_PRIORITY
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -297,7 +342,14 @@ class Scheduler:
             if num_new > budget:
                 num_new = budget
             while kv.allocate_slots(request, num_new) is None:
-                victim = running.pop()
+                if by_priority:
+                    at = _least_urgent(running)
+                    victim = running.pop(at)
+                    if at < i:  # already scheduled this step: give its tokens back
+                        budget += _unschedule(out, victim)
+                        i -= 1
+                else:
+                    victim = running.pop()
                 self._preempt(victim)
                 out.preempted_reqs.append(victim)
                 if victim is request:
@@ -313,7 +365,9 @@ class Scheduler:
                     decode_reqs.append(request)
                 i += 1
                 continue
-            break  # the request preempted itself: every request behind it is already preempted
+            # The request preempted itself: under fcfs every request behind it is preempted
+            # already; under priority the others wait for the next step (vLLM stops here too).
+            break
 
         # 2. Admit waiting requests, unless memory was short this step.
         if admit and not out.preempted_reqs:
@@ -433,6 +487,8 @@ class Scheduler:
         return True
 
     def _preempt(self, request: MockRequest) -> None:
+        """Frees a running request's blocks and puts it back in the waiting queue (its front under
+        fcfs, its place by priority under priority), keeping the tokens it produced."""
         self.kv_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

@@ -55,7 +55,13 @@ from dynamod.daemon.engines.vllm.stats import LoadTracker, make_stat_logger_fact
 from dynamod.daemon.models.local import LocalModel
 from dynamod.shared.errors import ConfigError, DynamoError, EngineError, InvalidRequestError, UnavailableError
 from dynamod.shared.protocol.kv_events import MEDIA, MEDIUM_CPU, MEDIUM_GPU, decode_native_batch
-from dynamod.shared.protocol.llm import FINISH_ABORT, FINISH_ERROR, EngineOutput, PreprocessedRequest
+from dynamod.shared.protocol.llm import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    EngineOutput,
+    PreprocessedRequest,
+    engine_priority,
+)
 from dynamod.shared.protocol.load import KvTierLoad, LoadMetrics
 from dynamod.shared.protocol.model_card import RuntimeConfig
 
@@ -156,6 +162,9 @@ class VllmEngine(NativeEngineBase):
         self._subscriber: NativeKvSubscriber | None = None
         self._llm: Any = None
         self._model_defaults: dict[str, Any] = {}
+        # vLLM's --scheduling-policy is "priority": requests carry their priority to it (under
+        # "fcfs" vLLM ignores priorities, and versions before 0.10 refuse a non-zero one).
+        self._priority_scheduling = False
         self.sleep_level = 0
         self._private_dir: str | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -229,10 +238,10 @@ class VllmEngine(NativeEngineBase):
         rc = self._info.runtime_config
         logger.info(
             "vllm engine started worker_id=%016x block_size=%d total_kv_blocks=%d context_length=%d max_num_seqs=%d "
-            "dp=%d lora=%s sleep_mode=%s host_tier_bytes=%s start_s=%.1f",
+            "dp=%d lora=%s sleep_mode=%s host_tier_bytes=%s priority_scheduling=%s start_s=%.1f",
             self.worker_id, self._info.kv_block_size, rc.total_kv_blocks, self._info.context_length,
             rc.max_num_seqs, rc.data_parallel_size, self._lora_enabled(), self._sleep_enabled(),
-            self._host_tier_bytes or 0, self.start_seconds,
+            self._host_tier_bytes or 0, self._priority_scheduling, self.start_seconds,
         )
 
     def _adopt_config(self) -> None:
@@ -247,6 +256,7 @@ class VllmEngine(NativeEngineBase):
                 self.worker_id, self._info.kv_block_size, block_size,
             )
         self._dp = dp
+        self._priority_scheduling = str(getattr(cfg.scheduler_config, "policy", "fcfs")) == "priority"
         self._info.kv_block_size = block_size
         self._info.context_length = int(cfg.model_config.max_model_len)
         total = int(cfg.cache_config.num_gpu_blocks or 0)
@@ -391,6 +401,8 @@ class VllmEngine(NativeEngineBase):
             rid,
             lora_request=lora_request,
             data_parallel_rank=request.dp_rank,
+            # Dynamo's priority is "higher first", vLLM's "lower first".
+            priority=engine_priority(request.priority) if self._priority_scheduling else 0,
         )
         finished = False
         try:

@@ -193,7 +193,7 @@ async def serve(request: FrontendRequest[OpenAIRequest], endpoint: FanoutSurface
             return STATUS_ERROR
         mm = request.model.metrics
         now = time.perf_counter()
-        mm.ttft.observe(now - start)
+        mm.observe_ttft(now - start, choices[0].engine.preprocessed.priority)
         for c in choices:
             if c.first_of_prompt:
                 mm.isl.observe(c.gen.prompt_tokens)

@@ -15,11 +15,12 @@ validation on the hot path.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from dynamod.daemon.frontend.pipeline.body import RequestBody, decode_body
+from dynamod.daemon.frontend.pipeline.routing import SessionRef
 from dynamod.shared.errors import InvalidRequestError
 from dynamod.shared.protocol.llm import RoutingHints, SlaTargets
 
@@ -54,6 +55,9 @@ UNKNOWN_FIELD_HINTS = {
     "functions": "use 'tools'",
     "function_call": "use 'tool_choice'",
     "max_token": "did you mean 'max_tokens'?",
+    # vLLM's own server takes a top-level ``priority`` (lower first); Dynamo's is under nvext.
+    "priority": "the request priority is 'nvext.agent_hints.priority' (higher is more urgent) or the "
+    "x-dynamo-request-priority header",
 }
 
 
@@ -70,9 +74,24 @@ class NvExtRouter(RequestBody, kw_only=True):
 
 
 class AgentHints(RequestBody, kw_only=True):
-    """``nvext.agent_hints``: ``priority`` picks the global router's priority overrides."""
+    """``nvext.agent_hints``: ``priority`` (Dynamo's: higher is more urgent) orders the KV router's
+    queue, reaches the engines' priority scheduling and picks the global router's overrides."""
 
     priority: Priority | None = None
+
+
+SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+SessionTimeout = Annotated[int, msgspec.Meta(ge=1, le=31_536_000)]
+
+
+class SessionControl(RequestBody, kw_only=True):
+    """``nvext.session_control`` (Dynamo's): the session for affinity; ``timeout`` its idle
+    seconds (default the router's TTL); ``action: "close"`` ends the binding with this request
+    (``open`` is accepted: a session opens on its first request anyway)."""
+
+    session_id: SessionId
+    action: Literal["open", "close"] | None = None
+    timeout: SessionTimeout | None = None
 
 
 class NvExt(RequestBody, kw_only=True):
@@ -81,6 +100,8 @@ class NvExt(RequestBody, kw_only=True):
     ignore_eos: bool | None = None
     router: NvExtRouter | None = None
     agent_hints: AgentHints | None = None
+    session_control: SessionControl | None = None
+    session_id: SessionId | None = None  # shorthand for session_control.session_id
     # Dynamo's guided decoding under nvext (the same meaning as the top-level guided_* fields).
     guided_json: Any = None
     guided_regex: str | None = None
@@ -100,6 +121,19 @@ class NvExt(RequestBody, kw_only=True):
         """The hints for ``PreprocessedRequest.routing`` (None: the client set none)."""
         h = self.agent_hints
         return None if h is None or h.priority is None else RoutingHints(priority=h.priority)
+
+    def session(self) -> SessionRef | None:
+        """The session for affinity (None: none named); the ``x-dynamo-session-id`` header wins."""
+        control = self.session_control
+        if control is None:
+            return None if self.session_id is None else SessionRef(self.session_id)
+        if self.session_id is not None and self.session_id != control.session_id:
+            raise InvalidRequestError(
+                "nvext.session_id and nvext.session_control.session_id name different sessions", param="nvext.session_id"
+            )
+        return SessionRef(
+            control.session_id, ttl_s=None if control.timeout is None else float(control.timeout), close=control.action == "close"
+        )
 
 
 class JsonSchemaFormat(RequestBody, kw_only=True):

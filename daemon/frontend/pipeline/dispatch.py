@@ -189,13 +189,14 @@ class EngineStream:
             router = model.router
             assert router is not None
             if outcome is None:
-                route = RouteRequest(req.request_id, pre.token_ids, model.lora_name)
+                route = RouteRequest(req.request_id, pre.token_ids, model.lora_name, priority=pre.priority, session=req.session)
             else:
                 # Decode stage: a prompt prefilled remotely is fetched, not computed; what the
                 # decode worker caches is what the transfer does not move (the policy's weight).
                 route = RouteRequest(
                     req.request_id, pre.token_ids, model.lora_name, stage=STAGE_DECODE,
                     overlap_weight=self._d.prefill_stage.policy.decode_overlap_weight(outcome.remote), disagg=outcome.info,
+                    priority=pre.priority, session=req.session,
                 )
             choice = await router.select(route, candidates)
             pool = model.workers.get(choice.worker_id)
@@ -229,7 +230,8 @@ class EngineStream:
 
     def _decode_hint(self, model: ServedModel, candidates: list[Instance], body: PreprocessedRequest) -> DecodeHint:
         router = model.router
-        est = None if router is None else router.estimate(RouteRequest(body.request_id, body.token_ids, model.lora_name), candidates)
+        route = RouteRequest(body.request_id, body.token_ids, model.lora_name, session=self.request.session)
+        est = None if router is None else router.estimate(route, candidates)
         if est is None:
             return DecodeHint()
         transfer = self._d.prefill_stage.transfer_estimate(est.worker_id, est.transfer_ms_p50)

@@ -15,6 +15,9 @@ Disaggregated models get a second router per base model over the prefill pool, f
 workers' own KV events like the decode one and, as Dynamo's prefill router, without active-block
 tracking (nothing to free; a prefill worker's load is what it reports). The decode stage of a
 remotely prefilled request is routed with the disaggregation policy's ``decode_overlap_weight``.
+
+A request of a session comes with ``pinned``, its session's worker (``session_routing.py``): the
+KV router picks it, reason ``session``, unless it is busy, and still explains every candidate's cost.
 """
 
 from __future__ import annotations
@@ -108,7 +111,8 @@ class KvModelRouter:
         # While every worker is busy the request waits in the router's bounded queue
         # (--router-queue-size, --router-queue-timeout-secs), then gets a 503.
         decision = await self._group.kv.select_worker_waiting(
-            request.request_id, request.token_ids, lora_name=self._lora, allowed=keys, overlap_weight=request.overlap_weight
+            request.request_id, request.token_ids, lora_name=self._lora, allowed=keys, overlap_weight=request.overlap_weight,
+            priority=request.priority, pinned=request.pinned,
         )
         if request.stage != STAGE_AGG:
             decision.stage = request.stage
@@ -121,7 +125,7 @@ class KvModelRouter:
         keys = self._group.candidate_keys(candidates)
         kv = self._group.kv
         try:
-            decision = kv.best_worker(request.request_id, request.token_ids, lora_name=self._lora, allowed=keys)
+            decision = kv.best_worker(request.request_id, request.token_ids, lora_name=self._lora, allowed=keys, pinned=request.pinned)
         except (OverloadedError, NoInstancesError):
             return None  # every decode worker busy: select will queue; the policy sees no cache
         return decode_estimate(kv, decision, len(request.token_ids))

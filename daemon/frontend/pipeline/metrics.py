@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dynamod.daemon.router.core.prefill_stage import DisaggMetrics
 from dynamod.shared.observability.metrics import ITL_BUCKETS_S, LATENCY_BUCKETS, TOKEN_BUCKETS
+from dynamod.shared.protocol.llm import PRIORITY_CLASSES, priority_class
 from dynamod.shared.protocol.routing import DISAGG_REMOTE, DisaggInfo
 from dynamod.shared.protocol.worker_id import worker_id_hex
 
@@ -48,6 +49,17 @@ class FrontendMetrics:
             "dynamo_frontend_time_to_first_token_seconds",
             "Time from request received to first token sent",
             ("model",),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        # Beside the per-model TTFT (Dynamo's dashboards read that one unchanged): the same by
+        # priority class (high, normal, low: a bounded label), so an overloaded cluster shows it
+        # serves nvext.agent_hints.priority > 0 first.
+        self.ttft_by_priority = Histogram(
+            "dynamo_frontend_time_to_first_token_by_priority_seconds",
+            "Time from request received to first token sent, by priority class (nvext.agent_hints.priority "
+            "> 0: high, 0 or unset: normal, < 0: low)",
+            ("model", "priority_class"),
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
@@ -186,6 +198,7 @@ class ModelMetrics:
         "model",
         "inflight",
         "ttft",
+        "_ttft_by_class",
         "itl",
         "isl",
         "osl",
@@ -205,6 +218,7 @@ class ModelMetrics:
         self.model = model
         self.inflight = parent.inflight.labels(model)
         self.ttft = parent.ttft.labels(model)
+        self._ttft_by_class = {c: parent.ttft_by_priority.labels(model, c) for c in PRIORITY_CLASSES}
         self.itl = parent.itl.labels(model)
         self.isl = parent.isl.labels(model)
         self.osl = parent.osl.labels(model)
@@ -217,6 +231,11 @@ class ModelMetrics:
         self.disconnects = parent.disconnects.labels(model)
         self._prompt_total = 0
         self._cached_total = 0
+
+    def observe_ttft(self, seconds: float, priority: int | None) -> None:
+        """A request's time to first token, overall and in its priority class."""
+        self.ttft.observe(seconds)
+        self._ttft_by_class[priority_class(priority)].observe(seconds)
 
     def usage(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from dynamod.daemon.frontend.http.asgi import DisconnectWatch, Scope, header
-from dynamod.daemon.frontend.pipeline.routing import RouteChoice, header_candidates
+from dynamod.daemon.frontend.pipeline.routing import RouteChoice, SessionRef, header_candidates
+from dynamod.daemon.frontend.pipeline.session_routing import session_of
 from dynamod.shared.protocol.routing import HEADER_NAME, HEADER_SCHEMA_VERSION, DisaggInfo
 from dynamod.shared.protocol.worker_id import worker_id_hex
 
@@ -86,6 +87,11 @@ class FrontendRequest(Generic[BodyT]):
         direct = header(self.scope, WORKER_HEADER)
         return header_candidates(direct) if direct else None
 
+    @property
+    def session(self) -> SessionRef | None:
+        """The session the request belongs to (``x-dynamo-session-id``, ``nvext.session_control``)."""
+        return session_of(self.scope, self.body)
+
     def route_headers(self, engine: EngineRequest | None = None) -> list[tuple[bytes, bytes]]:
         """The worker that answered and, when asked for and there is one, the route explanation
         (of ``engine``, default the request's first generation). After a migration both name the
@@ -110,6 +116,7 @@ class EngineRequest:
     started_at: float  # time.perf_counter() at arrival
     direct_ids: list[int] | None = None  # x-dynamo-worker-instance-id
     migration_limit: int = 3
+    session: SessionRef | None = None  # session affinity
     # Filled while it runs.
     decode_route: RouteChoice | None = None  # the last decode (or agg) routing
     prefill_route: RouteChoice | None = None  # the last remote prefill routing
@@ -135,14 +142,19 @@ class EngineRequest:
         """``x-dynamo-route-explain``: the final routing as ``RoutingDecision.explain()`` (which
         carries ``stage`` and ``disagg``), plus ``prefill``: the prefill stage's own decision.
         Round-robin and random have no decision: for them the header appears only on a
-        disaggregated model, naming the workers, the stages and the disaggregation decision.
+        disaggregated model or a request of a session, naming the workers, the stages and the
+        disaggregation decision. ``session``: the session's binding (held, kept or moved and why).
         Every value is labelled and every worker id is ``worker_id_hex``."""
         route = self.decode_route
         if route is None:
             return None
-        if self.disagg is None:
+        if self.disagg is None and route.session is None:
             return route.explain.to_header() if route.explain is not None else None
         body = _route_dict(route)
+        if route.session is not None:
+            body["session"] = route.session.explain()
+        if self.disagg is None:
+            return json.dumps(body, separators=(",", ":"))
         body["disagg"] = self.disagg.explain()
         if self.prefill_route is not None:
             body["prefill"] = _route_dict(self.prefill_route)

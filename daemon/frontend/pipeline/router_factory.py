@@ -6,6 +6,10 @@ the workers' KV events and load; it is imported only when chosen.
 
 A disaggregated model's prefill pool gets its own router from ``build_prefill`` (kv: a KV router
 over the prefill workers' events; otherwise a round-robin or random picker of its own).
+
+Every model's router is wrapped for session affinity (``session_routing.py``) unless
+``--router-session-affinity-ttl-secs 0``; prefill pools are not (the decode worker holds a
+session's KV).
 """
 
 from __future__ import annotations
@@ -15,7 +19,12 @@ import logging
 from typing import TYPE_CHECKING
 
 from dynamod.daemon.frontend.pipeline.routing import Router, make_basic_router
-from dynamod.daemon.frontend.pipeline.worker_health import RoutingSync
+from dynamod.daemon.frontend.pipeline.session_routing import (
+    SessionAffinity,
+    add_session_args,
+    session_settings_from_args,
+)
+from dynamod.daemon.frontend.pipeline.worker_health import FRONTEND_COMPONENT, RoutingSync
 
 if TYPE_CHECKING:
     from dynamod.daemon.frontend.pipeline.models import ModelRegistry, PrefillPool, ServedModel
@@ -24,12 +33,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 def add_kv_router_args(parser: argparse.ArgumentParser) -> None:
-    """The KV router's own flags (overlap weight, temperature, decision sampling)."""
+    """The KV router's own flags (overlap weight, temperature, decision sampling) and session
+    affinity's (every mode)."""
     from dynamod.daemon.router.core.config import add_router_args
     from dynamod.daemon.router.core.decision_publisher import add_decision_args
 
     add_router_args(parser)
     add_decision_args(parser)
+    add_session_args(parser)
 
 
 class RouterFactoryBuilder:
@@ -38,6 +49,8 @@ class RouterFactoryBuilder:
     def __init__(self, mode: str, args: argparse.Namespace, runtime: DistributedRuntime, sync: RoutingSync) -> None:
         self.mode = mode
         self._kv = None
+        ttl_s, max_sessions = session_settings_from_args(args)
+        self.sessions = SessionAffinity(ttl_s, max_sessions, runtime, FRONTEND_COMPONENT)
         if mode == "kv":
             # Imported only when chosen: the other modes never load the KV router.
             from dynamod.daemon.frontend.pipeline.kv_routing import KvRouting
@@ -54,15 +67,16 @@ class RouterFactoryBuilder:
     async def start(self) -> None:
         if self._kv is not None:
             await self._kv.start()
+        await self.sessions.start()
 
     async def close(self) -> None:
+        await self.sessions.close()
         if self._kv is not None:
             await self._kv.close()
 
     def build(self, model: ServedModel) -> Router:
-        if self._kv is not None:
-            return self._kv.router_for(model)
-        return make_basic_router(self.mode)
+        router = self._kv.router_for(model) if self._kv is not None else make_basic_router(self.mode)
+        return self.sessions.wrap(router, model)
 
     def build_prefill(self, pool: PrefillPool) -> Router:
         if self._kv is not None:

@@ -13,6 +13,10 @@ the disaggregation policy's ``decode_overlap_weight``); ``estimate`` answers "wh
 prompt does it cache" without routing, for the conditional-disaggregation policy. Round-robin and random keep no per-request state. Direct routing (the
 ``x-dynamo-worker-instance-id`` header) bypasses the router altogether.
 
+Session affinity (``session_routing.py``) wraps every mode: a request's ``session`` names it, and
+``pinned`` is the worker its session is bound to, which round-robin and random take as given and
+the KV router takes unless that worker is busy.
+
 ``Quarantine`` remembers workers whose connection just failed: their discovery record outlives
 them by up to one lease TTL, and without it every new request in that window would walk into the
 dead worker and spend a migration.
@@ -36,7 +40,17 @@ from dynamod.shared.protocol.routing import (
     STAGE_AGG,
     DisaggInfo,
     RoutingDecision,
+    SessionInfo,
 )
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRef:
+    """The session a request belongs to (``x-dynamo-session-id``, ``nvext.session_control``)."""
+
+    session_id: str
+    ttl_s: float | None = None  # ``nvext.session_control.timeout``; None: the router's TTL
+    close: bool = False  # ``action: "close"``: the binding ends with this request
 
 
 @dataclass(slots=True)
@@ -47,6 +61,11 @@ class RouteRequest:
     stage: str = STAGE_AGG
     overlap_weight: float | None = None  # None: the router's configured weight
     disagg: DisaggInfo | None = None  # on the decode stage: where the prompt was prefilled
+    session: SessionRef | None = None
+    # Set by the session layer (session_routing.py): the (worker, dp rank) the session is bound
+    # to, checked routable; every mode sends the request there unless (kv) it is busy.
+    pinned: tuple[int, int] | None = None
+    priority: int = 0  # Dynamo's request priority (higher first): orders the KV router's wait queue
 
 
 @dataclass(slots=True)
@@ -57,6 +76,7 @@ class RouteChoice:
     stage: str = STAGE_AGG
     explain: RoutingDecision | None = None  # the kv router's decision; None for round-robin/random
     load: float | None = None  # prefill stage: the worker's queued prefill tokens, when known
+    session: SessionInfo | None = None  # session affinity: held, kept or moved and why
 
     @property
     def worker_id(self) -> int:
@@ -123,6 +143,9 @@ class RoundRobinRouter(StatelessRouter):
         self._counter = itertools.count()
 
     async def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice:
+        pinned = pinned_choice(request, candidates)
+        if pinned is not None:
+            return pinned  # the turn is not taken: the others keep their share
         return RouteChoice(candidates[next(self._counter) % len(candidates)], stage=request.stage)
 
 
@@ -133,7 +156,22 @@ class RandomRouter(StatelessRouter):
         self._rng = rng or random.Random()
 
     async def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice:
+        pinned = pinned_choice(request, candidates)
+        if pinned is not None:
+            return pinned
         return RouteChoice(candidates[self._rng.randrange(len(candidates))], stage=request.stage)
+
+
+def pinned_choice(request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice | None:
+    """The session's worker when it is among ``candidates`` (round-robin and random know no
+    load: a routable worker always takes its session)."""
+    pinned = request.pinned
+    if pinned is None:
+        return None
+    for inst in candidates:
+        if inst.instance_id == pinned[0]:
+            return RouteChoice(inst, dp_rank=pinned[1] or None, stage=request.stage)
+    return None
 
 
 def parse_instance_id(value: str) -> int:

@@ -38,6 +38,7 @@ from dynamod.daemon.frontend.pipeline.pieces import (
     output_splitter,
     streamed_pieces,
 )
+from dynamod.daemon.frontend.pipeline.priority import with_header_priority
 from dynamod.daemon.frontend.pipeline.request import (
     BodyT,
     EngineRequest,
@@ -233,7 +234,7 @@ class GenerationEndpoint(ABC, Generic[BodyT]):
                 return STATUS_ERROR
             mm = gen.metrics
             now = time.perf_counter()
-            mm.ttft.observe(now - request.started_at)
+            mm.observe_ttft(now - request.started_at, gen.request.preprocessed.priority)
             mm.isl.observe(gen.prompt_tokens)
             if not await writer.write(gen, first):
                 return STATUS_ERROR
@@ -274,11 +275,11 @@ class GenerationEndpoint(ABC, Generic[BodyT]):
             ),
             lora_name=model.lora_name,
             router=plan.sla,
-            routing=plan.routing,
+            routing=with_header_priority(plan.routing, request.scope),
         )
         engine_request = EngineRequest(
             request_id=request_id, model=model, preprocessed=preq, started_at=request.started_at,
-            direct_ids=request.direct_ids, migration_limit=model.card.migration_limit,
+            direct_ids=request.direct_ids, migration_limit=model.card.migration_limit, session=request.session,
         )
         if request.engine is None:
             request.engine = engine_request

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ class KvRouterConfig:
     active_prefill_tokens_threshold: int | None = None  # busy above this many queued prefill tokens
     router_queue_size: int = 1024  # requests that may wait while every worker is busy
     router_queue_timeout_secs: float = 30.0  # then OverloadedError
+    router_priority_jump_secs: float = 1.0  # queue place gained per priority point (wait_queue.py)
     router_active_sequence_ttl_secs: float = 600.0  # forget an active request never freed
     router_load_max_age_secs: float = 10.0  # load metrics older than this fall back to own counts
 
@@ -62,6 +64,8 @@ class KvRouterConfig:
             raise ConfigError(f"--router-queue-size must be >= 0, got {self.router_queue_size}")
         if self.router_queue_timeout_secs < 0:
             raise ConfigError(f"--router-queue-timeout-secs must be >= 0, got {self.router_queue_timeout_secs}")
+        if not (math.isfinite(self.router_priority_jump_secs) and self.router_priority_jump_secs >= 0):
+            raise ConfigError(f"--router-priority-jump-secs must be a finite number >= 0, got {self.router_priority_jump_secs}")
         if self.router_active_sequence_ttl_secs <= 0:
             raise ConfigError("--router-active-sequence-ttl-secs must be > 0")
         if self.router_load_max_age_secs <= 0:
@@ -159,6 +163,13 @@ _OPTIONS: dict[str, tuple[tuple[str, ...], str, Callable[[str], Any], str]] = {
         "DYN_ROUTER_QUEUE_TIMEOUT_SECS",
         float,
         "how long a request waits for a non-busy worker before 503",
+    ),
+    "router_priority_jump_secs": (
+        ("--router-priority-jump-secs",),
+        "DYN_ROUTER_PRIORITY_JUMP_SECS",
+        float,
+        "queue place a request gains per point of nvext.agent_hints.priority, as if it had arrived "
+        "this many seconds earlier (negative priorities: later); 0 queues plain FIFO",
     ),
     "router_active_sequence_ttl_secs": (
         ("--router-active-sequence-ttl-secs",),

@@ -38,7 +38,7 @@ from dynamod.daemon.router.core.active_sequences import ActiveSequences
 from dynamod.daemon.router.core.busy import BusyPolicy
 from dynamod.daemon.router.core.config import KvRouterConfig
 from dynamod.daemon.router.core.metrics import RouterMetrics, router_metrics
-from dynamod.daemon.router.core.scheduler import KvScheduler
+from dynamod.daemon.router.core.scheduler import KvScheduler, Selection
 from dynamod.daemon.router.core.wait_queue import WaitQueue
 from dynamod.shared.errors import InvalidRequestError, NoInstancesError, OverloadedError
 from dynamod.shared.events.seq import Arrival, EventSequences
@@ -53,7 +53,7 @@ from dynamod.shared.kv.router_sync import (
 )
 from dynamod.shared.protocol.kv_events import RouterEvent
 from dynamod.shared.protocol.load import LoadMetrics
-from dynamod.shared.protocol.routing import RoutingDecision
+from dynamod.shared.protocol.routing import REASON_SESSION, CandidateScore, RoutingDecision
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +112,11 @@ class KvRouter:
             clock=clock,
         )
         self.scheduler = KvScheduler(block_size, self._rng, core=core)
-        self.queue = WaitQueue(config.router_queue_size, config.router_queue_timeout_secs)
         self.metrics = metrics if metrics is not None else router_metrics(registry)
+        self.queue = WaitQueue(
+            config.router_queue_size, config.router_queue_timeout_secs,
+            priority_jump_s=config.router_priority_jump_secs, on_wait=self.metrics.observe_queue_wait, clock=clock,
+        )
         self._event_counters: dict[tuple[str, str], Counter] = {}
         self._workers: list[WorkerKey] = []
         # Per worker; only its last event can arrive twice, so any other id going back is a restart.
@@ -327,6 +330,7 @@ class KvRouter:
         allowed: Iterable[tuple[int, int]] | None = None,
         track_active: bool = True,
         prompt_hashes: tuple[list[int], list[int]] | None = None,
+        pinned: WorkerKey | None = None,
     ) -> RoutingDecision:
         """Picks a worker and starts counting the request on it. Raises ``NoInstancesError``
         without candidates and ``OverloadedError`` when all are busy: it never queues (see
@@ -338,10 +342,14 @@ class KvRouter:
         workers' own metrics.
 
         ``prompt_hashes``: the prompt's (local, sequence) block hashes (``hash_tokens``), for a
-        caller that has them (a trace replay routes each prompt up to three times); read only."""
+        caller that has them (a trace replay routes each prompt up to three times); read only.
+
+        ``pinned``: the worker the request's session is bound to (session affinity). It wins,
+        with reason ``session``, when it is a candidate and not busy; otherwise the request is
+        routed as any other (the caller sees another worker and moves the session)."""
         decision = self._route(
             request_id, token_ids, lora_name, overlap_weight, temperature, allowed, register=True, track_active=track_active,
-            hashes=None if prompt_hashes is None else [prompt_hashes],
+            hashes=None if prompt_hashes is None else [prompt_hashes], pinned=pinned,
         )
         assert decision is not None
         return decision
@@ -356,10 +364,11 @@ class KvRouter:
         temperature: float | None = None,
         allowed: Iterable[tuple[int, int]] | None = None,
         prompt_hashes: tuple[list[int], list[int]] | None = None,
+        pinned: WorkerKey | None = None,
     ) -> RoutingDecision:
         """The worker ``select_worker`` would pick, without counting the request anywhere."""
         decision = self._route(request_id, token_ids, lora_name, overlap_weight, temperature, allowed, register=False,
-                               hashes=None if prompt_hashes is None else [prompt_hashes])
+                               hashes=None if prompt_hashes is None else [prompt_hashes], pinned=pinned)
         assert decision is not None
         return decision
 
@@ -373,9 +382,12 @@ class KvRouter:
         temperature: float | None = None,
         allowed: Iterable[tuple[int, int]] | None = None,
         timeout_s: float | None = None,
+        priority: int = 0,
+        pinned: WorkerKey | None = None,
     ) -> RoutingDecision:
-        """Like ``select_worker``, but waits in the bounded FIFO queue while every candidate is
-        busy; ``OverloadedError`` when the queue is full or the wait times out."""
+        """Like ``select_worker``, but waits in the bounded queue while every candidate is busy
+        (higher ``priority`` first, FIFO within one, with aging: wait_queue.py);
+        ``OverloadedError`` when the queue is full or the wait times out."""
         allowed_list = list(allowed) if allowed is not None else None
         hashes: list[tuple[list[int], list[int]]] = []  # hashed once, however often it retries
 
@@ -390,9 +402,10 @@ class KvRouter:
                 register=True,
                 wait_if_busy=True,
                 hashes=hashes,
+                pinned=pinned,
             )
 
-        return await self.queue.run(attempt, timeout_s=timeout_s)
+        return await self.queue.run(attempt, timeout_s=timeout_s, priority=priority)
 
     def mark_prefill_done(self, request_id: str) -> None:
         """The request's first token arrived."""
@@ -425,6 +438,7 @@ class KvRouter:
         track_active: bool = True,
         wait_if_busy: bool = False,
         hashes: list[tuple[list[int], list[int]]] | None = None,
+        pinned: WorkerKey | None = None,
     ) -> RoutingDecision | None:
         weight = self.config.overlap_score_weight if overlap_weight is None else float(overlap_weight)
         temp = self.config.router_temperature if temperature is None else float(temperature)
@@ -479,7 +493,9 @@ class KvRouter:
             host_weight=self.config.host_cache_hit_weight,
             disk_weight=self.config.disk_cache_hit_weight,
         )
-        sel = self.scheduler.select(scores, keys, temp)
+        sel = self._pinned(scores, pinned) if pinned is not None else None
+        if sel is None:
+            sel = self.scheduler.select(scores, keys, temp)
         won = scores[sel.index]
         decision = RoutingDecision(
             request_id=request_id,
@@ -522,6 +538,15 @@ class KvRouter:
                 len(busy),
             )
         return decision
+
+    @staticmethod
+    def _pinned(scores: list[CandidateScore], pinned: WorkerKey) -> Selection | None:
+        """The session's worker as the winner, if it is among the scored (not busy) candidates."""
+        for i, c in enumerate(scores):
+            if c.worker_id == pinned[0] and c.dp_rank == pinned[1]:
+                lowest = min(x.cost for x in scores)
+                return Selection(i, scores, REASON_SESSION, f"session affinity: its worker, cost {c.cost:.3f} (lowest {lowest:.3f})")
+        return None
 
     def _register(self, request_id: str, worker: WorkerKey, local: list[int], seq: list[int], isl: int, overlap: int) -> None:
         self.active.add(request_id, worker, seq, isl, isl - overlap * self.block_size)

@@ -16,11 +16,14 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dynamod.shared.observability.per_registry import PerRegistry
+from dynamod.shared.protocol.llm import PRIORITY_CLASSES, priority_class
 
 # Routing overhead lives in the microsecond-to-millisecond range: finer buckets than request latency.
 OVERHEAD_BUCKETS = (
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1,
 )  # fmt: skip
+# A queue wait is 0 (no wait) up to the queue timeout (30 s by default).
+QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class RouterMetrics:
@@ -79,9 +82,23 @@ class RouterMetrics:
             "Cached share of routed prompt blocks since start (overlap blocks / prompt blocks)",
             registry=registry,
         )
+        # Time in the router's wait queue (0 for a request that found a free worker at once), by
+        # priority class: under overload the high class's quantiles stay low and say so.
+        self.queue_wait_seconds = Histogram(
+            "dynamo_router_queue_wait_seconds",
+            "Time a request waited in the router queue for a worker that is not busy, by priority class",
+            ("priority_class",),
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=registry,
+        )
+        self._queue_wait = {c: self.queue_wait_seconds.labels(c) for c in PRIORITY_CLASSES}
         self._hit_lock = threading.Lock()
         self._hit_total = 0
         self._hit_overlap = 0
+
+    def observe_queue_wait(self, priority: int, waited_s: float) -> None:
+        """One routed request's time in the wait queue (``WaitQueue.on_wait``)."""
+        self._queue_wait[priority_class(priority)].observe(waited_s)
 
     def observe_hit(self, request_blocks: int, overlap_blocks: int, host_blocks: int = 0, disk_blocks: int = 0) -> None:
         """Counts one routed request's prompt blocks and how many were already cached: on the

@@ -45,7 +45,11 @@ pytestmark = vllm_marks(VLLM_PYTHON)
 BLOCK = 32
 MODEL = "tinyllama"
 LORA = "tiny-lora"
-VLLM_ARGS = f"--block-size {BLOCK} --enforce-eager --max-model-len 4096 --enable-lora --max-lora-rank 8 --max-loras 2"
+# --scheduling-policy priority: requests carry their priority to vLLM (issue 27); priority 0 is FCFS.
+VLLM_ARGS = (
+    f"--block-size {BLOCK} --enforce-eager --max-model-len 4096 --enable-lora --max-lora-rank 8 --max-loras 2 "
+    "--scheduling-policy priority"
+)
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +177,20 @@ def test_streamed_chat_through_frontend(cluster: VllmCluster, api: openai.OpenAI
     assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.prompt_tokens > 5
     # Random weights: any tokens, even ones whose bytes are not valid UTF-8 on their own.
     assert "".join(c.choices[0].delta.content or "" for c in content).strip()
+
+
+def test_priorities_reach_vllms_priority_scheduler(cluster: VllmCluster, api: openai.OpenAI) -> None:
+    """The adapter hands Dynamo's priority to ``AsyncLLM.generate(priority=)`` (sign flipped to
+    vLLM's lower-first) when the engine runs ``--scheduling-policy priority``: vLLM takes every
+    priority, both signs, and serves the requests."""
+    # The adapter saw the policy (so it passes non-zero priorities on).
+    assert all("priority_scheduling=True" in w.log_path.read_text(errors="replace") for w in cluster.workers)
+    for priority in (7, -7, 0):
+        resp = api.completions.create(
+            model=MODEL, prompt="Priority", max_tokens=4,
+            extra_body={"ignore_eos": True, "nvext": {"agent_hints": {"priority": priority}}},
+        )
+        assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 4
 
 
 def test_structured_output_and_top_logprobs_from_vllm(cluster: VllmCluster, api: openai.OpenAI) -> None:
