@@ -47,8 +47,12 @@ class StreamLoad:
     usage's ``completion_tokens`` equal to what was asked."""
 
     def __init__(self, url: str, *, concurrency: int = 4, max_tokens: int = 24, model: str = "tiny",
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, keepalive: bool = True) -> None:
+        """``keepalive=False``: a new connection per request, for a test that must tell which
+        process a request reached by when it started (a pooled connection to a process killed
+        since stays bound to it, so a request sent on it after the kill fails as one in flight)."""
         self.url = url
+        self.keepalive = keepalive
         self.concurrency = concurrency
         self.max_tokens = max_tokens
         self.model = model
@@ -94,7 +98,8 @@ class StreamLoad:
         return f"{len(outs)} requests, {len(bad)} failed: " + "; ".join(sorted({o.error for o in bad})[:5])
 
     def _run(self, index: int) -> None:
-        with httpx.Client(timeout=self.timeout_s) as client:
+        limits = httpx.Limits() if self.keepalive else httpx.Limits(max_keepalive_connections=0)
+        with httpx.Client(timeout=self.timeout_s, limits=limits) as client:
             n = 0
             while not self._stop.is_set():
                 n += 1
