@@ -16,6 +16,7 @@ events and its lifecycle itself, so it takes only that.
 from __future__ import annotations
 
 import asyncio
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -112,7 +113,7 @@ class EngineBookkeeping:
         return list(self._loras.values())
 
 
-class NativeEngineBase(EngineBookkeeping):
+class NativeEngineBase(EngineBookkeeping, ABC):
     """The state and read-only Engine members the native adapters share; subclasses implement
     ``_generate`` and the calls that reach their engine."""
 
@@ -158,19 +159,22 @@ class NativeEngineBase(EngineBookkeeping):
                 raise
             self._status = EngineState.READY
 
+    @abstractmethod
     async def _start(self) -> None:
-        raise NotImplementedError
+        """Builds and starts the engine (``start`` holds the lock and the state)."""
 
+    @abstractmethod
     async def _release(self) -> None:
-        raise NotImplementedError
+        """Frees what a failed ``_start`` had opened."""
 
     # ---- requests ------------------------------------------------------------------------------
 
     def generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
         return self._generate(request)
 
+    @abstractmethod
     def _generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
-        raise NotImplementedError
+        """The engine's own stream of outputs for ``request``."""
 
     # ---- KV events -----------------------------------------------------------------------------
 

@@ -179,29 +179,29 @@ class TrtllmEngine(NativeEngineBase):
         self._stats: dict[str, Any] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
-    async def start(self) -> None:
-        """Builds the LLM and starts polling its event and stats queues (no STARTING state)."""
-        async with self._start_lock:
-            if not self._needs_start():  # never SLEEPING: TensorRT-LLM has no sleep mode
-                return
-            started = time.monotonic()
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
-            try:
-                self._llm = await asyncio.to_thread(build_llm, self._options)
-            except asyncio.CancelledError:
-                self._status = EngineState.FAILED
-                raise
-            except Exception as exc:
-                self._status = EngineState.FAILED
-                raise EngineError(f"TensorRT-LLM engine failed to start: {type(exc).__name__}: {exc}") from exc
-            self._status = EngineState.READY
-            self.start_seconds = time.monotonic() - started
-            self._tasks = [
-                asyncio.create_task(self._poll(self._llm.get_kv_cache_events_async, self._on_event), name="trtllm-kv"),
-                asyncio.create_task(self._poll(self._llm.get_stats_async, self._on_stats), name="trtllm-stats"),
-            ]
-            logger.info("trtllm engine started worker_id=%016x tokens_per_block=%d start_s=%.1f",
-                        self.worker_id, self._block, self.start_seconds)
+    async def _start(self) -> None:
+        """Builds the LLM and starts polling its event and stats queues."""
+        started = time.monotonic()
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        try:
+            self._llm = await asyncio.to_thread(build_llm, self._options)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise EngineError(f"TensorRT-LLM engine failed to start: {type(exc).__name__}: {exc}") from exc
+        self.start_seconds = time.monotonic() - started
+        self._tasks = [
+            asyncio.create_task(self._poll(self._llm.get_kv_cache_events_async, self._on_event), name="trtllm-kv"),
+            asyncio.create_task(self._poll(self._llm.get_stats_async, self._on_stats), name="trtllm-stats"),
+        ]
+        logger.info("trtllm engine started worker_id=%016x tokens_per_block=%d start_s=%.1f",
+                    self.worker_id, self._block, self.start_seconds)
+
+    async def _release(self) -> None:
+        """A failed start: nothing was built (the LLM is the last thing ``_start`` makes)."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            await asyncio.to_thread(llm.shutdown)
 
     async def _poll(self, source: Any, handle: Any) -> None:
         """Drains one of the LLM's per-iteration queues, backing off while it is empty."""

@@ -25,6 +25,7 @@ A unary request uses the same builder without encoding events (``emit=False``).
 from __future__ import annotations
 
 import uuid
+from abc import ABC, abstractmethod
 from typing import Any
 
 import msgspec
@@ -44,7 +45,7 @@ def _short_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class _Item:
+class _Item(ABC):
     """One output item being built; subclasses know their kind's events and final shape."""
 
     kind = ""
@@ -54,8 +55,9 @@ class _Item:
         self.id = item_id
         self.status = STATUS_IN_PROGRESS
 
-    def to_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
+    @abstractmethod
+    def to_dict(self, *, with_content: bool = True) -> dict[str, Any]:
+        """The item as the Responses API shows it (``with_content=False``: without its content)."""
 
 
 class _MessageItem(_Item):
