@@ -15,8 +15,6 @@ import pytest
 
 from dynamod.daemon.frontend.preprocess import Tokenizer
 from dynamod.daemon.models import TINY_MODEL_DIR
-from dynamod.shared.config import RuntimeSettings
-from dynamod.shared.runtime.distributed import DistributedRuntime
 from tests.fixtures.servers import free_port, wait_until
 from tests.integration.frontend.test_frontend_support import (
     CLI,
@@ -27,6 +25,7 @@ from tests.integration.frontend.test_frontend_support import (
     get_text,
     openai_fixture,
     pid_gone,
+    worker_control,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -168,20 +167,10 @@ def test_client_disconnect_aborts_engine_request(cluster: LocalCluster) -> None:
     assert re.search(r'dynamo_frontend_client_disconnects_total\{model="tiny"\} [1-9]', metrics)
 
 
-async def _control(cluster: LocalCluster, endpoint: str, worker_hex: str, body: dict) -> list:
-    settings = RuntimeSettings(discovery_backend="file", file_kv=str(cluster.file_kv), event_plane="zmq")
-    rt = await DistributedRuntime.create(settings, events=False)
-    try:
-        client = await rt.namespace().component("backend").endpoint(endpoint).client()
-        await client.wait_for_instances(1, 10, routable=False)
-        return await client.call(body, instance_id=int(worker_hex, 16))
-    finally:
-        await rt.shutdown(grace_s=0.5)
-
 
 def test_draining_worker_gets_no_new_requests(cluster: LocalCluster, api: openai.OpenAI) -> None:
     a, b = cluster.ready_workers()[:2]
-    asyncio.run(_control(cluster, "drain", b, {"wait": False}))
+    asyncio.run(worker_control(cluster, "drain", b, {"wait": False}))
     try:
         wait_until(lambda: cluster.ready_workers() == [a], 10, what="the drained worker to leave the ready set")
         served = set()
@@ -190,7 +179,7 @@ def test_draining_worker_gets_no_new_requests(cluster: LocalCluster, api: openai
             served.add(raw.headers["x-dynamo-worker-instance-id"])
         assert served == {a}
     finally:
-        asyncio.run(_control(cluster, "wake_up", b, {}))
+        asyncio.run(worker_control(cluster, "wake_up", b, {}))
         wait_until(lambda: len(cluster.ready_workers()) == 2, 10, what="the worker to be ready again")
 
 

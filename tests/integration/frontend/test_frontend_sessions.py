@@ -18,10 +18,13 @@ import httpx
 import openai
 import pytest
 
-from dynamod.shared.config import RuntimeSettings
-from dynamod.shared.runtime.distributed import DistributedRuntime
 from tests.fixtures.servers import wait_until
-from tests.integration.frontend.test_frontend_support import LocalCluster, get_text, running_cluster
+from tests.integration.frontend.test_frontend_support import (
+    LocalCluster,
+    get_text,
+    running_cluster,
+    worker_control,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,17 +37,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     with running_cluster(tmp_path_factory.mktemp("sessions"), workers=3) as c:
         yield c
 
-
-async def _control(cluster: LocalCluster, endpoint: str, worker_hex: str, body: dict) -> list:
-    """A worker's control endpoint, as ``dynamoctl drain`` / ``wake`` call it."""
-    settings = RuntimeSettings(discovery_backend="file", file_kv=str(cluster.file_kv), event_plane="zmq")
-    rt = await DistributedRuntime.create(settings, events=False)
-    try:
-        client = await rt.namespace().component("backend").endpoint(endpoint).client()
-        await client.wait_for_instances(1, 10, routable=False)
-        return await client.call(body, instance_id=int(worker_hex, 16))
-    finally:
-        await rt.shutdown(grace_s=0.5)
 
 
 def _served(raw: openai.APIResponse) -> tuple[str, dict]:  # type: ignore[type-arg]
@@ -96,7 +88,7 @@ def test_session_sticks_then_moves_once_when_its_worker_drains(cluster: LocalClu
              .headers["x-dynamo-worker-instance-id"] for _ in range(3)}
     assert len(plain) == 3
 
-    asyncio.run(_control(cluster, "drain", home, {"wait": False}))
+    asyncio.run(worker_control(cluster, "drain", home, {"wait": False}))
     try:
         wait_until(lambda: home not in cluster.ready_workers() and len(cluster.ready_workers()) == 2, 10,
                    what="the drained worker to leave the ready set")
@@ -112,7 +104,7 @@ def test_session_sticks_then_moves_once_when_its_worker_drains(cluster: LocalClu
                  .headers["x-dynamo-worker-instance-id"] for _ in range(4)}
         assert plain == set(cluster.ready_workers())
     finally:
-        asyncio.run(_control(cluster, "wake_up", home, {}))
+        asyncio.run(worker_control(cluster, "wake_up", home, {}))
         wait_until(lambda: len(cluster.ready_workers()) == 3, 10, what="the worker to be ready again")
 
     # Its old worker is back; the session stays where it moved.

@@ -17,6 +17,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from dynamod.shared.config import RuntimeSettings
+from dynamod.shared.runtime.distributed import DistributedRuntime
 from tests.fixtures.servers import free_port, wait_until
 
 CLI = [sys.executable, "-m", "dynamod.daemon.cli"]
@@ -184,6 +186,18 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+async def worker_control(cluster: LocalCluster, endpoint: str, worker_hex: str, body: dict) -> list:
+    """Calls a worker's control endpoint (``drain``, ``wake_up``...) as ``dynamoctl`` does."""
+    settings = RuntimeSettings(discovery_backend="file", file_kv=str(cluster.file_kv), event_plane="zmq")
+    rt = await DistributedRuntime.create(settings, events=False)
+    try:
+        client = await rt.namespace().component("backend").endpoint(endpoint).client()
+        await client.wait_for_instances(1, 10, routable=False)
+        return await client.call(body, instance_id=int(worker_hex, 16))
+    finally:
+        await rt.shutdown(grace_s=0.5)
 
 
 @contextlib.contextmanager
