@@ -101,6 +101,32 @@ def engine_priority(priority: int | None) -> int:
     return -priority if priority else 0
 
 
+class PrefixPin(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Keep the prompt's first ``num_tokens`` tokens cached on the worker for ``ttl_s`` seconds
+    (Anthropic's ``cache_control``, ``nvext.cache_control``): the frontend counts the tokens after
+    the chat template. Engines pin whole blocks (a trailing partial block is not pinned); one that
+    cannot pin ignores it. A later pin of the same prefix extends it."""
+
+    num_tokens: int
+    ttl_s: float
+
+
+class MultimodalItem(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One image of a prompt, as the frontend's processor expanded it (vLLM's ``MultiModalFeatureSpec``:
+    ``identifier`` and ``mm_position``). ``token_ids[offset : offset + length]`` are its placeholder
+    tokens; ``mm_hash`` is its content hash (hex, daemon/frontend/preprocess/media/image.py), which
+    the blocks covering those tokens mix into their block hash (shared/kv/hashing.py), so a repeated
+    image is a prefix-cache hit and another image of the same size at the same place is a miss.
+    ``width``/``height``: the size the encoder sees after the processor's resize."""
+
+    mm_hash: str
+    offset: int
+    length: int
+    modality: str = "image"
+    width: int = 0
+    height: int = 0
+
+
 class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     request_id: str
     model: str
@@ -115,6 +141,8 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     dp_rank: int | None = None
     router: SlaTargets | None = None
     routing: RoutingHints | None = None
+    pin: PrefixPin | None = None  # cache_control: keep this prompt prefix cached for a while
+    mm_items: list[MultimodalItem] | None = None  # the prompt's images, in prompt order
 
     @property
     def priority(self) -> int:
@@ -127,6 +155,11 @@ class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    # ``PreprocessedRequest.pin``: prompt tokens this request newly pinned beyond ``cached_tokens``
+    # (Anthropic's cache_creation_input_tokens), and whether the pin was refused (the worker's
+    # pinned share of its cache was full, or its engine cannot pin: vLLM; the request ran unpinned).
+    pinned_tokens: int = 0
+    pin_refused: bool = False
 
 
 class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -13,6 +13,8 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from dynamod.daemon.engines.mocker.encoder import DEFAULT_ENCODE_MS_PER_IMAGE_TOKEN
+from dynamod.daemon.engines.mocker.pins import DEFAULT_MAX_PINNED_FRACTION
 from dynamod.daemon.engines.mocker.request_queue import POLICY_FCFS, SCHEDULING_POLICIES
 from dynamod.daemon.perf.mocker_timing import DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dynamod.shared.errors import ConfigError
@@ -69,6 +71,10 @@ class MockerConfig:
     host_offload_h2d_bandwidth_gbps: float = DEFAULT_HOST_H2D_GBPS
     disk_offload_write_bandwidth_gbps: float = DEFAULT_DISK_WRITE_GBPS
     disk_offload_read_bandwidth_gbps: float = DEFAULT_DISK_READ_GBPS
+    # Pinned prefixes (cache_control) may hold at most this share of each rank's device blocks.
+    max_pinned_fraction: float = DEFAULT_MAX_PINNED_FRACTION
+    # The vision encoder's simulated cost (encoder.py): ms per image token encoded.
+    encode_ms_per_image_token: float = DEFAULT_ENCODE_MS_PER_IMAGE_TOKEN
 
     def __post_init__(self) -> None:
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
@@ -129,6 +135,10 @@ class MockerConfig:
             if not gbps >= 0.0:
                 raise MockerConfigError(f"{name} must be >= 0 (0: unlimited), got {gbps}")
         _positive("--disk-io-queue-blocks", self.disk_io_queue_blocks)
+        if not self.encode_ms_per_image_token >= 0.0:
+            raise MockerConfigError(f"--encode-ms-per-image-token must be >= 0, got {self.encode_ms_per_image_token}")
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise MockerConfigError(f"--max-pinned-fraction must be in [0, 1], got {self.max_pinned_fraction}")
         if self.num_disk_blocks and not self.disk_cache_dir:
             raise MockerConfigError("--disk-cache-dir must not be empty with --num-disk-blocks")
         for tok in self.eos_token_ids:
@@ -189,6 +199,20 @@ def add_mocker_flags(group: argparse._ActionsContainer) -> None:
         help="data-parallel ranks, each with its own scheduler and KV cache (default: %(default)s)",
     )
     add_tier_flags(group)
+    group.add_argument(
+        "--encode-ms-per-image-token", type=float,
+        default=_env("DYN_ENCODE_MS_PER_IMAGE_TOKEN", str(DEFAULT_ENCODE_MS_PER_IMAGE_TOKEN)),
+        help="simulated vision-encoder time per image token, spent in the step that first prefills an "
+        "image's tokens (a fully cached image is not encoded) [env DYN_ENCODE_MS_PER_IMAGE_TOKEN, "
+        "default %(default)s]",
+    )
+    group.add_argument(
+        "--max-pinned-fraction", type=float,
+        default=_env("DYN_MAX_PINNED_FRACTION", str(DEFAULT_MAX_PINNED_FRACTION)),
+        help="share of each rank's KV blocks that prefixes pinned by cache_control may hold; a pin that "
+        "would exceed it is refused (the request runs unpinned); 0 refuses every pin "
+        "[env DYN_MAX_PINNED_FRACTION, default %(default)s]",
+    )
 
 
 def _env(name: str, default: str) -> str:
@@ -272,4 +296,6 @@ def config_from_args(
         host_offload_h2d_bandwidth_gbps=ns.host_offload_h2d_bandwidth_gbps,
         disk_offload_write_bandwidth_gbps=ns.disk_offload_write_bandwidth_gbps,
         disk_offload_read_bandwidth_gbps=ns.disk_offload_read_bandwidth_gbps,
+        max_pinned_fraction=getattr(ns, "max_pinned_fraction", DEFAULT_MAX_PINNED_FRACTION),
+        encode_ms_per_image_token=getattr(ns, "encode_ms_per_image_token", DEFAULT_ENCODE_MS_PER_IMAGE_TOKEN),
     )

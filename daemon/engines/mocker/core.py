@@ -25,6 +25,7 @@ import numpy as np
 from dynamod.daemon.engines.mocker.block_pool import KVBlock
 from dynamod.daemon.engines.mocker.config import MockerConfig
 from dynamod.daemon.engines.mocker.disk_tier import DiskStore
+from dynamod.daemon.engines.mocker.encoder import encode_time_ms, image_tokens_to_encode
 from dynamod.daemon.engines.mocker.guided import GuidedState
 from dynamod.daemon.engines.mocker.kv_content import KvContentWriter
 from dynamod.daemon.engines.mocker.kv_manager import KVCacheManager
@@ -51,6 +52,8 @@ from dynamod.shared.protocol.kv_events import (
 from dynamod.shared.protocol.kv_transfer import KvLayout, KvTransferParams
 from dynamod.shared.protocol.llm import (
     FINISH_ERROR,
+    MultimodalItem,
+    PrefixPin,
     PreprocessedRequest,
     SamplingOptions,
     Usage,
@@ -112,6 +115,8 @@ class StepOutput:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     onboard_ms: float = 0.0  # prefix blocks copied back from the host/disk tiers
+    encode_ms: float = 0.0  # the vision encoder over this step's new images (encoder.py)
+    num_encoded_image_tokens: int = 0
     num_prefill_tokens: int = 0
     num_prefill_reqs: int = 0
     num_decode_reqs: int = 0
@@ -124,6 +129,11 @@ class StepOutput:
     # ends (chunk-wise KV transfer overlapped with the prefill). Tokens before the first figure
     # were ready when the step began (the prefix cache's hits), those up to the second at its end.
     prefill_progress: list[tuple[str, int, int]] = field(default_factory=list)
+    # Streamed holds (``enable_hold_streaming``): held prefill requests admitted this step, whose
+    # rows the engine hands out before the prefill ends, and those preempted (transfer id,
+    # reason), whose rows will never hold their KV.
+    streams_opened: list[KvHold] | None = None
+    streams_failed: list[tuple[str, str]] | None = None
     # (request id, logprob, top alternatives) for the tokens of requests that asked for them.
     logprobs: list[tuple[str, float, list[tuple[int, float]] | None]] = field(default_factory=list)
 
@@ -176,7 +186,9 @@ class MockerCore:
         core that admits it); it must give what ``MockRequest.hash_prompt`` would."""
         self.config = config
         self.dp_rank = dp_rank
-        self.kv_manager = KVCacheManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(
+            config.num_gpu_blocks, config.block_size, config.enable_prefix_caching, config.max_pinned_fraction
+        )
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_seqs=config.max_num_seqs,
@@ -203,6 +215,8 @@ class MockerCore:
             self.tiers = self._make_tiers(config, kv_memory, kv_layout)
             self.kv_manager.attach_tiers(self.tiers)
         self.holds: dict[str, KvHold] = {}
+        self._streams: dict[str, str] = {}  # request id -> transfer id of a held prefill still running
+        self.streams_holds = False
         self.num_held_blocks = 0
         self.hold_id_prefix = f"dp{dp_rank}-"  # the engine makes it unique per worker
         self._next_hold = 0
@@ -287,6 +301,8 @@ class MockerCore:
         guided: GuidedState | None = None,
         check_tokens: bool = True,
         priority: int = 0,
+        pin: PrefixPin | None = None,
+        mm_items: list[MultimodalItem] | None = None,
     ) -> None:
         """Queues a request. Raises ``InvalidRequestError`` (``ContextLengthError`` for length).
 
@@ -305,7 +321,9 @@ class MockerCore:
         block once, where scanning 145 million prompt tokens here would cost seconds.
 
         ``priority``: in the engine's convention (lower first), used under the priority policy;
-        ``add_preprocessed`` converts the request's Dynamo priority to it."""
+        ``add_preprocessed`` converts the request's Dynamo priority to it.
+
+        ``pin``: keep the prompt's prefix cached for a while (``cache_control``; kv_manager.py)."""
         # ``MockRequest`` copies the prompt; a list is only read here (a replay's prompts are
         # thousands of tokens: one copy per admission, not two).
         prompt = prompt_token_ids if type(prompt_token_ids) is list else list(prompt_token_ids)
@@ -330,6 +348,8 @@ class MockerCore:
         if remote is not None:
             request.remote = RemoteKv(remote)
         request.hold_kv = hold_kv
+        request.pin = pin
+        request.mm_items = mm_items or None  # before hashing: the images key their blocks
         if guided is not None or (sampling is not None and needs_sampler(sampling)):
             request.sampler = TokenSampler(
                 sampling or SamplingOptions(),
@@ -368,6 +388,8 @@ class MockerCore:
             sampling=request.sampling,
             guided=guided,
             priority=engine_priority(request.priority),
+            pin=request.pin,
+            mm_items=request.mm_items,
         )
 
     def check_request(
@@ -410,6 +432,7 @@ class MockerCore:
 
     def abort(self, request_id: str) -> bool:
         """Drops a request and frees its blocks. False if it is unknown or already finished."""
+        self._streams.pop(request_id, None)
         return self.scheduler.abort(request_id) is not None
 
     def abort_all(self) -> list[str]:
@@ -417,6 +440,7 @@ class MockerCore:
         ids = list(self.scheduler.requests)
         for request_id in ids:
             self.scheduler.abort(request_id)
+        self._streams.clear()
         return ids
 
     def has_unfinished_requests(self) -> bool:
@@ -443,7 +467,12 @@ class MockerCore:
             out.prefill_ms = prefill_time_ms(sched.num_prefill_tokens)
         if sched.decode_reqs:
             out.decode_ms = decode_time_ms(kv_usage)
-        out.duration_ms = out.prefill_ms + out.decode_ms
+        if sched.prefill_reqs:
+            image_tokens = image_tokens_to_encode(sched.prefill_reqs, sched.prefill_num_tokens)
+            if image_tokens:
+                out.num_encoded_image_tokens = image_tokens
+                out.encode_ms = encode_time_ms(image_tokens, self.config.encode_ms_per_image_token)
+        out.duration_ms = out.encode_ms + out.prefill_ms + out.decode_ms
         if sched.onboard_ms:
             out.onboard_ms = sched.onboard_ms
             out.duration_ms += sched.onboard_ms
@@ -451,6 +480,8 @@ class MockerCore:
             self._write_kv(sched)
         if sched.remote_loads is not None:
             out.remote_loads = [self._remote_load(request) for request in sched.remote_loads]
+        if self.streams_holds:
+            self._track_streams(sched, out)
         if sched.prefill_reqs:
             out.prefill_progress = [
                 (request.request_id, request.num_computed_tokens, request.num_computed_tokens + num_new)
@@ -469,6 +500,8 @@ class MockerCore:
                         prompt_tokens=request.num_prompt_tokens,
                         cached_tokens=max(request.num_cached_tokens, 0),
                         completion_tokens=request.num_output_tokens,
+                        pinned_tokens=request.num_pinned_tokens,
+                        pin_refused=request.pin_refused,
                     ),
                     request.num_preemptions,
                     self._hold(request) if request.hold_kv and request.finish_reason != FINISH_ERROR else None,
@@ -532,15 +565,63 @@ class MockerCore:
             if (pos + 1) % bs == 0:
                 writer.write(request, pos, pos + 1)
 
+    def enable_hold_streaming(self) -> None:
+        """Held prefill requests get their whole prompt's blocks at admission and are reported
+        in ``StepOutput.streams_opened``, so their rows can be read while they are computed."""
+        self.streams_holds = True
+        self.scheduler.allocate_holds_whole = True
+
+    def _track_streams(self, sched: SchedulerOutput, out: StepOutput) -> None:
+        streams = self._streams
+        for request in sched.preempted_reqs:
+            tid = streams.pop(request.request_id, None)
+            if tid is not None:
+                # Its blocks are gone: the rows handed out will never hold its KV. It is
+                # recomputed as a plain prefill (nobody reads a hold made later).
+                request.hold_kv = False
+                if out.streams_failed is None:
+                    out.streams_failed = []
+                out.streams_failed.append((tid, "its prefill was preempted on the prefill worker"))
+        for request in sched.prefill_reqs:
+            if request.hold_kv and request.request_id not in streams:
+                if out.streams_opened is None:
+                    out.streams_opened = []
+                out.streams_opened.append(self._open_stream(request))
+
+    def _open_stream(self, request: MockRequest) -> KvHold:
+        """The hold a streamed prefill will end in, described at admission (no blocks moved yet:
+        they stay the request's until it finishes)."""
+        bs = self.config.block_size
+        n = request.num_prompt_tokens
+        assert len(request.blocks) * bs >= n, "a streamed hold is admitted with its whole prompt's blocks"
+        request.ensure_block_hashes(n // bs, bs)
+        transfer_id = f"{self.hold_id_prefix}{self._next_hold}"
+        self._next_hold += 1
+        self._streams[request.request_id] = transfer_id
+        offset = self.row_offset
+        return KvHold(
+            transfer_id=transfer_id,
+            request_id=request.request_id,
+            blocks=[],
+            block_ids=[offset + b.block_id for b in request.blocks[: -(-n // bs)]],
+            block_hashes=request.block_hashes[: n // bs],
+            num_tokens=n,
+            cached_tokens=request.num_computed_tokens,
+            first_token=-1,
+        )
+
     def _hold(self, request: MockRequest) -> KvHold:
-        """Moves a finished prefill request's blocks to a hold (they stay referenced)."""
+        """Moves a finished prefill request's blocks to a hold (they stay referenced); a streamed
+        one keeps the transfer id its rows were handed out under."""
         bs = self.config.block_size
         n = request.num_prompt_tokens
         request.ensure_block_hashes(n // bs, bs)
         blocks, request.blocks = request.blocks, []
         request.num_cached_blocks = 0
-        transfer_id = f"{self.hold_id_prefix}{self._next_hold}"
-        self._next_hold += 1
+        transfer_id = self._streams.pop(request.request_id, None)
+        if transfer_id is None:
+            transfer_id = f"{self.hold_id_prefix}{self._next_hold}"
+            self._next_hold += 1
         offset = self.row_offset
         hold = KvHold(
             transfer_id=transfer_id,
@@ -634,7 +715,8 @@ class MockerCore:
         return CoreLoad(
             num_waiting=sched.num_waiting,
             num_running=len(sched.running),
-            active_blocks=pool.get_num_used_blocks(),
+            # Blocks only a pin holds are cache, not sequences: they stay out of the active count.
+            active_blocks=pool.get_num_used_blocks() - self.kv_manager.num_idle_pinned_blocks,
             total_blocks=pool.num_blocks,
             kv_usage=pool.get_usage(),
             active_prefill_tokens=pending,

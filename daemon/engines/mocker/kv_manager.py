@@ -4,6 +4,13 @@ Modelled on vLLM's ``KVCacheManager``. "Does not fit right now" is a normal answ
 ``allocate_slots``), not an exception: the scheduler reacts by preempting or by waiting. Full
 blocks are offered to the prefix cache as soon as they are scheduled (as vLLM v1 does), so a
 request admitted later in the same step already hits them.
+
+Pinned prefixes (``MockRequest.pin``, from ``cache_control``): once a request's first
+``pin.num_tokens // block_size`` blocks are cached, the ``PinTable`` (pins.py) records them and
+each newly pinned block gets one more reference, held by the pin: the allocator never evicts a
+referenced block, so a pinned prefix survives any eviction storm until its TTL runs out; then the
+reference is dropped and the block is an ordinary cached free block again. A cache hit on pinned
+blocks refreshes them. The lower tiers ask the same table before pushing a hash out.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dynamod.daemon.engines.mocker.block_pool import BlockPool, KVBlock
+from dynamod.daemon.engines.mocker.pins import DEFAULT_MAX_PINNED_FRACTION, Clock, PinTable
 from dynamod.daemon.engines.mocker.request import MockRequest
 from dynamod.daemon.engines.mocker.tiers import OnboardPlan, TieredKvCache
 from dynamod.shared.protocol.kv_events import MEDIUM_GPU, KvCleared, KvEvent
@@ -21,11 +29,19 @@ _NO_BLOCKS: list[KVBlock] = []
 class KVCacheManager:
     """Allocates blocks to requests of one data-parallel rank."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True,
+        max_pinned_fraction: float = DEFAULT_MAX_PINNED_FRACTION,
+        clock: Clock | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.tiers: TieredKvCache | None = None
+        if not 0.0 <= max_pinned_fraction <= 1.0:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction}")
+        max_pinned = int(max_pinned_fraction * num_blocks) if enable_caching else 0
+        self.pins = PinTable(max_pinned) if clock is None else PinTable(max_pinned, clock)
 
     def attach_tiers(self, tiers: TieredKvCache) -> None:
         """Puts host/disk tiers behind the device pool: its evictions go to them, and prefixes
@@ -34,6 +50,7 @@ class KVCacheManager:
             raise ValueError("KV tiers need prefix caching")
         self.tiers = tiers
         self.block_pool.on_evict = tiers.on_evict
+        tiers.set_pinned(self.pins.is_pinned)
 
     @property
     def usage(self) -> float:
@@ -112,6 +129,8 @@ class KVCacheManager:
         """
         bs = self.block_size
         pool = self.block_pool
+        if self.pins:
+            self.expire_pins()
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_new_blocks = -(-num_tokens // bs) - len(request.blocks) - len(new_computed_blocks)
         free = pool.free_block_queue.num_free_blocks
@@ -124,6 +143,8 @@ class KVCacheManager:
             pool.touch(new_computed_blocks)
             request.blocks.extend(new_computed_blocks)
             request.num_cached_blocks = len(request.blocks)
+            if self.pins:
+                self.pins.refresh(b.block_hash for b in new_computed_blocks)  # type: ignore[misc]
         if num_new_blocks > 0:
             new_blocks = pool.get_new_blocks(num_new_blocks)
             request.blocks.extend(new_blocks)
@@ -131,6 +152,9 @@ class KVCacheManager:
             new_blocks = _NO_BLOCKS
         if self.enable_caching and not delay_caching and num_tokens >= (request.num_cached_blocks + 1) * bs:
             self._cache_full_blocks(request, num_tokens // bs)
+        if request.pin is not None:
+            hit = request.num_cached_tokens if request.num_cached_tokens >= 0 else num_new_computed_tokens
+            self._apply_pin(request, hit)
         return new_blocks
 
     def cache_blocks(self, request: MockRequest, num_tokens: int) -> None:
@@ -139,6 +163,65 @@ class KVCacheManager:
         num_full = num_tokens // self.block_size
         if self.enable_caching and num_full > request.num_cached_blocks:
             self._cache_full_blocks(request, num_full)
+        if request.pin is not None:
+            self._apply_pin(request, max(request.num_cached_tokens, 0))
+
+    # ---- pinned prefixes -------------------------------------------------------------------------
+
+    def _apply_pin(self, request: MockRequest, hit_tokens: int) -> None:
+        """Pins the request's prefix once its blocks are all in the prefix cache (a prompt still
+        being scheduled in chunks waits for its later chunks). ``hit_tokens``: the prompt's
+        prefix-cache hit, which a newly pinned block does not count as created."""
+        pin = request.pin
+        assert pin is not None
+        bs = self.block_size
+        num_blocks = min(pin.num_tokens, request.num_prompt_tokens) // bs
+        if not self.enable_caching or num_blocks <= 0:
+            request.pin = None
+            return
+        if request.num_cached_blocks < num_blocks:
+            return  # not all scheduled yet
+        request.pin = None
+        prefix = request.block_hashes[:num_blocks]
+        cache = self.block_pool.cached_block_hash_to_block
+        # A hash another block held first is cached under that block (``cache_full_blocks``).
+        outcome = self.pins.pin([h for h in prefix if h in cache], pin.ttl_s)
+        if outcome.refused:
+            request.pin_refused = True
+            return
+        if outcome.new:
+            self.block_pool.touch([cache[h] for h in outcome.new])  # the pin's own reference
+            index = {h: i for i, h in enumerate(prefix)}
+            hit_blocks = hit_tokens // bs
+            request.num_pinned_tokens = bs * sum(1 for h in outcome.new if index[h] >= hit_blocks)
+
+    def expire_pins(self) -> int:
+        """Drops the references of pins whose TTL ran out; returns how many blocks were unpinned."""
+        expired = self.pins.expired()
+        if not expired:
+            return 0
+        cache = self.block_pool.cached_block_hash_to_block
+        self.block_pool.free_blocks([cache[h] for h in expired if h in cache])
+        return len(expired)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self.pins)
+
+    @property
+    def num_idle_pinned_blocks(self) -> int:
+        """Pinned blocks no request holds (their only reference is the pin's); O(pins)."""
+        if not self.pins:
+            return 0
+        cache = self.block_pool.cached_block_hash_to_block
+        return sum(1 for h in self.pins.hashes() if (b := cache.get(h)) is not None and b.ref_cnt == 1)
+
+    def _drop_pins(self) -> None:
+        """Releases every pin's reference (before the device cache forgets its hashes)."""
+        cache = self.block_pool.cached_block_hash_to_block
+        blocks = [cache[h] for h in self.pins.clear() if h in cache]
+        if blocks:
+            self.block_pool.free_blocks(blocks)
 
     def _cache_full_blocks(self, request: MockRequest, num_full_blocks: int) -> None:
         """Offers blocks [num_cached_blocks, num_full_blocks) to the prefix cache and queues one
@@ -162,6 +245,8 @@ class KVCacheManager:
         returns how many blocks were dropped and queues one ``KvCleared`` naming what was cleared."""
         tiers = self.tiers
         pool = self.block_pool
+        if medium in (None, MEDIUM_GPU) and self.pins:
+            self._drop_pins()
         if tiers is None:  # the device cache is every tier there is
             return pool.reset_prefix_cache(None) if medium in (None, MEDIUM_GPU) else 0
         dropped = 0

@@ -16,13 +16,20 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from dynamod.shared.kv.hashing import chain_hash, compute_block_hashes, hash_tokens
+from dynamod.shared.kv.hashing import (
+    block_mm_key,
+    chain_hash,
+    compute_block_hashes,
+    hash_tokens,
+    mm_local_hash,
+)
 from dynamod.shared.protocol.kv_transfer import KvTransferParams
 
 if TYPE_CHECKING:
     import numpy as np
 
     from dynamod.daemon.engines.mocker.sampling import TokenSampler
+    from dynamod.shared.protocol.llm import MultimodalItem, PrefixPin
 
 _MASK64 = (1 << 64) - 1
 _LCG_MUL = 6364136223846793005  # Knuth's MMIX constants
@@ -66,7 +73,7 @@ class MockRequest:
         "lora_name", "kv_transferred", "status", "num_computed_tokens", "prefill_target",
         "num_cached_tokens", "blocks", "num_cached_blocks", "block_hashes", "local_hashes",
         "num_preemptions", "rng_state", "vocab_size", "finish_reason", "remote", "hold_kv", "sampler",
-        "staged_kv", "priority", "arrival",
+        "staged_kv", "priority", "arrival", "pin", "num_pinned_tokens", "pin_refused", "mm_items",
     )
 
     def __init__(
@@ -122,6 +129,15 @@ class MockRequest:
         # first, then earlier ``arrival`` (numbered by the scheduler as requests are added).
         self.priority = priority
         self.arrival = 0
+        # ``cache_control``: the prompt prefix to pin once its blocks are cached (the KV manager
+        # applies it once and clears it), the tokens it newly pinned beyond the prefix-cache hit
+        # (cache_creation_input_tokens) and whether the pinned-share bound refused it.
+        self.pin: PrefixPin | None = None
+        self.num_pinned_tokens = 0
+        self.pin_refused = False
+        # The prompt's images: the blocks covering their placeholder tokens are keyed by their
+        # content hashes (shared/kv/hashing.py), as the router hashes the prompt.
+        self.mm_items: list[MultimodalItem] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -137,7 +153,7 @@ class MockRequest:
 
     def hash_prompt(self, block_size: int) -> None:
         """Hashes the prompt's full blocks once, at admission, in C (shared/kv/hashing.py)."""
-        self.local_hashes, self.block_hashes = hash_tokens(self.token_ids, block_size, self.lora_name)
+        self.local_hashes, self.block_hashes = hash_tokens(self.token_ids, block_size, self.lora_name, self.mm_items)
 
     def ensure_block_hashes(self, num_blocks: int, block_size: int) -> None:
         """Extends the hashes over generated tokens up to ``num_blocks`` full blocks."""
@@ -145,6 +161,8 @@ class MockRequest:
         while len(hashes) < num_blocks:
             i = len(hashes)
             local = compute_block_hashes(self.token_ids[i * block_size : (i + 1) * block_size], block_size, self.lora_name)[0]
+            if self.mm_items:  # an image may end in the prompt's partial last block
+                local = mm_local_hash(local, block_mm_key(i, block_size, self.mm_items))
             self.local_hashes.append(local)
             hashes.append(local if i == 0 else chain_hash(hashes[i - 1], local))
 

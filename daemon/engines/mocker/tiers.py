@@ -17,6 +17,13 @@ allocation thus still finds every block it planned to onboard after that allocat
 Offload copies are asynchronous in a real engine (they overlap compute), so only onboarding costs
 step time here.
 
+Pinned prefixes (``pins.py``): a tier never pushes out a hash that is pinned while an unpinned
+entry is left to push out instead (``LruTier.insert`` skips pinned entries, moving them to the
+recent end); when every entry is pinned it pushes out the least recently used one anyway, so a tier
+smaller than the pinned set still works as an LRU. Pins live in the device pool as held references,
+so a pinned hash reaches a lower tier only as the copy an onboard left behind (or after its pin
+expired); that copy then stays until the pin ends.
+
 Block bytes: a core that keeps its KV as bytes (``read_row``/``write_row`` given) moves them: the
 host tier keeps a copy of each block, the disk tier one file per block (``disk_tier.py``).
 Without bytes (the trace replayer) the tiers keep only the index and the timing.
@@ -56,6 +63,7 @@ from dynamod.shared.protocol.kv_events import (
 
 RowReader = Callable[[int], np.ndarray]
 RowWriter = Callable[[int, np.ndarray], None]
+PinnedPredicate = Callable[[int], bool]
 
 
 class LruTier:
@@ -67,6 +75,7 @@ class LruTier:
         self.medium = medium
         self.capacity = capacity
         self.entries: OrderedDict[int, TierEntry] = OrderedDict()
+        self.is_pinned: PinnedPredicate | None = None  # pinned hashes are pushed out last
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -89,7 +98,15 @@ class LruTier:
         entries = self.entries
         entries[entry.block_hash] = entry
         evicted: list[TierEntry] = []
+        pinned = self.is_pinned
         while len(entries) > self.capacity:
+            if pinned is not None:
+                # Pinned entries at the LRU end move to the recent end; at most one pass.
+                for _ in range(len(entries) - 1):
+                    oldest = next(iter(entries))
+                    if not pinned(oldest):
+                        break
+                    entries.move_to_end(oldest)
             evicted.append(entries.popitem(last=False)[1])
         return evicted
 
@@ -187,6 +204,11 @@ class TieredKvCache:
     @property
     def keeps_bytes(self) -> bool:
         return self.read_row is not None
+
+    def set_pinned(self, is_pinned: PinnedPredicate | None) -> None:
+        """Makes both tiers push pinned hashes out last (the device pool's pin table)."""
+        self.host.is_pinned = is_pinned
+        self.disk.is_pinned = is_pinned
 
     @property
     def tiers(self) -> tuple[LruTier, ...]:

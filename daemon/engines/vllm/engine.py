@@ -54,6 +54,7 @@ from dynamod.daemon.engines.vllm.outputs import OutputTracker, sampling_kwargs
 from dynamod.daemon.engines.vllm.stats import LoadTracker, make_stat_logger_factory
 from dynamod.daemon.models.local import LocalModel
 from dynamod.shared.errors import ConfigError, DynamoError, EngineError, InvalidRequestError, UnavailableError
+from dynamod.shared.observability.tracing import trace_headers_for
 from dynamod.shared.protocol.kv_events import MEDIA, MEDIUM_CPU, MEDIUM_GPU, decode_native_batch
 from dynamod.shared.protocol.llm import (
     FINISH_ABORT,
@@ -393,7 +394,8 @@ class VllmEngine(NativeEngineBase):
             params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA, extra_args=extra_args)
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(f"bad sampling parameters: {exc}") from None
-        tracker = OutputTracker(len(request.token_ids), request.sampling.logprobs or 0)
+        # No per-request pinning in vLLM's API: a cache_control pin is reported refused (outputs.py).
+        tracker = OutputTracker(len(request.token_ids), request.sampling.logprobs or 0, pin_refused=request.pin is not None)
         self._active[rid] = tracker
         stream = llm.generate(
             TokensPrompt(prompt_token_ids=list(request.token_ids)),
@@ -403,6 +405,8 @@ class VllmEngine(NativeEngineBase):
             data_parallel_rank=request.dp_rank,
             # Dynamo's priority is "higher first", vLLM's "lower first".
             priority=engine_priority(request.priority) if self._priority_scheduling else 0,
+            # The worker's request span: vLLM's own spans (with --otlp-traces-endpoint) join the trace.
+            trace_headers=trace_headers_for(rid),
         )
         finished = False
         try:

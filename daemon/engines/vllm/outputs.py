@@ -132,21 +132,26 @@ def top_logprobs(token_ids: list[int], logprobs: Any, num_top: int) -> list[list
 
 class OutputTracker:
     """Maps one request's delta outputs; keeps the counts its final usage needs. ``num_top``: the
-    top logprobs per token the request asked for (0: none)."""
+    top logprobs per token the request asked for (0: none). ``pin_refused``: the request asked for
+    a pinned prefix (``cache_control``), which vLLM cannot give: its API (0.32) has no per-request
+    pin or TTL (``SamplingParams`` and ``AsyncLLM.generate`` take none; the block pool's references
+    are internal), so the usage says nothing was pinned."""
 
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "num_top")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "num_top", "pin_refused")
 
-    def __init__(self, prompt_tokens: int, num_top: int = 0) -> None:
+    def __init__(self, prompt_tokens: int, num_top: int = 0, pin_refused: bool = False) -> None:
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.num_top = num_top
+        self.pin_refused = pin_refused
 
     def usage(self) -> Usage:
         return Usage(
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens,
             completion_tokens=self.completion_tokens,
+            pin_refused=self.pin_refused,
         )
 
     def map(self, output: Any) -> EngineOutput | None:

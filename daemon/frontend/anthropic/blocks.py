@@ -62,10 +62,15 @@ def stop_reason(finish_reason: str | None, stop_sequence: str | None, tool_use: 
     return STOP_TOOL_USE if tool_use else STOP_END_TURN
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
-    """Anthropic's split of the prompt: the part the worker's cache held is read, not input."""
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, pinned_tokens: int = 0) -> Usage:
+    """Anthropic's split of the prompt: the part the worker's cache held is read, the part after
+    it that this request pinned is written (created), the rest is input; the three add up."""
     cached = min(cached_tokens, prompt_tokens)
-    return Usage(input_tokens=prompt_tokens - cached, output_tokens=completion_tokens, cache_read_input_tokens=cached)
+    created = min(pinned_tokens, prompt_tokens - cached)
+    return Usage(
+        input_tokens=prompt_tokens - cached - created, output_tokens=completion_tokens,
+        cache_creation_input_tokens=created, cache_read_input_tokens=cached,
+    )
 
 
 def sse_event(event: Event) -> bytes:

@@ -29,7 +29,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
+
 from dynamod.daemon.frontend.anthropic.schema import (
+    CacheControl,
     CountTokensRequest,
     DocumentBlockParam,
     ImageBlockParam,
@@ -147,22 +150,9 @@ def _block_type(block: Any) -> str:
 
 def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
     """The conversation (``system`` and ``messages``) as chat messages."""
-    out: list[dict[str, Any]] = []
-    system = req.system
-    if isinstance(system, str):
-        if system:
-            out.append({"role": "system", "content": system})
-    elif system:
-        out.append({"role": "system", "content": "\n".join(block.text for block in system)})
     if not req.messages:
         raise InvalidRequestError("messages: at least one message is required", param="messages")
-    for i, message in enumerate(req.messages):
-        where = f"messages[{i}].content"
-        content = message.content
-        if message.role == "user":
-            out.extend([{"role": "user", "content": content}] if isinstance(content, str) else _user_messages(content, where))
-        else:
-            out.append({"role": "assistant", "content": content} if isinstance(content, str) else _assistant_message(content, where))
+    out = conversation_messages(req)
     if req.messages[-1].role == "assistant":
         raise InvalidRequestError(
             "messages: the last message is from the assistant; continuing a prefilled assistant turn is not "
@@ -170,6 +160,39 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
             param=f"messages[{len(req.messages) - 1}]",
         )
     return out
+
+
+def conversation_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
+    """``system`` and ``messages`` as chat messages, whatever the last turn (a prefix of a
+    conversation, cut at a ``cache_control`` mark, may end anywhere)."""
+    out: list[dict[str, Any]] = []
+    system = req.system
+    if isinstance(system, str):
+        if system:
+            out.append({"role": "system", "content": system})
+    elif system:
+        out.append({"role": "system", "content": "\n".join(block.text for block in system)})
+    for i, message in enumerate(req.messages):
+        where = f"messages[{i}].content"
+        content = message.content
+        if message.role == "user":
+            out.extend([{"role": "user", "content": content}] if isinstance(content, str) else _user_messages(content, where))
+        else:
+            out.append({"role": "assistant", "content": content} if isinstance(content, str) else _assistant_message(content, where))
+    return out
+
+
+def tool_cache_control(tool: dict[str, Any], i: int) -> CacheControl | None:
+    """A custom tool's ``cache_control`` (tools stay plain objects in the schema, so it is checked
+    here); a malformed one is a 400 naming it."""
+    raw = tool.get("cache_control")
+    if raw is None:
+        return None
+    try:
+        return msgspec.convert(raw, CacheControl)
+    except msgspec.ValidationError as exc:
+        where = f"tools[{i}].cache_control"
+        raise InvalidRequestError(f"invalid parameter {where}: {exc}", param=where) from None
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -193,6 +216,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise InvalidRequestError(f"{where}.input_schema: a tool needs a JSON schema object", param=f"{where}.input_schema")
+        tool_cache_control(tool, i)
         function: dict[str, Any] = {"name": name, "parameters": schema}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]

@@ -12,6 +12,9 @@ card's reasoning and tool-call parsers, or the forced-call parser of ``tool_choi
 the pipeline's ``start`` and ``serve`` run unchanged, and the writers (``writers.py``) speak
 Anthropic. Every error, at the door or later, has Anthropic's shape.
 
+``cache_control`` marks become the request's pin (``cache_control.py``), counted on the prompt
+after the chat template; they win over ``nvext.cache_control``.
+
 ``count_tokens`` renders the same prompt (the same conversion and chat template) and counts its
 tokens, without routing anything.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dynamod.daemon.frontend.anthropic.cache_control import pin_for
 from dynamod.daemon.frontend.anthropic.convert import AnthropicChatRequest, to_chat_request
 from dynamod.daemon.frontend.anthropic.errors import to_anthropic_error
 from dynamod.daemon.frontend.anthropic.schema import (
@@ -32,9 +36,11 @@ from dynamod.daemon.frontend.anthropic.writers import MessageEventWriter, Messag
 from dynamod.daemon.frontend.http.asgi import Scope, read_body, send_error, send_json
 from dynamod.daemon.frontend.openai.chat import ChatCompletionsEndpoint
 from dynamod.daemon.frontend.parsers.output import ToolSettings
-from dynamod.daemon.frontend.pipeline.request import FrontendRequest
+from dynamod.daemon.frontend.pipeline.models import ServedModel
+from dynamod.daemon.frontend.pipeline.request import FrontendRequest, Plan
 from dynamod.daemon.frontend.pipeline.serve import ResponseWriter
 from dynamod.daemon.frontend.pipeline.state import FrontendState
+from dynamod.daemon.frontend.preprocess.model_preprocessor import ModelPreprocessor
 
 ENDPOINT_MESSAGES = "messages"  # the metrics' endpoint label
 ENDPOINT_COUNT_TOKENS = "count_tokens"
@@ -45,6 +51,13 @@ class MessagesEndpoint(ChatCompletionsEndpoint):
 
     def decode(self, body: bytes) -> AnthropicChatRequest:
         return to_chat_request(decode_messages_request(body))
+
+    async def plan(self, req: AnthropicChatRequest, model: ServedModel, pre: ModelPreprocessor) -> Plan:  # type: ignore[override]
+        plan = await super().plan(req, model, pre)
+        pin = await pin_for(req, pre, plan.prompt_ids)  # cache_control marks win over nvext.cache_control
+        if pin is not None:
+            plan.pin = pin
+        return plan
 
     async def refuse(self, send: Any, exc: BaseException, request_id: str) -> None:
         await send_error(send, to_anthropic_error(exc, request_id=request_id))

@@ -4,8 +4,9 @@ Requests follow the frontend's strictness policy (``pipeline/body.py``): decoded
 one pass, an unknown field is a 400 naming it. Every field Anthropic documents for these two
 endpoints is accepted. Those that describe the caller, its billing or the prompt cache and change
 nothing about the output (``metadata``, ``service_tier``, ``speed``, ``inference_geo``,
-``diagnostics``, ``user_profile_id``, ``workspace_id``, ``cache_control``) are accepted and not
-used (``ACCEPTED_UNUSED``); those that ask for something this server cannot do (``container``,
+``diagnostics``, ``user_profile_id``, ``workspace_id``) are accepted and not used
+(``ACCEPTED_UNUSED``); ``cache_control`` (on blocks, tools or the request) pins the prompt prefix
+on the worker (``cache_control.py``); those that ask for something this server cannot do (``container``,
 ``mcp_servers``, ``context_management``) are refused by name when set, in ``convert.py``.
 
 Content blocks are tagged unions on ``type``: text, image, document, tool_use, tool_result,
@@ -35,7 +36,6 @@ ThinkingBudget = Annotated[int, msgspec.Meta(ge=1024, le=_I32)]  # "at least 1,0
 
 ACCEPTED_UNUSED = (
     "metadata", "service_tier", "speed", "inference_geo", "diagnostics", "user_profile_id", "workspace_id",
-    "cache_control",
 )
 
 UNKNOWN_FIELD_HINTS = {
@@ -48,7 +48,8 @@ UNKNOWN_FIELD_HINTS = {
 
 
 class CacheControl(RequestBody, kw_only=True):
-    """``cache_control`` on a block or the request (prompt caching; accepted, not yet pinning)."""
+    """``cache_control`` on a block, a tool or the request: pin the prompt prefix up to there for
+    ``ttl`` (5 minutes by default; ``cache_control.py``)."""
 
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
@@ -193,8 +194,8 @@ class CountTokensRequest(RequestBody, kw_only=True):
     # Refused when set (convert.py): nothing here runs them.
     mcp_servers: list[Any] | None = None
     context_management: Any = None
+    cache_control: CacheControl | None = None  # the whole prompt (the last block) is the prefix to pin
     # ACCEPTED_UNUSED
-    cache_control: CacheControl | None = None
     speed: Literal["standard", "fast"] | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
@@ -236,7 +237,9 @@ def decode_count_tokens_request(body: bytes) -> CountTokensRequest:
 
 class Usage(msgspec.Struct):
     """Anthropic counts the prompt in three parts: ``input_tokens`` is what was neither read from
-    nor written to the prompt cache; ``cache_read_input_tokens`` is the prefix the worker had."""
+    nor written to the prompt cache; ``cache_read_input_tokens`` is the prefix the worker had;
+    ``cache_creation_input_tokens`` the tokens after it that this request's ``cache_control``
+    newly pinned (0 when the worker refused the pin: its pinned share was full)."""
 
     input_tokens: int
     output_tokens: int

@@ -67,7 +67,8 @@ class MessagesWriter(ResponseWriter):
     def _end(self, gen: TextGeneration, finish_reason: str | None) -> tuple[str, str | None, Usage]:
         sequence = gen.stop_sequence
         reason = stop_reason(finish_reason, sequence, self.builder.has_tool_use)
-        return reason, sequence, make_usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+        usage = make_usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens, gen.request.pinned_tokens)
+        return reason, sequence, usage
 
 
 class MessageJsonWriter(MessagesWriter):

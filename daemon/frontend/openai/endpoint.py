@@ -76,6 +76,7 @@ def make_plan(
         stops=stops, parser=parser, min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids or [],
         ignore_eos=req.wants_ignore_eos, sla=nvext.sla_targets() if nvext is not None else None,
         routing=nvext.routing_hints() if nvext is not None else None,
+        pin=nvext.prefix_pin(len(prompt_ids)) if nvext is not None else None,
     )
 
 

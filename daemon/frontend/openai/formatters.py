@@ -58,6 +58,15 @@ def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
     )
 
 
+def generation_usage(gen: Any) -> UsageInfo:
+    """``make_usage`` of one ``TextGeneration``, with the pinned tokens when it asked for a pin."""
+    usage = make_usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+    engine = gen.request
+    if engine.preprocessed.pin is not None:
+        usage.prompt_tokens_details.created_cache_tokens = engine.pinned_tokens
+    return usage
+
+
 # Characters JSON allows raw inside strings that some line splitters treat as line breaks (JS
 # ``String.split`` on line terminators, Python's ``str.splitlines``): written raw, one would cut an
 # SSE ``data:`` line in two for such a client, and a model's output can contain any of them.

@@ -22,7 +22,7 @@ import msgspec
 from dynamod.daemon.frontend.pipeline.body import RequestBody, decode_body
 from dynamod.daemon.frontend.pipeline.routing import SessionRef
 from dynamod.shared.errors import InvalidRequestError
-from dynamod.shared.protocol.llm import RoutingHints, SlaTargets
+from dynamod.shared.protocol.llm import PrefixPin, RoutingHints, SlaTargets
 
 _I32 = 2**31 - 1
 _I64 = 2**63 - 1
@@ -94,6 +94,35 @@ class SessionControl(RequestBody, kw_only=True):
     timeout: SessionTimeout | None = None
 
 
+PIN_TTL_UNITS = {"s": 1, "m": 60, "h": 3600}
+MAX_PIN_TTL_S = 3600  # Anthropic's longest cache TTL
+DEFAULT_PIN_TTL_S = 300  # Anthropic's and Dynamo's default, 5 minutes
+PrefixTokens = Annotated[int, msgspec.Meta(ge=1, le=_I32)]
+
+
+def pin_ttl_seconds(ttl: str | None, param: str) -> float:
+    """``"30s"``, ``"5m"``, ``"1h"`` (an integer and a unit, up to an hour) in seconds; None: 5 minutes."""
+    if ttl is None:
+        return float(DEFAULT_PIN_TTL_S)
+    unit = PIN_TTL_UNITS.get(ttl[-1:]) if ttl[:-1].isdigit() else None
+    seconds = int(ttl[:-1]) * unit if unit is not None else 0
+    if not 1 <= seconds <= MAX_PIN_TTL_S:
+        raise InvalidRequestError(
+            f"{param}: {ttl!r} is not a TTL; use an integer with s, m or h, from 1s to 1h (e.g. \"5m\")", param=param
+        )
+    return float(seconds)
+
+
+class NvExtCacheControl(RequestBody, kw_only=True):
+    """``nvext.cache_control`` (the spelling of Dynamo's prefix pinning, Anthropic's object): keep
+    this request's prompt cached on its worker for ``ttl``; ``prefix_tokens`` pins only the first
+    that many prompt tokens (default the whole prompt). Workers pin whole KV blocks."""
+
+    type: Literal["ephemeral"] = "ephemeral"
+    ttl: str | None = None
+    prefix_tokens: PrefixTokens | None = None
+
+
 class NvExt(RequestBody, kw_only=True):
     """Dynamo's request extension block; ``ignore_eos`` also works at the top level."""
 
@@ -102,6 +131,7 @@ class NvExt(RequestBody, kw_only=True):
     agent_hints: AgentHints | None = None
     session_control: SessionControl | None = None
     session_id: SessionId | None = None  # shorthand for session_control.session_id
+    cache_control: NvExtCacheControl | None = None  # pin the prompt prefix on the worker
     # Dynamo's guided decoding under nvext (the same meaning as the top-level guided_* fields).
     guided_json: Any = None
     guided_regex: str | None = None
@@ -121,6 +151,15 @@ class NvExt(RequestBody, kw_only=True):
         """The hints for ``PreprocessedRequest.routing`` (None: the client set none)."""
         h = self.agent_hints
         return None if h is None or h.priority is None else RoutingHints(priority=h.priority)
+
+    def prefix_pin(self, prompt_len: int) -> PrefixPin | None:
+        """The pin for ``PreprocessedRequest.pin`` (None: no ``cache_control``); a bad TTL is a 400."""
+        cc = self.cache_control
+        if cc is None:
+            return None
+        ttl_s = pin_ttl_seconds(cc.ttl, "nvext.cache_control.ttl")
+        n = prompt_len if cc.prefix_tokens is None else min(cc.prefix_tokens, prompt_len)
+        return PrefixPin(num_tokens=n, ttl_s=ttl_s)
 
     def session(self) -> SessionRef | None:
         """The session for affinity (None: none named); the ``x-dynamo-session-id`` header wins."""
@@ -300,6 +339,9 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
 class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
+    # vLLM's name: prompt tokens after the cached ones that ``nvext.cache_control`` newly pinned;
+    # only on responses to requests that asked for a pin.
+    created_cache_tokens: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class UsageInfo(msgspec.Struct):

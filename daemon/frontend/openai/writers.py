@@ -21,7 +21,7 @@ from dynamod.daemon.frontend.openai.formatters import (
     ChatFormatter,
     CompletionFormatter,
     LogprobCollector,
-    make_usage,
+    generation_usage,
     sse_safe,
 )
 from dynamod.daemon.frontend.pipeline.generation import IDLE, Delta, TextGeneration
@@ -101,7 +101,7 @@ class SseChunkWriter(_OpenAIWriter):
                     if return_tokens:
                         pending_tokens = pending_tokens + delta.token_ids
                 else:
-                    usage = make_usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens) if continuous else None
+                    usage = generation_usage(gen) if continuous else None
                     if return_tokens:
                         chunk_tokens = pending_tokens + delta.token_ids if pending_tokens else delta.token_ids
                     chunk = fmt.chunk(text, finish, chunk_logprobs(collector, delta), usage, chunk_tokens)
@@ -112,7 +112,7 @@ class SseChunkWriter(_OpenAIWriter):
                             itl.observe(now - last_sent)
                         tail = [*held, chunk]
                         if req.include_usage:
-                            tail.append(fmt.usage_chunk(make_usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)))
+                            tail.append(fmt.usage_chunk(generation_usage(gen)))
                         tail.append(SSE_DONE)
                         await self.end_stream(b"".join(tail))
                         return True
@@ -162,7 +162,7 @@ class JsonWriter(_OpenAIWriter):
         except Exception as exc:  # noqa: BLE001 - nothing sent yet: an error body
             await self.refuse(exc, fmt.id)
             return False
-        usage = make_usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+        usage = generation_usage(gen)
         body = fmt.response("".join(parts), delta.finish_reason, self.format.total_logprobs(collector), usage, gen.token_ids)
         request.watch.done()
         await send_json(request.send, 200, body, request.route_headers(gen.request))

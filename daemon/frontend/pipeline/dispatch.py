@@ -37,9 +37,11 @@ from dynamod.daemon.frontend.pipeline.models import EndpointPool, ModelRegistry,
 from dynamod.daemon.frontend.pipeline.prefill import FrontendPrefillTarget, prefill_route
 from dynamod.daemon.frontend.pipeline.request import EngineRequest
 from dynamod.daemon.frontend.pipeline.routing import Quarantine, RouteChoice, RouteRequest
+from dynamod.daemon.frontend.pipeline.tracing import migration_span, note_worker, route_span
 from dynamod.daemon.router.core.disagg_policy import DisaggPolicyConfig
 from dynamod.daemon.router.core.prefill_stage import DecodeHint, PrefillOutcome, PrefillStage, close_drains
 from dynamod.shared.errors import NoInstancesError, TransportError, UnavailableError
+from dynamod.shared.observability import tracing
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.llm import FINISH_ABORT, FINISH_LENGTH, PreprocessedRequest
 from dynamod.shared.protocol.routing import STAGE_DECODE
@@ -189,16 +191,21 @@ class EngineStream:
             router = model.router
             assert router is not None
             if outcome is None:
-                route = RouteRequest(req.request_id, pre.token_ids, model.lora_name, priority=pre.priority, session=req.session)
+                route = RouteRequest(
+                    req.request_id, pre.token_ids, model.lora_name, priority=pre.priority, session=req.session,
+                    mm_items=pre.mm_items, prefix_pin=pre.pin,
+                )
             else:
                 # Decode stage: a prompt prefilled remotely is fetched, not computed; what the
                 # decode worker caches is what the transfer does not move (the policy's weight).
                 route = RouteRequest(
                     req.request_id, pre.token_ids, model.lora_name, stage=STAGE_DECODE,
                     overlap_weight=self._d.prefill_stage.policy.decode_overlap_weight(outcome.remote), disagg=outcome.info,
-                    priority=pre.priority, session=req.session,
+                    priority=pre.priority, session=req.session, mm_items=pre.mm_items, prefix_pin=pre.pin,
                 )
+            routed_at = time.time_ns()
             choice = await router.select(route, candidates)
+            route_span(req.trace, choice, routed_at, route.stage)
             pool = model.workers.get(choice.worker_id)
             if pool is not None:
                 return choice, pool, outcome
@@ -219,9 +226,34 @@ class EngineStream:
         assert model.prefill is not None
         body = self._prompt_request()
         target = FrontendPrefillTarget(model.prefill, model.name, self._d.quarantine, self._d.report_dead)
-        outcome = await self._d.prefill_stage.run(
-            body, target, lambda: self._decode_hint(model, candidates, body), model=model.name, drains=req.prefill_drains
-        )
+        span = tracing.tracer().child(req.trace, tracing.SPAN_PREFILL, attempt=req.migrations)
+        started_ns = time.time_ns()
+        try:
+            # The prefill request carries this span's traceparent (or the unsampled root's).
+            with tracing.use_span(span or req.trace):
+                outcome = await self._d.prefill_stage.run(
+                    body, target, lambda: self._decode_hint(model, candidates, body), model=model.name,
+                    drains=req.prefill_drains,
+                )
+        except Exception as exc:
+            if span is not None:
+                span.fail(exc)
+                span.end()
+            raise
+        if span is not None:
+            info = outcome.info
+            span.update({
+                "remote": outcome.remote, "disagg.mode": info.mode, "disagg.reason": info.reason,
+                "disagg.detail": info.detail, "disagg.policy": info.policy, "isl": info.isl,
+                "effective_isl": info.effective_isl, "cached_tokens": outcome.cached_tokens,
+                "failures": ",".join(outcome.failures) or None,
+            })
+            if outcome.pick is not None:
+                span.set("worker_id", worker_id_hex(outcome.pick.worker_id))
+            span.end()
+        if outcome.remote and outcome.pick is not None:
+            route_span(req.trace, prefill_route(outcome.pick), started_ns, "prefill")
+            note_worker(req.trace, outcome.pick.worker_id)
         req.disagg = outcome.info
         req.prefill_route = prefill_route(outcome.pick) if outcome.remote and outcome.pick is not None else None
         if outcome.remote:
@@ -230,7 +262,9 @@ class EngineStream:
 
     def _decode_hint(self, model: ServedModel, candidates: list[Instance], body: PreprocessedRequest) -> DecodeHint:
         router = model.router
-        route = RouteRequest(body.request_id, body.token_ids, model.lora_name, session=self.request.session)
+        route = RouteRequest(
+            body.request_id, body.token_ids, model.lora_name, session=self.request.session, mm_items=body.mm_items
+        )
         est = None if router is None else router.estimate(route, candidates)
         if est is None:
             return DecodeHint()
@@ -271,18 +305,36 @@ class EngineStream:
         generated = req.generated
         prompt_len = req.prompt_len
         model_metrics = req.model.metrics
+        migrating: tracing.Span | None = None  # the migration span, ended once the next worker is chosen
         while True:
-            choice, pool, outcome = await self._choose(exclude)
+            try:
+                choice, pool, outcome = await self._choose(exclude)
+            except Exception as exc:
+                if migrating is not None:
+                    migrating.fail(exc)
+                    migrating.end()
+                raise
             req.decode_route = choice
             instance: Instance = choice.instance
             worker_id = instance.instance_id
+            if migrating is not None:
+                migrating.set("to_worker_id", worker_id_hex(worker_id))
+                migrating.end()
+                migrating = None
+            note_worker(req.trace, worker_id)
+            attempt = tracing.tracer().child(
+                req.trace, tracing.SPAN_CLIENT_REQUEST, worker_id=worker_id_hex(worker_id), attempt=req.migrations,
+                stage=choice.stage, remote_prefill=outcome is not None and outcome.remote,
+            )
             router = req.model.router
             assert router is not None
             # Remote prefill: the prompt's cache hits happened on the prefill worker.
             remote_cached = outcome.cached_tokens if outcome is not None and outcome.remote else None
             if remote_cached is not None:
                 req.cached_tokens = remote_cached
-            stream = pool.client.stream_to(instance, self._attempt_body(choice, outcome), request_id=request_id)
+            # The worker continues the trace from this span (or the unsampled root: it records nothing).
+            with tracing.use_span(attempt or req.trace):
+                stream = pool.client.stream_to(instance, self._attempt_body(choice, outcome), request_id=request_id)
             self._stream = stream
             first = True
             try:
@@ -292,13 +344,21 @@ class EngineStream:
                     if tokens:
                         if first:
                             first = False
+                            if attempt is not None:
+                                attempt.set("ttft_ms", round((time.time_ns() - attempt.start_unix_ns) / 1e6, 3))
                             router.on_first_token(request_id)
                             if outcome is not None and not req.migrations:
                                 self._d.prefill_stage.first_token(outcome)
+                            if outcome is not None and outcome.remote:
+                                _note_transfer(req, out)
                         generated.extend(tokens)
                     usage = out.get("usage")
                     if usage and remote_cached is None:
                         req.cached_tokens = min(int(usage.get("cached_tokens") or 0), prompt_len)
+                    if usage and req.preprocessed.pin is not None:
+                        req.pinned_tokens = int(usage.get("pinned_tokens") or 0)
+                        req.pin_refused = bool(usage.get("pin_refused"))
+                        model_metrics.pin_outcome(req.pinned_tokens, req.pin_refused)
                     if finish == FINISH_ABORT:
                         if tokens:
                             yield {"token_ids": tokens, "log_probs": out.get("log_probs")}
@@ -310,6 +370,8 @@ class EngineStream:
                         return
                 raise TransportError(f"worker {worker_id:x} ended the stream without a finish reason")
             except _MIGRATABLE as exc:
+                if attempt is not None:
+                    attempt.fail(exc)
                 # A worker that left discovery is routed to by nobody already; quarantining it
                 # would only delay it when its record comes back (a frozen worker thawing).
                 if isinstance(exc, TransportError) and not isinstance(exc, InstanceGoneError):
@@ -322,16 +384,37 @@ class EngineStream:
                     )
                     raise
                 req.migrations += 1
+                migrating = migration_span(req, worker_id, exc)
                 (model_metrics.migrate_ongoing if generated else model_metrics.migrate_new).inc()
                 logger.info(
                     "request migrating request_id=%s from_worker=%016x generated=%d attempt=%d error=%s",
                     request_id, worker_id, len(generated), req.migrations, exc,
                 )
                 if self.max_tokens is not None and len(generated) >= self.max_tokens:
+                    if migrating is not None:
+                        migrating.set("outcome", "budget_spent")
+                        migrating.end()
+                        migrating = None
                     req.finish_reason = FINISH_LENGTH
                     yield {"token_ids": [], "finish_reason": FINISH_LENGTH}
                     return
+            except Exception as exc:
+                if attempt is not None:
+                    attempt.fail(exc)
+                raise
             finally:
                 self._stream = None
                 router.on_finish(request_id)
+                if attempt is not None:
+                    attempt.update({"completion_tokens": len(generated), "finish_reason": req.finish_reason})
+                    attempt.end()
                 await stream.aclose()
+
+
+def _note_transfer(req: EngineRequest, out: dict[str, Any]) -> None:
+    """Keeps the decode worker's KV transfer report (the mocker sends it with the first token) for
+    the route explanation."""
+    params = out.get("disaggregated_params")
+    report = params.get("kv_transfer") if isinstance(params, dict) else None
+    if isinstance(report, dict):
+        req.kv_transfer = report

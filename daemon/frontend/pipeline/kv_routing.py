@@ -36,6 +36,7 @@ from dynamod.daemon.router.core.decision_publisher import DecisionPublisher, sam
 from dynamod.daemon.router.core.feed import KvFeed
 from dynamod.daemon.router.core.worker_load import decode_load, prefill_queue_tokens
 from dynamod.shared.errors import DynamoError, NoInstancesError, OverloadedError
+from dynamod.shared.kv.hashing import hash_tokens
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.routing import STAGE_AGG, STAGE_PREFILL, RoutingDecision
 
@@ -57,6 +58,14 @@ def _choice(decision: RoutingDecision, candidates: Sequence[Instance], stage: st
                 inst, dp_rank=decision.dp_rank, overlap_blocks=decision.overlap_blocks, stage=stage, explain=decision
             )
     raise DynamoError(f"kv router chose worker {decision.worker_id:x}, which is not a candidate")
+
+
+def mm_prompt_hashes(kv: KvRouter, request: RouteRequest, lora_name: str | None) -> tuple[list[int], list[int]] | None:
+    """The prompt's block hashes with its images' content keys, as the workers hash it (None for a
+    text-only prompt: the router hashes those itself, on its fast path)."""
+    if not request.mm_items:
+        return None
+    return hash_tokens(request.token_ids, kv.block_size, lora_name, request.mm_items)
 
 
 def decode_estimate(kv: KvRouter, decision: RoutingDecision, isl: int) -> DecodeEstimate:
@@ -112,11 +121,16 @@ class KvModelRouter:
         # (--router-queue-size, --router-queue-timeout-secs), then gets a 503.
         decision = await self._group.kv.select_worker_waiting(
             request.request_id, request.token_ids, lora_name=self._lora, allowed=keys, overlap_weight=request.overlap_weight,
-            priority=request.priority, pinned=request.pinned,
+            priority=request.priority, pinned=request.pinned, prompt_hashes=mm_prompt_hashes(self._group.kv, request, self._lora),
         )
         if request.stage != STAGE_AGG:
             decision.stage = request.stage
             decision.disagg = request.disagg
+        pin = request.prefix_pin
+        if pin is not None and request.stage != STAGE_PREFILL:
+            self._group.kv.credit_pin(
+                (decision.worker_id, decision.dp_rank), request.token_ids, pin.num_tokens, pin.ttl_s, self._lora
+            )
         self._decisions.offer(decision, self._model)
         return _choice(decision, candidates, request.stage)
 
@@ -125,7 +139,10 @@ class KvModelRouter:
         keys = self._group.candidate_keys(candidates)
         kv = self._group.kv
         try:
-            decision = kv.best_worker(request.request_id, request.token_ids, lora_name=self._lora, allowed=keys, pinned=request.pinned)
+            decision = kv.best_worker(
+                request.request_id, request.token_ids, lora_name=self._lora, allowed=keys, pinned=request.pinned,
+                prompt_hashes=mm_prompt_hashes(kv, request, self._lora),
+            )
         except (OverloadedError, NoInstancesError):
             return None  # every decode worker busy: select will queue; the policy sees no cache
         return decode_estimate(kv, decision, len(request.token_ids))
@@ -160,7 +177,10 @@ class KvPrefillRouter:
     async def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice:
         keys = self._group.candidate_keys(candidates)
         kv = self._group.kv
-        decision = kv.select_worker(request.request_id, request.token_ids, lora_name=self._lora, allowed=keys)
+        decision = kv.select_worker(
+            request.request_id, request.token_ids, lora_name=self._lora, allowed=keys,
+            prompt_hashes=mm_prompt_hashes(kv, request, self._lora),
+        )
         decision.stage = STAGE_PREFILL
         choice = _choice(decision, candidates, STAGE_PREFILL)
         choice.load = float(prefill_queue_tokens(kv, decision))

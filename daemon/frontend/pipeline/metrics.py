@@ -106,6 +106,14 @@ class FrontendMetrics:
             ("model",),
             registry=registry,
         )
+        self.prefix_pins = Counter(
+            "dynamo_frontend_prefix_pins",
+            "Requests with cache_control by what the worker did with the pin: created (new blocks pinned), "
+            "refreshed (all already pinned or cached) or refused (its pinned share of the KV cache was full, "
+            "or its engine cannot pin)",
+            ("model", "outcome"),
+            registry=registry,
+        )
         self.kv_hit_rate = Gauge(
             "dynamo_frontend_kv_hit_rate",
             "Cached prompt tokens / prompt tokens since start",
@@ -236,6 +244,11 @@ class ModelMetrics:
         """A request's time to first token, overall and in its priority class."""
         self.ttft.observe(seconds)
         self._ttft_by_class[priority_class(priority)].observe(seconds)
+
+    def pin_outcome(self, pinned_tokens: int, refused: bool) -> None:
+        """What the worker did with a request's ``cache_control`` pin."""
+        outcome = "refused" if refused else "created" if pinned_tokens else "refreshed"
+        self._parent.prefix_pins.labels(self.model, outcome).inc()
 
     def usage(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)

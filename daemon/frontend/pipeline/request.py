@@ -29,7 +29,15 @@ if TYPE_CHECKING:
     from dynamod.daemon.frontend.parsers import OutputParser
     from dynamod.daemon.frontend.pipeline.models import ServedModel
     from dynamod.daemon.frontend.preprocess.model_preprocessor import ModelPreprocessor
-    from dynamod.shared.protocol.llm import PreprocessedRequest, RoutingHints, SamplingOptions, SlaTargets
+    from dynamod.shared.observability.tracing import Span
+    from dynamod.shared.protocol.llm import (
+        MultimodalItem,
+        PrefixPin,
+        PreprocessedRequest,
+        RoutingHints,
+        SamplingOptions,
+        SlaTargets,
+    )
 
 EXPLAIN_HEADER = HEADER_NAME.encode("latin-1")
 WORKER_HEADER = b"x-dynamo-worker-instance-id"
@@ -61,6 +69,8 @@ class Plan:
     ignore_eos: bool = False
     sla: SlaTargets | None = None  # nvext router targets
     routing: RoutingHints | None = None  # nvext routing hints (priority)
+    pin: PrefixPin | None = None  # cache_control: the prompt prefix to keep cached on the worker
+    mm_items: list[MultimodalItem] | None = None  # the prompt's images (preprocess/media), in order
 
 
 @dataclass(eq=False, slots=True)
@@ -80,6 +90,7 @@ class FrontendRequest(Generic[BodyT]):
     plan: Plan | None = None
     preprocessor: ModelPreprocessor | None = None
     engine: EngineRequest | None = None  # the (first) generation: the one the route headers name
+    trace: Span | None = None  # the request's root span (pipeline/tracing.py)
 
     @property
     def direct_ids(self) -> list[int] | None:
@@ -125,8 +136,12 @@ class EngineRequest:
     migrations: int = 0
     generated: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+    pinned_tokens: int = 0  # prompt tokens newly pinned by ``preprocessed.pin`` (beyond cached_tokens)
+    pin_refused: bool = False  # the worker refused the pin (its pinned share was full)
     finish_reason: str | None = None
     prefill_drains: list[asyncio.Task[None]] = field(default_factory=list)
+    kv_transfer: dict[str, Any] | None = None  # the decode worker's KV transfer report (remote prefill)
+    trace: Span | None = None  # the parent of this generation's spans (the request's root span)
 
     @property
     def prompt_len(self) -> int:
@@ -156,9 +171,25 @@ class EngineRequest:
         if self.disagg is None:
             return json.dumps(body, separators=(",", ":"))
         body["disagg"] = self.disagg.explain()
+        if self.kv_transfer is not None:
+            body["disagg"]["transfer"] = transfer_explain(self.kv_transfer)
         if self.prefill_route is not None:
             body["prefill"] = _route_dict(self.prefill_route)
         return json.dumps(body, separators=(",", ":"))
+
+
+_TRANSFER_FIELDS = ("ok", "streamed", "exposed_ms", "ms", "blocks", "bytes", "local_hit_blocks", "failure")
+
+
+def transfer_explain(report: dict[str, Any]) -> dict[str, Any]:
+    """The ``disagg.transfer`` object of ``x-dynamo-route-explain``: what the decode worker's KV read
+    measured (``exposed_ms``: the prefill's last block computed until every block was there;
+    ``streamed``: read while the prefill computed), its source worker in hex."""
+    body = {k: report[k] for k in _TRANSFER_FIELDS if k in report}
+    source = report.get("from_worker_id")
+    if isinstance(source, int):
+        body["from_worker_id"] = worker_id_hex(source)
+    return body
 
 
 def _route_dict(route: RouteChoice) -> dict[str, Any]:

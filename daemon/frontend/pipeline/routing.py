@@ -33,6 +33,7 @@ from typing import Protocol
 
 from dynamod.shared.errors import ConfigError, InvalidRequestError
 from dynamod.shared.protocol.instance import Instance
+from dynamod.shared.protocol.llm import MultimodalItem, PrefixPin
 from dynamod.shared.protocol.routing import (
     ROUTER_MODE_RANDOM,
     ROUTER_MODE_ROUND_ROBIN,
@@ -66,6 +67,10 @@ class RouteRequest:
     # to, checked routable; every mode sends the request there unless (kv) it is busy.
     pinned: tuple[int, int] | None = None
     priority: int = 0  # Dynamo's request priority (higher first): orders the KV router's wait queue
+    # The prompt's images: the KV router keys the blocks that cover them by content (shared/kv/hashing.py).
+    mm_items: list[MultimodalItem] | None = None
+    # cache_control: the KV router credits the chosen worker with this prefix until its TTL.
+    prefix_pin: PrefixPin | None = None
 
 
 @dataclass(slots=True)

@@ -29,6 +29,7 @@ from typing import Any, Generic
 
 from dynamod.daemon.frontend.http.asgi import DisconnectWatch, Scope, read_body, send_error
 from dynamod.daemon.frontend.http.errors import to_http_error
+from dynamod.daemon.frontend.http.request_id import SCOPE_REQUEST_ID_GIVEN, request_id_of
 from dynamod.daemon.frontend.pipeline.generation import Delta, TextGeneration
 from dynamod.daemon.frontend.pipeline.metrics import STATUS_CANCELLED, STATUS_ERROR, STATUS_SUCCESS
 from dynamod.daemon.frontend.pipeline.pieces import (
@@ -47,6 +48,9 @@ from dynamod.daemon.frontend.pipeline.request import (
     wants_explain,
 )
 from dynamod.daemon.frontend.pipeline.state import FrontendState
+from dynamod.daemon.frontend.pipeline.tracing import finish_request_span, start_request_span
+from dynamod.shared.observability import tracing
+from dynamod.shared.observability.logging import REQUEST_ID as LOG_REQUEST_ID
 from dynamod.shared.protocol.llm import PreprocessedRequest, SamplingOptions, StopConditions
 
 logger = logging.getLogger(__name__)
@@ -153,6 +157,7 @@ async def run_admitted(
         state.release(cost)
         mm.duration.observe(time.perf_counter() - request.started_at)
         state.metrics.count_request(model.name, endpoint, request.stream, status)
+        finish_request_span(request, status)
 
 
 class GenerationEndpoint(ABC, Generic[BodyT]):
@@ -206,20 +211,35 @@ class GenerationEndpoint(ABC, Generic[BodyT]):
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         start = time.perf_counter()
         state = self.state
-        request_id = uuid.uuid4().hex
+        # The doors gave the request its x-request-id; one the client chose may repeat across its
+        # requests, so the engines get an id of their own then (the spans and logs carry both).
+        client_id = request_id_of(scope)
+        request_id = client_id if client_id is not None and not scope.get(SCOPE_REQUEST_ID_GIVEN) else uuid.uuid4().hex
+        client_id = client_id or request_id
+        log_token = LOG_REQUEST_ID.set(client_id)
+        trace = start_request_span(scope, client_id, self.endpoint_name)
+        if client_id != request_id:
+            trace.set("engine_request_id", request_id)
         try:
-            body = self.decode(await read_body(receive))
-            cost = self.admit(scope, body)
-            model = state.registry.get(self.model_name(body))
-        except Exception as exc:  # noqa: BLE001 - every failure becomes an error body
-            state.metrics.count_request("unknown", self.endpoint_name, False, STATUS_ERROR)
-            await self.refuse(send, exc, request_id)
-            return
-        request = FrontendRequest(
-            request_id=request_id, scope=scope, send=send, body=body, model=model, started_at=start,
-            watch=DisconnectWatch(receive), stream=self.wants_stream(body), explain=wants_explain(scope),
-        )
-        await run_admitted(state, request, self.endpoint_name, cost, lambda: self.respond(request))
+            try:
+                body = self.decode(await read_body(receive))
+                cost = self.admit(scope, body)
+                model = state.registry.get(self.model_name(body))
+            except Exception as exc:  # noqa: BLE001 - every failure becomes an error body
+                state.metrics.count_request("unknown", self.endpoint_name, False, STATUS_ERROR)
+                trace.fail(exc)
+                trace.end()
+                await self.refuse(send, exc, request_id)
+                return
+            trace.set("model", model.name)
+            request = FrontendRequest(
+                request_id=request_id, scope=scope, send=send, body=body, model=model, started_at=start,
+                watch=DisconnectWatch(receive), stream=self.wants_stream(body), explain=wants_explain(scope),
+                trace=trace,
+            )
+            await run_admitted(state, request, self.endpoint_name, cost, lambda: self.respond(request))
+        finally:
+            LOG_REQUEST_ID.reset(log_token)
 
     async def serve(self, request: FrontendRequest[BodyT], writer: ResponseWriter) -> str:
         """Runs one admitted single-generation request through ``writer``; returns its metrics
@@ -227,13 +247,21 @@ class GenerationEndpoint(ABC, Generic[BodyT]):
         gen: TextGeneration | None = None
         try:
             try:
+                preprocess = tracing.tracer().child(request.trace, tracing.SPAN_PREPROCESS)
                 gen = await self.start(request)
+                if preprocess is not None:
+                    preprocess.set("prompt_tokens", gen.prompt_tokens)
+                    preprocess.end()
                 first = await gen.__anext__()
             except Exception as exc:  # noqa: BLE001 - nothing sent yet: a proper HTTP error
+                if request.trace is not None:
+                    request.trace.fail(exc)
                 await writer.refuse(exc)
                 return STATUS_ERROR
             mm = gen.metrics
             now = time.perf_counter()
+            if request.trace is not None:
+                request.trace.set("ttft_ms", round((now - request.started_at) * 1000.0, 3))
             mm.observe_ttft(now - request.started_at, gen.request.preprocessed.priority)
             mm.isl.observe(gen.prompt_tokens)
             if not await writer.write(gen, first):
@@ -276,10 +304,13 @@ class GenerationEndpoint(ABC, Generic[BodyT]):
             lora_name=model.lora_name,
             router=plan.sla,
             routing=with_header_priority(plan.routing, request.scope),
+            pin=plan.pin,
+            mm_items=plan.mm_items,
         )
         engine_request = EngineRequest(
             request_id=request_id, model=model, preprocessed=preq, started_at=request.started_at,
             direct_ids=request.direct_ids, migration_limit=model.card.migration_limit, session=request.session,
+            trace=request.trace,
         )
         if request.engine is None:
             request.engine = engine_request

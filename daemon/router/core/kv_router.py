@@ -38,6 +38,7 @@ from dynamod.daemon.router.core.active_sequences import ActiveSequences
 from dynamod.daemon.router.core.busy import BusyPolicy
 from dynamod.daemon.router.core.config import KvRouterConfig
 from dynamod.daemon.router.core.metrics import RouterMetrics, router_metrics
+from dynamod.daemon.router.core.pinned_prefixes import PinnedPrefixes
 from dynamod.daemon.router.core.scheduler import KvScheduler, Selection
 from dynamod.daemon.router.core.wait_queue import WaitQueue
 from dynamod.shared.errors import InvalidRequestError, NoInstancesError, OverloadedError
@@ -104,6 +105,8 @@ class KvRouter:
         # While the event plane is down, KV events are lost: routed requests are remembered here,
         # as in approximate mode, on top of the index as it stood (``enter_events_outage``).
         self._outage: ApproxKvIndexer | None = None
+        # Prefixes pinned by cache_control count as cached on their worker until their TTL.
+        self.pins = PinnedPrefixes(clock=clock)
         self.active = ActiveSequences(block_size, ttl_s=config.router_active_sequence_ttl_secs, clock=clock, core=core)
         self.busy = BusyPolicy(
             decode_blocks_threshold=config.active_decode_blocks_threshold,
@@ -152,6 +155,7 @@ class KvRouter:
             self.indexer.remove_worker(worker_id)
         if self._outage is not None:
             self._outage.remove_worker(worker_id)
+        self.pins.remove_worker(worker_id)
         self.active.remove_worker(worker_id)
         self.busy.remove_worker(worker_id)
         self._sequences.forget(worker_id)
@@ -212,6 +216,17 @@ class KvRouter:
             self.approx.record(worker, local, seq)
         if self._outage is not None:
             self._outage.record(worker, local, seq)
+
+    def credit_pin(
+        self, worker: WorkerKey, token_ids: Sequence[int], num_tokens: int, ttl_s: float, lora_name: str | None = None
+    ) -> None:
+        """A request pinning its first ``num_tokens`` tokens for ``ttl_s`` was routed to ``worker``:
+        its whole blocks count as cached there until then (pinned_prefixes.py)."""
+        n = min(num_tokens, len(token_ids)) // self.block_size * self.block_size
+        if n <= 0 or ttl_s <= 0:
+            return
+        local = compute_block_hashes(token_ids[:n], self.block_size, lora_name)
+        self.pins.record(worker, local, compute_sequence_hashes(local), ttl_s)
 
     # ------------------------------------------------------------------------------------------
     # KV events.
@@ -384,12 +399,15 @@ class KvRouter:
         timeout_s: float | None = None,
         priority: int = 0,
         pinned: WorkerKey | None = None,
+        prompt_hashes: tuple[list[int], list[int]] | None = None,
     ) -> RoutingDecision:
         """Like ``select_worker``, but waits in the bounded queue while every candidate is busy
         (higher ``priority`` first, FIFO within one, with aging: wait_queue.py);
-        ``OverloadedError`` when the queue is full or the wait times out."""
+        ``OverloadedError`` when the queue is full or the wait times out. ``prompt_hashes``: as
+        ``select_worker``'s (a prompt with images is hashed by its caller, with their keys)."""
         allowed_list = list(allowed) if allowed is not None else None
-        hashes: list[tuple[list[int], list[int]]] = []  # hashed once, however often it retries
+        # Hashed once, however often it retries.
+        hashes: list[tuple[list[int], list[int]]] = [] if prompt_hashes is None else [prompt_hashes]
 
         def attempt() -> RoutingDecision | None:
             return self._route(
@@ -465,6 +483,10 @@ class KvRouter:
             overlaps = self.indexer.find_matches_sequence(seq)
             if self._outage is not None:
                 overlaps = _best_of(overlaps, self._outage.find_matches_sequence(seq))
+        if self.pins:
+            pinned_overlaps = self.pins.find_matches_sequence(seq)
+            if pinned_overlaps is not None:
+                overlaps = _best_of(overlaps, pinned_overlaps)
         t2 = time.perf_counter()
 
         busy: list[tuple[int, int, str]] = []

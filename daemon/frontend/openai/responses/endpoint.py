@@ -126,7 +126,8 @@ class ResponsesWriter(ResponseWriter):
 
     def _finish(self, gen: TextGeneration, finish_reason: str | None) -> tuple[str, str | None, dict[str, Any]]:
         status, reason = _final_status(finish_reason)
-        return status, reason, make_usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+        usage = make_usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens, pinned_tokens=gen.request.pinned_tokens)
+        return status, reason, usage
 
     def completed(self, gen: TextGeneration) -> None:
         req = self.req

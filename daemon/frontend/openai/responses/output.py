@@ -297,10 +297,13 @@ class ResponseBuilder:
         return [message]
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int = 0) -> dict[str, Any]:
+def make_usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int = 0, pinned_tokens: int = 0
+) -> dict[str, Any]:
+    """``pinned_tokens``: written to the cache by ``nvext.cache_control`` (``cache_write_tokens``)."""
     return {
         "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": pinned_tokens},
         "output_tokens": completion_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt_tokens + completion_tokens,
