@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_connection_args(p)
     g = p.add_argument_group("console")
     g.add_argument("--read-only", action="store_true", help="hide and refuse every action (view only)")
-    g.add_argument("--view", default="workers", help="view to open: topology, workers, models, events, router, scaling [default workers]")
+    g.add_argument("--view", default="workers", help="view to open: topology, workers, models, events, router, scaling, requests [default workers]")
     g.add_argument("--refresh", type=float, default=0.5, help="screen refresh interval in seconds [default 0.5]")
     g.add_argument("--record", metavar="FILE", help="also write every collector input to FILE (JSON lines, replayable)")
     g.add_argument("--replay", metavar="FILE", help="show a recording instead of a live cluster (implies --read-only)")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from dynamod.console.actions.specs import ActionSpec
-from dynamod.shared.errors import DynamoError, NotFoundError
+from dynamod.shared.errors import DynamoError, NotFoundError, ProtocolError
 from dynamod.shared.protocol import control
 from dynamod.shared.protocol.instance import Instance, decode_instance
 from dynamod.shared.protocol.keys import instances_prefix
@@ -109,6 +109,18 @@ class ControlClient:
             await client.instance_set.wait_for(lambda insts: any(i.instance_id == rec.instance_id for i in insts), 5.0)
         return client
 
+    async def call_instance(self, rec: Instance, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+        """Sends ``body`` to the endpoint of ``rec`` on that instance and returns its last reply.
+        Raises ``DynamoError`` for a failure on the way or a reply that is not a map, and
+        ``TimeoutError`` when the instance does not appear on the request plane in time. ``run``
+        builds on it; readers of a control endpoint that is not an action (``traces``) call it."""
+        client = await self._client(rec)
+        replies = await client.call(body, instance_id=rec.instance_id, timeout_s=timeout_s)
+        reply = replies[-1] if replies else {}
+        if not isinstance(reply, dict):
+            raise ProtocolError(f"unexpected reply {reply!r}")
+        return reply
+
     async def run(self, spec: ActionSpec, target: str | int, body: control.ControlBody) -> ActionResult:
         """Runs action ``spec`` on the instance ``target`` (id or unique hex prefix) with ``body``,
         which must be the spec's body type. Never raises for cluster-side failures: they come back
@@ -119,18 +131,12 @@ class ControlClient:
         try:
             rec = await self.resolve(target, spec.endpoint)
             label = worker_id_hex(rec.instance_id)
-            client = await self._client(rec)
-            replies = await client.call(
-                control.encode_body(body), instance_id=rec.instance_id, timeout_s=body.reply_timeout_s()
-            )
+            reply = await self.call_instance(rec, control.encode_body(body), timeout_s=body.reply_timeout_s())
         except DynamoError as exc:
             logger.info("control call failed action=%s instance=%s error=%s", spec.verb, label, exc)
             return ActionResult(spec.verb, label, False, str(exc))
         except TimeoutError:
             return ActionResult(spec.verb, label, False, f"instance {label} did not appear on the request plane in time")
-        reply = replies[-1] if replies else {}
-        if not isinstance(reply, dict):
-            return ActionResult(spec.verb, label, False, f"unexpected reply {reply!r}")
         ok = reply.get("status") == control.STATUS_OK
         message = str(reply.get("message", "")) or ("ok" if ok else "failed")
         data = {k: v for k, v in reply.items() if k not in ("status", "message")}

@@ -87,6 +87,48 @@ def failure_reason(url: str, exc: httpx.HTTPError, tried: list[Credential]) -> s
     return f"no answer from {url}: {text}"
 
 
+class FrontendHttp:
+    """GETs from frontends with the credentials given: the one that worked last for a URL first,
+    the next on a 401/403. Shared by the ``/metrics`` scraper and the trace readers
+    (``collectors/traces.py``), which a frontend guards with the same keys."""
+
+    def __init__(
+        self,
+        credentials: list[Credential],
+        *,
+        timeout_s: float = 2.0,
+        ca_file: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,  # tests: recorded answers
+    ) -> None:
+        self.credentials = credentials
+        self._timeout_s = timeout_s
+        self._ca_file = ca_file
+        self._transport = transport
+        self._accepted: dict[str, int] = {}  # url -> index of the credential it took
+
+    def client(self) -> httpx.AsyncClient:
+        """The client every GET goes through: this reader's timeout and TLS trust."""
+        verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=self._ca_file) if self._ca_file else True
+        return httpx.AsyncClient(timeout=self._timeout_s, verify=verify, transport=self._transport)
+
+    def forget(self, url: str) -> None:
+        self._accepted.pop(url, None)
+
+    async def get(self, client: httpx.AsyncClient, url: str, params: dict[str, str] | None = None) -> httpx.Response:
+        """GET with the credential that worked last, then the others on a refusal; raises
+        ``httpx.HTTPStatusError`` for the last refusal or any other error status."""
+        first = self._accepted.get(url, 0)
+        order = self.credentials[first:] + self.credentials[:first]
+        for i, cred in enumerate(order):
+            resp = await client.get(url, headers=cred.headers, params=params)
+            if resp.status_code in REFUSED and i + 1 < len(order):
+                continue
+            resp.raise_for_status()
+            self._accepted[url] = self.credentials.index(cred)
+            return resp
+        raise AssertionError("unreachable: the last credential's answer is raised or returned")
+
+
 class FrontendScraper:
     def __init__(
         self,
@@ -102,15 +144,12 @@ class FrontendScraper:
         guessed: Iterable[str] = (),
     ) -> None:
         self._sink = sink
-        self._credentials = scrape_credentials(token, api_key, api_key_source)
+        self._http = FrontendHttp(scrape_credentials(token, api_key, api_key_source), timeout_s=timeout_s, ca_file=ca_file)
         self._sources = sources
         self._interval_s = interval_s
-        self._timeout_s = timeout_s
-        self._ca_file = ca_file
         self._guessed = frozenset(guessed)  # URLs tried on a hunch (the local default): silence is fine
         self._failing: dict[str, str] = {}  # url -> the reason last reported
         self._known: set[str] = set()
-        self._accepted: dict[str, int] = {}  # url -> index of the credential it took
         self.rounds = 0  # scrape rounds finished (dynamoctl waits for the first)
 
     async def run(self) -> None:
@@ -121,8 +160,7 @@ class FrontendScraper:
 
     def http_client(self) -> httpx.AsyncClient:
         """The client every scrape goes through: this scraper's timeout and TLS trust."""
-        verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=self._ca_file) if self._ca_file else True
-        return httpx.AsyncClient(timeout=self._timeout_s, verify=verify)
+        return self._http.client()
 
     async def scrape_once(self, client: httpx.AsyncClient) -> None:
         """One round over the current sources (``run`` repeats it on the interval)."""
@@ -130,28 +168,15 @@ class FrontendScraper:
         for gone in self._known - set(urls):
             self._sink.forget_source(gone)
             self._failing.pop(gone, None)
-            self._accepted.pop(gone, None)
+            self._http.forget(gone)
         self._known = set(urls)
         if urls:
             await asyncio.gather(*(self._scrape(client, u) for u in urls))
         self.rounds += 1
 
-    async def _get(self, client: httpx.AsyncClient, url: str) -> httpx.Response:
-        """GET with the credential that worked last, then the others on a refusal."""
-        first = self._accepted.get(url, 0)
-        order = self._credentials[first:] + self._credentials[:first]
-        for i, cred in enumerate(order):
-            resp = await client.get(url, headers=cred.headers)
-            if resp.status_code in REFUSED and i + 1 < len(order):
-                continue
-            resp.raise_for_status()
-            self._accepted[url] = self._credentials.index(cred)
-            return resp
-        raise AssertionError("unreachable: the last credential's answer is raised or returned")
-
     async def _scrape(self, client: httpx.AsyncClient, url: str) -> None:
         try:
-            resp = await self._get(client, url)
+            resp = await self._http.get(client, url)
         except httpx.HTTPError as exc:
             if url in self._guessed and isinstance(exc, httpx.ConnectError) and "CERTIFICATE" not in str(exc):
                 # Nothing listens where `dynamod up` usually serves: not a problem worth a line.
@@ -159,7 +184,7 @@ class FrontendScraper:
                     self._failing[url] = ""
                     self._sink.forget_source(url)
                 return
-            reason = failure_reason(url, exc, self._credentials)
+            reason = failure_reason(url, exc, self._http.credentials)
             if self._failing.get(url) != reason:
                 self._failing[url] = reason
                 logger.info("frontend scrape failed url=%s reason=%s", url, reason)

@@ -15,6 +15,8 @@
     dynamoctl scale POOL N | POOL --clear          hold a pool at N replicas (override), or release it
     dynamoctl intent list | clear NAME             drain/sleep/LoRAs kept per worker name; forget a gone one's
     dynamoctl targets [--prometheus [-o PATH]]     the cluster's /metrics addresses (Prometheus file_sd JSON)
+    dynamoctl trace REQUEST_ID [--json]            one request's timeline: its spans from every frontend and
+                                                   worker as a waterfall (or JSON), by its x-request-id
     dynamoctl cluster up|down|status|logs --inventory FILE
 
 Connection flags (``--discovery``, ``--etcd``, ``--nats``, ``--namespace``) default to finding a
@@ -66,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--all", action="store_true", help="include instances that just went away")
     s.add_argument("--wait", type=float, default=2.0, help="seconds to collect load metrics [default 2]")
 
-    from dynamod.console.ctl import intent, planner, restart, targets, worker_actions
+    from dynamod.console.ctl import intent, planner, restart, targets, trace, worker_actions
 
     worker_actions.add_commands(sub, conn)
     worker_actions.add_lora_commands(sub, conn)
@@ -81,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_commands(sub, conn)
     intent.add_commands(sub, conn)
     restart.add_commands(sub, conn)
+    trace.add_commands(sub, conn)
 
     c = sub.add_parser("cluster", help="start, stop, check and read logs of roles on hosts over SSH")
     csub = c.add_subparsers(dest="cluster_command", metavar="up|down|status|logs")
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> Callable[[], Awaitable[int]]:
-    from dynamod.console.ctl import commands, intent, planner, restart, targets
+    from dynamod.console.ctl import commands, intent, planner, restart, targets, trace
 
     if args.command == "cluster":
         return lambda: commands.cluster(args)
@@ -148,6 +151,7 @@ def _dispatch(args: argparse.Namespace) -> Callable[[], Awaitable[int]]:
         "intent": intent.intent,
         "restart": restart.restart,
         "targets": targets.targets,
+        "trace": trace.trace,
     }
     fn = table[args.command]
     return lambda: fn(args)

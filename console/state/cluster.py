@@ -17,7 +17,8 @@ collectors keep talking to ``ClusterState`` alone:
   ``DecisionLog`` (``decisions.py``) and the per-pool summary (``pools.py``);
 - ``ScalingBoard`` (``scaling.py``): planner decisions, status and operator overrides, joined per
   pool with the workers that run and the latencies the frontends measure;
-- ``FailedWorkers`` (``failed.py``): workers ``dynamod up`` gave up on after a crash loop.
+- ``FailedWorkers`` (``failed.py``): workers ``dynamod up`` gave up on after a crash loop;
+- ``RequestBoard`` (``traces.py``): the frontends' slowest recent requests (Requests view).
 
 What is left here is the wiring between them: a router decision is logged and counted against its
 worker, a frontend scrape feeds both the model figures and the workers' latencies, and the
@@ -59,6 +60,7 @@ from dynamod.console.state.records import (
 from dynamod.console.state.scaling import GlobalRouterPools, PlannerRecord, PoolScaling, ScalingBoard
 from dynamod.console.state.tiers import KvTierTracker
 from dynamod.console.state.topology import CardEntry, Topology
+from dynamod.console.state.traces import RequestBoard
 from dynamod.console.state.transfers import KvTransferTracker
 from dynamod.console.state.versions import Versions
 from dynamod.shared.protocol.instance import Instance
@@ -89,6 +91,7 @@ class ClusterState:
         self.decision_log = DecisionLog(MAX_DECISIONS)
         self.scaling = ScalingBoard(self.versions, self.event_log, self.topology, self.model_catalog)
         self.failed_workers = FailedWorkers(self.versions, self.event_log)
+        self.requests = RequestBoard(self.versions, clock)  # polled only while the Requests view is shown
         self._last_history_at = 0.0
         self._pools_cache: tuple[tuple[int, int], dict[str, PoolSummary]] | None = None
 

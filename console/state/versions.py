@@ -19,6 +19,8 @@ class Versions:
     models: int = 0  # frontend scrapes
     connection: int = 0
     scaling: int = 0  # planner decisions, status, overrides
+    requests: int = 0  # the frontends' slowest recent requests (Requests view)
 
     def total(self) -> int:
-        return self.topology + self.load + self.events + self.decisions + self.models + self.connection + self.scaling
+        return (self.topology + self.load + self.events + self.decisions + self.models + self.connection + self.scaling
+                + self.requests)

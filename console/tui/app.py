@@ -6,6 +6,10 @@ help; single keys act on the selected worker (drain, sleep, wake, LoRA load/unlo
 those that remove capacity ask first. In the Scaling view ``r`` and ``x`` act on the selected pool
 (hold it at N replicas, clear that override), through the same ``ScaleClient`` as ``dynamoctl
 scale``; every key means one thing in every view (``actions/specs.py``). ``--read-only`` hides and refuses every action.
+
+The Requests view lists the frontends' slowest recent requests, polled (``SlowestPoller``) only
+while it is the current view; Enter opens a request's waterfall (``TraceScreen``), gathered by the
+same ``TraceGatherer`` as ``dynamoctl trace``.
 """
 
 from __future__ import annotations
@@ -29,13 +33,20 @@ from textual.worker import WorkerState
 from dynamod.console.actions.control import ActionResult, ControlClient
 from dynamod.console.actions.scaling import ScaleClient
 from dynamod.console.actions.specs import ACTIONS, ACTIONS_BY_NAME, POOL_ACTIONS_BY_NAME, ActionSpec
+from dynamod.console.actions.traces import TraceGatherer
 from dynamod.console.collectors.connection import ClusterConnection
+from dynamod.console.collectors.traces import (
+    SlowestPoller,
+    frontend_http,
+    frontend_trace_urls,
+    guessed_trace_urls,
+)
 from dynamod.console.present import fmt_budget
 from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.scaling import PoolScaling
 from dynamod.console.tui.asks import Question, ask_body, confirm_text
 from dynamod.console.tui.commands import ConsoleCommands
-from dynamod.console.tui.messages import ActionFinished, JumpToView, ShowDetail, ShowWorker
+from dynamod.console.tui.messages import ActionFinished, JumpToView, ShowDetail, ShowTrace, ShowWorker
 from dynamod.console.tui.screens import (
     ConfirmScreen,
     DetailScreen,
@@ -43,9 +54,11 @@ from dynamod.console.tui.screens import (
     ScaleScreen,
     WorkerScreen,
 )
+from dynamod.console.tui.trace_screen import TraceScreen, TraceSource
 from dynamod.console.tui.views.base import ViewMixin
 from dynamod.console.tui.views.events import EventsView
 from dynamod.console.tui.views.models import ModelsView
+from dynamod.console.tui.views.requests import RequestsView
 from dynamod.console.tui.views.router import RouterView
 from dynamod.console.tui.views.scaling import ScalingView
 from dynamod.console.tui.views.topology import TopologyView
@@ -59,11 +72,13 @@ logger = logging.getLogger(__name__)
 
 ControlFactory = Callable[[], ControlClient | None]
 ScaleFactory = Callable[[], ScaleClient | None]
+PollerFactory = Callable[[], SlowestPoller | None]
+TraceFactory = Callable[[], TraceSource | None]
 REFRESH_SAMPLES = 100_000
 
 class ConsoleApp(App[None]):
     TITLE = "dynamo-console"
-    VIEWS: tuple[str, ...] = ("topology", "workers", "models", "events", "router", "scaling")
+    VIEWS: tuple[str, ...] = ("topology", "workers", "models", "events", "router", "scaling", "requests")
     COMMANDS = App.COMMANDS | {ConsoleCommands}
     ENABLE_COMMAND_PALETTE = True
     CSS = """
@@ -92,6 +107,8 @@ class ConsoleApp(App[None]):
         connection: ClusterConnection | None = None,
         control_factory: ControlFactory | None = None,
         scale_factory: ScaleFactory | None = None,
+        poller_factory: PollerFactory | None = None,
+        trace_factory: TraceFactory | None = None,
         read_only: bool = False,
         refresh_s: float = 0.5,
         initial_view: str = "workers",
@@ -106,6 +123,9 @@ class ConsoleApp(App[None]):
         self._control_factory = control_factory
         self._control: ControlClient | None = None
         self._scale_factory = scale_factory
+        self._poller_factory = poller_factory
+        self._trace_factory = trace_factory
+        self._poll_task: asyncio.Task[None] | None = None
         self._prompt_mode = ""
         self._top_seen: tuple[int, int] = (-1, -1)
         self._connection_task: asyncio.Task[None] | None = None
@@ -122,6 +142,7 @@ class ConsoleApp(App[None]):
             yield EventsView(id="events")
             yield RouterView(id="router")
             yield ScalingView(id="scaling")
+            yield RequestsView(id="requests")
         yield Input(id="prompt", suggester=SuggestFromList(self.VIEWS, case_sensitive=False))
         yield Footer(compact=True, show_command_palette=False)
 
@@ -184,6 +205,7 @@ class ConsoleApp(App[None]):
             self.pop_screen()
         self.current_view = name
         self.query_one("#views", ContentSwitcher).current = name
+        self._poll_requests(name == "requests")
         view = self.view()
         view.refresh_from(self.state, force=True)
         self._focus_target(name).focus()
@@ -254,6 +276,10 @@ class ConsoleApp(App[None]):
     def _show_worker(self, message: ShowWorker) -> None:
         self.push_screen(WorkerScreen(self.state, message.instance_id))
 
+    @on(ShowTrace)
+    def _show_trace(self, message: ShowTrace) -> None:
+        self.push_screen(TraceScreen(message.request_id, self.trace_source()))
+
     @on(ShowDetail)
     def _show_detail(self, message: ShowDetail) -> None:
         self.push_screen(DetailScreen(message.title, message.body, message.worker_id))
@@ -270,7 +296,7 @@ class ConsoleApp(App[None]):
         if action == "act" and (self.read_only or self.current_view == "scaling" and len(self.screen_stack) == 1):
             # The Scaling view has no worker to act on; its own keys (r, x) act on pools.
             return False
-        if action == "act" and isinstance(self.screen, DetailScreen):
+        if action == "act" and isinstance(self.screen, DetailScreen | TraceScreen):
             return False  # a detail pane shows text; Enter opens its worker, where the keys act
         return True
 
@@ -447,7 +473,57 @@ class ConsoleApp(App[None]):
             self.state.add_event("error", f"cluster connection ended: {exc}", severity="error")
             self.notify(printable(f"cluster connection ended: {exc}"), severity="error", timeout=30, markup=False)
 
+    # -- requests (the frontends' traces) --------------------------------------------------------
+
+    def _poll_requests(self, on: bool) -> None:
+        """Starts the slowest-requests poller when the Requests view is shown, stops it when not:
+        the frontends are asked only while someone looks."""
+        running = self._poll_task is not None and not self._poll_task.done()
+        if on and not running:
+            poller = self._poller_factory() if self._poller_factory is not None else self._default_poller()
+            if poller is not None:
+                self._poll_task = asyncio.create_task(poller.run(), name="requests-poller")
+                self._poll_task.add_done_callback(self._poller_ended)
+        elif not on and self._poll_task is not None:
+            self._poll_task.cancel()
+            self._poll_task = None
+        self.query_one(RequestsView).polling = self._poll_task is not None
+
+    def _poller_ended(self, task: asyncio.Task[None]) -> None:
+        """A poller only ends by being cancelled: anything else is shown, and the next visit to
+        the view starts a new one."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            logger.error("requests poller failed error=%s", exc)
+            self.state.add_event("error", f"requests poller failed: {exc}", severity="error")
+
+    @property
+    def polling_requests(self) -> bool:
+        return self._poll_task is not None and not self._poll_task.done()
+
+    def _default_poller(self) -> SlowestPoller | None:
+        if self.connection is None:
+            return None
+        settings = self.connection.settings
+        return SlowestPoller(self.state.requests, lambda: frontend_trace_urls(self.state, settings.frontend_urls),
+                             frontend_http(settings), guessed=guessed_trace_urls(settings))
+
+    def trace_source(self) -> TraceSource | None:
+        """What gathers a request's spans: the injected one (tests), else one on the live runtime."""
+        if self._trace_factory is not None:
+            return self._trace_factory()
+        control = self.control()
+        if control is None or self.connection is None:
+            return None
+        settings = self.connection.settings
+        return TraceGatherer(control, lambda: frontend_trace_urls(self.state, settings.frontend_urls),
+                             frontend_http(settings), guessed=guessed_trace_urls(settings))
+
     async def on_unmount(self) -> None:
+        if self._poll_task is not None:
+            self._poll_task.cancel()
         if self._control is not None:
             await self._control.close()
         task, self._connection_task = self._connection_task, None

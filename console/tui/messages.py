@@ -38,3 +38,10 @@ class ShowDetail(Message):
     title: str
     body: RenderableType
     worker_id: int | None = None
+
+
+@dataclass
+class ShowTrace(Message):
+    """Open one request's waterfall (Enter in the Requests view)."""
+
+    request_id: str

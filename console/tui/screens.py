@@ -371,10 +371,11 @@ class ScaleScreen(ModalScreen[tuple[int, str] | None]):
 
 
 HELP_KEYS: tuple[tuple[str, str], ...] = (
-    (":", "jump to a view (topology, workers, models, events, router, scaling); → completes"),
-    ("1-6", "jump to view 1..6"),
+    (":", "jump to a view (topology, workers, models, events, router, scaling, requests); → completes"),
+    ("1-7", "jump to view 1..7"),
     ("/", "filter the current view (Enter keeps it, Esc clears)"),
-    ("Enter", "drill in: a worker's detail, a model's workers, the full text of an event, decision or pool"),
+    ("Enter", "drill in: a worker's detail, a model's workers, the full text of an event, decision or pool, "
+              "a request's waterfall (requests view) and a span's attributes"),
     ("Esc", "back / clear filter"),
     ("ctrl+p", "command palette: every action and view"),
     ("?", "this help"),
