@@ -43,6 +43,7 @@ from dynamod.daemon.frontend.pipeline.router_factory import RouterFactoryBuilder
 from dynamod.daemon.frontend.pipeline.routing import ROUTER_MODES, Quarantine
 from dynamod.daemon.frontend.pipeline.state import FrontendConfig, FrontendState
 from dynamod.daemon.frontend.pipeline.worker_health import RoutingSync
+from dynamod.daemon.frontend.preprocess.media import add_media_args, media_settings_from_args
 from dynamod.daemon.router.core.disagg_policy import add_disagg_args, disagg_config_from_args
 from dynamod.daemon.router.core.prefill_stage import DEFAULT_PREFILL_TIMEOUT_S, DisaggMetrics, PrefillStage
 from dynamod.shared.config import add_runtime_args, env_or, settings_from_args
@@ -89,6 +90,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "GET /v1/responses/{id}, least recently used out; 0 keeps none "
                         "[env DYN_RESPONSES_STORE_SIZE, default 1024]")
     add_door_args(g)
+    add_media_args(g)
     add_prefill_timeout_arg(g)
     add_runtime_args(parser)
     add_kv_router_args(parser)
@@ -251,6 +253,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         shutdown_grace_s=args.shutdown_grace,
         num_frontends=args.num_frontends,
         responses_store_size=args.responses_store_size,
+        media=media_settings_from_args(args),
     )
 
 
@@ -361,6 +364,8 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
             await registry.close()
         if state is not None and state.fleet_metrics is not None:
             await state.fleet_metrics.close()
+        if state is not None and state.media is not None:
+            await state.media.aclose()
         if routers is not None:
             await routers.close()
         if sync is not None:

@@ -1,7 +1,8 @@
 """Turns a ``--model`` argument into a local model directory.
 
 dynamod never contacts a model hub: a model is either the built-in ``tiny`` (shipped in
-``daemon/assets/tiny``, for tests, the mocker and ``dynamod up``) or a directory on this machine in
+``daemon/assets/tiny``, for tests, the mocker and ``dynamod up``), its vision-language sibling
+``tiny-vl`` (``daemon/assets/tiny-vl``, tiny_vl.py) or a directory on this machine in
 the HF layout (``tokenizer.json`` + ``config.json`` [+ ``tokenizer_config.json``,
 ``generation_config.json``]). Everything the frontend and workers need from it is read once here
 into a ``LocalModel``.
@@ -17,6 +18,7 @@ from dynamod.shared.errors import ConfigError, NotFoundError
 
 from . import hf_config
 from .kv_layout import KvGeometry, kv_geometry
+from .tiny_vl import TINY_VL_MODEL_DIR, TINY_VL_MODEL_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,8 @@ def resolve_model(name_or_path: str) -> LocalModel:
     """
     if name_or_path == TINY_MODEL_NAME:
         return load_model_dir(TINY_MODEL_DIR, name=TINY_MODEL_NAME)
+    if name_or_path == TINY_VL_MODEL_NAME:
+        return load_model_dir(TINY_VL_MODEL_DIR, name=TINY_VL_MODEL_NAME)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return load_model_dir(path)
@@ -64,7 +68,7 @@ def resolve_model(name_or_path: str) -> LocalModel:
             f"{' and '.join(_REQUIRED_FILES)}"
         )
     raise NotFoundError(
-        f"model {name_or_path!r} is neither the built-in {TINY_MODEL_NAME!r} nor a local directory. "
+        f"model {name_or_path!r} is neither a built-in model ({TINY_MODEL_NAME!r}, {TINY_VL_MODEL_NAME!r}) nor a local directory. "
         "dynamod never contacts a model hub: download the model on a machine that can (for example "
         "`huggingface-cli download <repo> --local-dir <dir>`), copy it here and pass that directory "
         f"path, or pass {TINY_MODEL_NAME!r} for the built-in test model"

@@ -99,6 +99,7 @@ from dynamod.daemon.router.core.kv_router import KvRouter
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.kv.hashing import hash_tokens
 from dynamod.shared.protocol.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, RouterEvent
+from dynamod.shared.protocol.llm import MultimodalItem
 from dynamod.shared.protocol.routing import DISAGG_REMOTE, DisaggInfo
 
 MODES = ("kv", "round-robin", "random")
@@ -198,12 +199,18 @@ class _PromptHashes:
     def __init__(self, block_size: int) -> None:
         self._block_size = block_size
         self._by_request: dict[str, tuple[int, list[int], list[int]]] = {}
+        # The images of requests that have some (trace.py): their content keys the blocks covering them.
+        self._images: dict[str, list[MultimodalItem]] = {}
+
+    def set_images(self, request_id: str, images: list[MultimodalItem]) -> None:
+        """Request ``request_id``'s prompt has ``images``: its hashes key the blocks covering them."""
+        self._images[request_id] = images
 
     def of(self, request_id: str, prompt: list[int]) -> tuple[list[int], list[int]]:
         """(local, sequence) hashes of request ``request_id``'s ``prompt``; read only (shared)."""
         entry = self._by_request.get(request_id)
         if entry is None or entry[0] != len(prompt):
-            local, seq = hash_tokens(prompt, self._block_size)
+            local, seq = hash_tokens(prompt, self._block_size, None, self._images.get(request_id))
             entry = self._by_request[request_id] = (len(prompt), local, seq)
         return entry[1], entry[2]
 
@@ -215,6 +222,7 @@ class _PromptHashes:
         local, seq = self.of(request.request_id, request.token_ids)
         if last:
             del self._by_request[request.request_id]
+            self._images.pop(request.request_id, None)
         return local.copy(), seq.copy()
 
     def __len__(self) -> int:
@@ -717,6 +725,8 @@ class _Simulation:
     def _arrive(self, req: TraceRequest) -> None:
         rid = str(req.index)
         prompt = req.prompt  # built once here; the cores copy it, and it is dropped when they have it
+        if req.images:
+            self.hashes.set_images(rid, req.images)
         if self.policy is None:
             dw, _ = self.decode_picker.pick(rid, prompt)
             self.stats[rid] = RequestStats(arrival_ms=self.now, prompt_tokens=len(prompt), worker=dw)
@@ -753,13 +763,13 @@ class _Simulation:
             self.decode.incoming[dw] += 1
         self._interrupt_run(self.prefill, pw)
         self.prefill.cores[pw].add_request(rid, prompt, max_tokens=1, ignore_eos=True, seed=req.index,
-                                           check_tokens=False)
+                                           check_tokens=False, mm_items=req.images)
         self._wake(self.prefill, pw)
 
     def _start_local(self, req: TraceRequest, rid: str, prompt: list[int], dw: int) -> None:
         self._interrupt_run(self.decode, dw)
         self.decode.cores[dw].add_request(rid, prompt, max_tokens=req.output_length, ignore_eos=True, seed=req.index,
-                                          check_tokens=False)
+                                          check_tokens=False, mm_items=req.images)
         self._wake(self.decode, dw)
 
     def _decide(self, rid: str, prompt: list[int], dw: int, overlap: int | None) -> tuple[DisaggInfo, int]:
@@ -770,7 +780,7 @@ class _Simulation:
         bs = self.mocker.block_size
         isl = len(prompt)
         if overlap is None:
-            overlap = self.decode_picker.cached_blocks(dw, prompt)
+            overlap = self.decode_picker.cached_blocks(dw, prompt, rid)
         decode_load = self.decode.cores[dw].load()
         new_blocks = -(-isl // bs) - overlap
         available = self.prefill_picker is not None and bool(self.prefill.ids(READY))
@@ -780,7 +790,7 @@ class _Simulation:
             assert self.prefill_picker is not None
             pw, prefill_overlap = self.prefill_picker.pick(rid, prompt)
             if prefill_overlap is None:
-                prefill_overlap = self.prefill_picker.cached_blocks(pw, prompt)
+                prefill_overlap = self.prefill_picker.cached_blocks(pw, prompt, rid)
             prefill_cached = min(prefill_overlap * bs, isl)
         t = self.transfer
         inputs = DisaggInputs(
@@ -861,7 +871,7 @@ class _Simulation:
         self._interrupt_run(self.decode, dw)
         self.decode.cores[dw].add_request(
             rid, prompt, max_tokens=req.output_length, ignore_eos=True, seed=req.index, kv_transferred=True,
-            check_tokens=False,
+            check_tokens=False, mm_items=req.images,
         )
         self._wake(self.decode, dw)
 

@@ -63,6 +63,7 @@ BUNDLE_FILE_NAMES = (
     "chat_template.json",
     "generation_config.json",  # end-of-sequence ids
     "config.json",  # context length, vocabulary size
+    "preprocessor_config.json",  # a vision-language model's image processor (image tokens per image)
 )
 """What a frontend needs of a model directory (HF layout) to tokenize and apply the chat template;
 never the weights."""

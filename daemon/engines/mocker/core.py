@@ -323,6 +323,9 @@ class MockerCore:
         ``priority``: in the engine's convention (lower first), used under the priority policy;
         ``add_preprocessed`` converts the request's Dynamo priority to it.
 
+        ``mm_items``: the prompt's images (``MultimodalItem``): their content keys the blocks that
+        cover them, and the step that first prefills an image's tokens pays the encoder (encoder.py).
+
         ``pin``: keep the prompt's prefix cached for a while (``cache_control``; kv_manager.py)."""
         # ``MockRequest`` copies the prompt; a list is only read here (a replay's prompts are
         # thousands of tokens: one copy per admission, not two).

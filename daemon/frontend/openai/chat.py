@@ -46,10 +46,13 @@ class ChatCompletionsEndpoint(OpenAIEndpoint[ChatCompletionRequest]):
 
     async def plan(self, req: ChatCompletionRequest, model: ServedModel, pre: ModelPreprocessor) -> Plan:
         stops = req.stop_list()
-        prompt_ids = await pre.chat_prompt(req)
+        inputs = await pre.chat_inputs(req, self.state.media)  # image parts: fetched, sized, expanded
+        prompt_ids = inputs.token_ids
         max_tokens = plan_max_tokens(len(prompt_ids), req.output_limit(), model.context_length, None)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return make_plan(req, stops, prompt_ids, max_tokens, logprobs, parser=chat_output_parser(req, model))
+        plan = make_plan(req, stops, prompt_ids, max_tokens, logprobs, parser=chat_output_parser(req, model))
+        plan.mm_items = inputs.mm_items
+        return plan
 
     def sibling_plan(self, req: ChatCompletionRequest, model: ServedModel, plan: Plan) -> Plan:
         if plan.parser is None:

@@ -11,6 +11,7 @@ from dynamod.daemon.frontend.http.request_checks import REASON_DRAINING, REASON_
 from dynamod.daemon.frontend.pipeline.dispatch import Dispatcher
 from dynamod.daemon.frontend.pipeline.metrics import FrontendMetrics
 from dynamod.daemon.frontend.pipeline.models import ModelRegistry
+from dynamod.daemon.frontend.preprocess.media import MediaLoader, MediaSettings
 from dynamod.shared.drain import InFlight
 from dynamod.shared.errors import DynamoError, OverloadedError, UnavailableError
 
@@ -32,6 +33,7 @@ class FrontendConfig:
     shutdown_grace_s: float = 30.0
     num_frontends: int = 1
     responses_store_size: int = 1024  # responses kept for previous_response_id (0: none)
+    media: MediaSettings = field(default_factory=MediaSettings)  # image limits (--allowed-media-domains, ...)
 
 
 @dataclass(eq=False)
@@ -45,6 +47,11 @@ class FrontendState:
     frontend_pids: list[int] = field(default_factory=list)
     fleet_metrics: FleetMetrics | None = None  # a --num-frontends member: /metrics adds up the fleet
     _inflight: InFlight = field(default_factory=InFlight)
+    media: MediaLoader | None = None  # images of chat requests; made from ``config.media`` when not given
+
+    def __post_init__(self) -> None:
+        if self.media is None:
+            self.media = MediaLoader(self.config.media)
 
     @property
     def inflight(self) -> int:

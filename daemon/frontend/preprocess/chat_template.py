@@ -26,6 +26,7 @@ import jinja2.nodes
 from jinja2.runtime import new_context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from dynamod.daemon.frontend.preprocess.media.parts import WHERE_KEY
 from dynamod.daemon.models import LocalModel
 from dynamod.shared.errors import ConfigError, InvalidRequestError
 
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Content part types that carry text: "text" for everyone, "refusal" in assistant messages.
 _TEXT_PART_FIELDS = {"text": "text", "refusal": "refusal"}
+_IMAGE_PART = "image_url"  # OpenAI's image part (preprocess/media/parts.py reads the image itself)
 
 
 def _raise_exception(message: str) -> None:
@@ -117,9 +119,11 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         tools: Any = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        images: bool = False,
     ) -> str:
-        """The prompt text for ``messages``; ends with the assistant header when asked."""
-        normalized = normalize_messages(messages)
+        """The prompt text for ``messages``; ends with the assistant header when asked.
+        ``images``: the model takes image parts (they reach the template as ``{"type": "image"}``)."""
+        normalized = normalize_messages(messages, images=images)
         tool_list = _validate_tools(tools)
         context: dict[str, Any] = dict(template_kwargs or {})
         context.update(self._special_tokens)
@@ -153,16 +157,20 @@ class ChatTemplate:
             raise  # not reached: keeps type checkers sure this returns a str
 
 
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """Validates OpenAI chat messages and returns them in the shape templates expect."""
+def normalize_messages(messages: Any, *, images: bool = False) -> list[dict[str, Any]]:
+    """Validates OpenAI chat messages and returns them in the shape templates expect. With
+    ``images`` (a vision-language model), a message with image parts keeps its content as a list
+    of ``{"type": "text", "text": ...}`` and ``{"type": "image"}`` parts, as vLLM hands them to
+    templates of the "openai" content format (HF's vision templates); the images themselves are
+    the media loader's (preprocess/media)."""
     if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
         raise InvalidRequestError("'messages' must be a list of message objects", param="messages")
     if not messages:
         raise InvalidRequestError("'messages' must contain at least one message", param="messages")
-    return [_normalize_message(i, message) for i, message in enumerate(messages)]
+    return [_normalize_message(i, message, images) for i, message in enumerate(messages)]
 
 
-def _normalize_message(index: int, message: Any) -> dict[str, Any]:
+def _normalize_message(index: int, message: Any, images: bool = False) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, Mapping):
         raise InvalidRequestError(f"{where} must be an object with 'role' and 'content'", param=where)
@@ -184,7 +192,7 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
             raise InvalidRequestError(f"{where}.content is missing", param=f"{where}.content")
         out["content"] = None
     else:
-        out["content"] = _content_text(where, role, content)
+        out["content"] = _content_text(where, role, content, images)
 
     name = message.get("name")
     if name is not None:
@@ -202,7 +210,7 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
     return out
 
 
-def _content_text(where: str, role: str, content: Any) -> str:
+def _content_text(where: str, role: str, content: Any, images: bool = False) -> str | list[dict[str, str]]:
     if isinstance(content, str):
         return content
     if isinstance(content, bytes) or not isinstance(content, Sequence):
@@ -210,11 +218,16 @@ def _content_text(where: str, role: str, content: Any) -> str:
             f"{where}.content must be a string or a list of content parts", param=f"{where}.content"
         )
     texts: list[str] = []
+    parts: list[dict[str, str]] = []  # with images: the parts in order
     for j, part in enumerate(content):
         part_where = f"{where}.content[{j}]"
         if not isinstance(part, Mapping):
             raise InvalidRequestError(f"{part_where} must be an object with a 'type'", param=part_where)
         part_type = part.get("type")
+        part_where = part.get(WHERE_KEY) or part_where  # a part another API surface converted
+        if images and part_type == _IMAGE_PART:
+            parts.append({"type": "image"})
+            continue
         field_name = _TEXT_PART_FIELDS.get(part_type) if isinstance(part_type, str) else None
         if field_name is None or (part_type == "refusal" and role != "assistant"):
             raise InvalidRequestError(
@@ -225,6 +238,9 @@ def _content_text(where: str, role: str, content: Any) -> str:
         if not isinstance(text, str):
             raise InvalidRequestError(f"{part_where}.{field_name} must be a string", param=part_where)
         texts.append(text)
+        parts.append({"type": "text", "text": text})
+    if len(parts) > len(texts):
+        return parts
     # vLLM joins text parts with a newline for string-content templates; prompts then match.
     return "\n".join(texts)
 

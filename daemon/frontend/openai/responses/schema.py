@@ -8,8 +8,9 @@ tokenizer, sampling, routing, migration) serves it unchanged; the subclass ``Res
 carries the original request and this turn's messages along for the response object and the store.
 
 ``text.format`` (``json_object``, ``json_schema``) becomes chat's ``response_format``, so structured
-outputs work as on chat. What a text model here cannot do is refused with a 400 naming the
-parameter: hosted OpenAI tools (web search, file search, ...), images, files and audio in the
+outputs work as on chat. ``input_image`` parts become chat ``image_url`` parts (a vision-language
+model takes them; a text model refuses them by name). What cannot be done here is refused with a
+400 naming the parameter: hosted OpenAI tools (web search, file search, ...), files and audio in the
 input, ``background``, ``conversation``, prompt templates, ``truncation: "auto"``, and logprobs.
 """
 
@@ -30,6 +31,7 @@ from dynamod.daemon.frontend.openai.schema import (
     TopP,
     decode_json_body,  # the chat bodies' decoding: 400 + param
 )
+from dynamod.daemon.frontend.preprocess.media.parts import WHERE_KEY
 from dynamod.shared.errors import InvalidRequestError
 
 INPUT_ROLES = ("user", "assistant", "system", "developer")
@@ -173,6 +175,33 @@ def _text_of(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
+def _message_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content for the chat request: its text (``_text_of``) or, when it has
+    ``input_image`` parts, chat content parts in order, each image as chat's ``image_url`` part
+    marked with its place here (``input[0].content[1]``), which an image error names. Whether the
+    model takes images is the chat pipeline's to say (preprocess/media)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+        return _text_of(content, where)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        part_where = f"{where}.content[{j}]"
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            if part.get("file_id") is not None:
+                raise InvalidRequestError(f"{part_where}: file_id images are not supported here; send image_url", param="input")
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise InvalidRequestError(
+                    f"{part_where}: input_image needs image_url (a data: URL or an http(s) URL)", param="input"
+                )
+            image: dict[str, Any] = {"url": url}
+            if part.get("detail") is not None:
+                image["detail"] = part["detail"]
+            parts.append({"type": "image_url", "image_url": image, WHERE_KEY: part_where})
+        else:
+            parts.append({"type": "text", "text": _text_of([part], part_where)})
+    return parts
+
+
 def _tool_call(item: dict[str, Any], where: str) -> dict[str, Any]:
     call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
     if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(arguments, str):
@@ -199,7 +228,8 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
             if role not in INPUT_ROLES:
                 raise InvalidRequestError(f"{where}.role must be one of {', '.join(INPUT_ROLES)}, got {role!r}", param="input")
             # Chat templates know "system"; "developer" is the Responses API's name for it.
-            messages.append({"role": "system" if role == "developer" else role, "content": _text_of(item.get("content"), where)})
+            content = _message_content(item.get("content"), where)
+            messages.append({"role": "system" if role == "developer" else role, "content": content})
         elif kind == "function_call":
             call = _tool_call(item, where)
             last = messages[-1] if messages else None
