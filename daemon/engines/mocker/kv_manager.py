@@ -11,6 +11,10 @@ each newly pinned block gets one more reference, held by the pin: the allocator 
 referenced block, so a pinned prefix survives any eviction storm until its TTL runs out; then the
 reference is dropped and the block is an ordinary cached free block again. A cache hit on pinned
 blocks refreshes them. The lower tiers ask the same table before pushing a hash out.
+
+Pins are a preference, not a reservation: when the blocks held only by pins leave too little of
+the cache for a request to fit even once every running request has finished, the pins soonest to
+expire give way (``_yield_pins``) instead of leaving that request waiting for their TTL (minutes).
 """
 
 from __future__ import annotations
@@ -138,7 +142,11 @@ class KVCacheManager:
             # Hits that sit in the free list leave it when touched.
             free -= sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks > free - watermark_blocks and num_new_blocks > 0:
-            return None
+            if not self.pins or not self._yield_pins(request, new_computed_blocks, num_new_blocks + watermark_blocks):
+                return None
+            free = pool.free_block_queue.num_free_blocks - sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+            if num_new_blocks > free - watermark_blocks:
+                return None
         if new_computed_blocks:
             pool.touch(new_computed_blocks)
             request.blocks.extend(new_computed_blocks)
@@ -194,6 +202,25 @@ class KVCacheManager:
             index = {h: i for i, h in enumerate(prefix)}
             hit_blocks = hit_tokens // bs
             request.num_pinned_tokens = bs * sum(1 for h in outcome.new if index[h] >= hit_blocks)
+
+    def _yield_pins(self, request: MockRequest, hits: Sequence[KVBlock], needed: int) -> bool:
+        """Unpins, soonest expiry first, the idle pinned blocks that stand between ``request``
+        and the ``needed`` new blocks it could otherwise get once every other request has
+        finished (the blocks it holds and the cache hits it is taking count as its own). True
+        when some pin gave way; a request that only has to wait for running ones leaves the pins
+        alone."""
+        pool = self.block_pool
+        cache = pool.cached_block_hash_to_block
+        taken = {id(b) for b in hits}
+        idle = [h for h in self.pins.by_expiry()
+                if (b := cache.get(h)) is not None and b.ref_cnt == 1 and id(b) not in taken]
+        reachable = pool.num_blocks - len(idle) - len(request.blocks) - len(hits)
+        if needed <= reachable or not idle:
+            return False
+        give = idle[:needed - reachable]
+        self.pins.release(give)
+        pool.free_blocks([cache[h] for h in give])
+        return True
 
     def expire_pins(self) -> int:
         """Drops the references of pins whose TTL ran out; returns how many blocks were unpinned."""

@@ -51,6 +51,7 @@ class PinTable:
         self.num_created = 0  # blocks pinned since start
         self.num_refused = 0  # pins refused by the bound since start
         self.num_expired = 0  # blocks whose pin ran out since start
+        self.num_yielded = 0  # blocks unpinned early so a request that could never fit can run
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -133,6 +134,20 @@ class PinTable:
                 out.append(h)
         self.num_expired += len(out)
         return out
+
+    def by_expiry(self) -> list[int]:
+        """The pinned hashes, soonest to expire first (the order pins give way in)."""
+        return sorted(self._pins, key=lambda h: self._pins[h][0])
+
+    def release(self, hashes: Iterable[int]) -> None:
+        """Unpins ``hashes`` before their time (they gave way to a request); the caller drops the
+        pin's references."""
+        pins = self._pins
+        n = 0
+        for h in hashes:
+            if pins.pop(h, None) is not None:
+                n += 1
+        self.num_yielded += n
 
     def clear(self) -> list[int]:
         """Drops every pin (the device cache was cleared); returns the hashes that were pinned."""

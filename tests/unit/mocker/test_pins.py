@@ -160,6 +160,21 @@ def test_pin_past_the_fraction_bound_is_refused_and_the_request_runs_unpinned():
     assert run(core, "a2", a).cached_tokens == 12
 
 
+def test_pins_give_way_soonest_expiry_first_to_a_request_that_could_never_fit_beside_them():
+    # Found by bench/agents.py: pins holding half the cache left a long prompt waiting for their TTL.
+    clock = FakeClock()
+    core = pinned_core(clock)  # 16 blocks, pins may hold 8
+    a, b = prompt(11), prompt(12)
+    assert run(core, "a", a, PrefixPin(num_tokens=12, ttl_s=100)).pinned_tokens == 12
+    assert run(core, "b", b, PrefixPin(num_tokens=12, ttl_s=300)).pinned_tokens == 12
+    long = [(i * 13) % 89 + 1 for i in range(49)]  # 13 blocks: only 10 are free of pins
+    usage = run(core, "long", long)
+    assert usage.completion_tokens == 1
+    assert core.kv_manager.pins.num_yielded == 3  # a's pin (the soonest to expire), no more
+    assert run(core, "b2", b).cached_tokens == 12
+    assert core.kv_manager.num_pinned_blocks == 3
+
+
 def test_zero_fraction_refuses_every_pin_and_bad_fraction_is_a_config_error():
     core = pinned_core(FakeClock(), max_pinned_fraction=0.0)
     assert run(core, "a", prompt(8), PrefixPin(num_tokens=12, ttl_s=300)).pin_refused
