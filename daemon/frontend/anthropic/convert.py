@@ -8,6 +8,10 @@ original request for the response side.
 
     system (string or text blocks)           -> a leading system message
     user text blocks                         -> a user message (blocks joined by newlines)
+    user image blocks (base64 or url source) -> image_url parts of that message, in order with its
+                                                 text (a data: URL, or the URL, which the frontend
+                                                 fetches only from --allowed-media-domains hosts);
+                                                 a text-only model answers them with a 400
     user tool_result blocks                  -> tool messages (tool_call_id = tool_use_id), before the
                                                  user's text, as the results answer the previous turn
     assistant text / thinking / tool_use     -> an assistant message with content, reasoning_content
@@ -19,8 +23,8 @@ original request for the response side.
     output_config.effort / .format           -> reasoning_effort / response_format json_schema
     stop_sequences, temperature, top_p, top_k, max_tokens, metadata.user_id -> the chat fields
 
-Refused with a 400 naming the block or field: images and documents (no model here takes them),
-server tools, a final assistant message (prefill: the templates here cannot continue a turn),
+Refused with a 400 naming the block or field: documents (no model here reads them), images inside
+a tool_result, an image source other than base64 or url, server tools, a final assistant message (prefill: the templates here cannot continue a turn),
 ``container``, ``mcp_servers`` and ``context_management``.
 """
 
@@ -54,9 +58,12 @@ from dynamod.daemon.frontend.openai.schema import (
     JsonSchemaFormat,
     ResponseFormat,
 )
+from dynamod.daemon.frontend.preprocess.media.parts import IMAGE_PART_TYPE, WHERE_KEY
 from dynamod.shared.errors import InvalidRequestError
 
 CUSTOM_TOOL_TYPES = (None, "custom")
+# The image types Anthropic's API accepts in a base64 source.
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 
 
 class AnthropicChatRequest(ChatCompletionRequest, kw_only=True):
@@ -66,10 +73,35 @@ class AnthropicChatRequest(ChatCompletionRequest, kw_only=True):
 
 
 def _unsupported_media(block: Any, where: str) -> InvalidRequestError:
-    kind = "image" if isinstance(block, ImageBlockParam) else "document"
-    return InvalidRequestError(
-        f"{where}: {kind} blocks are not supported: the models served here take text only", param=where
-    )
+    if isinstance(block, ImageBlockParam):
+        why = "image blocks are not supported inside a tool_result: put the image in the user's content"
+    else:
+        why = "document blocks are not supported: the models served here do not read documents"
+    return InvalidRequestError(f"{where}: {why}", param=where)
+
+
+def _image_part(block: ImageBlockParam, where: str) -> dict[str, Any]:
+    """An image block as the chat pipeline's ``image_url`` part; its place in the Anthropic
+    request rides along (``WHERE_KEY``) so a bad image's 400 names ``messages[i].content[j]``."""
+    source = block.source
+    kind = source.get("type")
+    here = f"{where}.source"
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if media_type not in IMAGE_MEDIA_TYPES:
+            raise InvalidRequestError(
+                f"{here}.media_type must be one of {', '.join(IMAGE_MEDIA_TYPES)}, got {media_type!r}", param=here
+            )
+        if not isinstance(data, str) or not data:
+            raise InvalidRequestError(f"{here}.data must be a non-empty base64 string", param=here)
+        url = f"data:{media_type};base64,{data}"
+    elif kind == "url":
+        url = source.get("url")
+        if not isinstance(url, str) or not url:
+            raise InvalidRequestError(f"{here}.url must be a non-empty string", param=here)
+    else:
+        raise InvalidRequestError(f"{here}.type {kind!r} is not supported: use base64 or url", param=here)
+    return {"type": IMAGE_PART_TYPE, "image_url": {"url": url}, WHERE_KEY: where}
 
 
 def _text_parts(parts: list[Any], where: str) -> str:
@@ -101,18 +133,23 @@ def _tool_result(block: ToolResultBlockParam, where: str) -> dict[str, Any]:
 def _user_messages(content: list[Any], where: str) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     texts: list[str] = []
+    parts: list[dict[str, Any]] = []  # text and images in order, used when there is an image
     for j, block in enumerate(content):
         here = f"{where}[{j}]"
-        if isinstance(block, TextBlockParam):
-            texts.append(block.text)
+        if isinstance(block, TextBlockParam | SearchResultBlockParam):
+            text = block.text if isinstance(block, TextBlockParam) else _text_parts([block], here)
+            texts.append(text)
+            parts.append({"type": "text", "text": text})
         elif isinstance(block, ToolResultBlockParam):
             results.append(_tool_result(block, here))
-        elif isinstance(block, SearchResultBlockParam):
-            texts.append(_text_parts([block], here))
-        elif isinstance(block, ImageBlockParam | DocumentBlockParam):
+        elif isinstance(block, ImageBlockParam):
+            parts.append(_image_part(block, here))
+        elif isinstance(block, DocumentBlockParam):
             raise _unsupported_media(block, here)
         else:
             raise InvalidRequestError(f"{here}: a {_block_type(block)} block belongs to an assistant message", param=here)
+    if len(parts) > len(texts):
+        return results + [{"role": "user", "content": parts}]
     user = [{"role": "user", "content": "\n".join(texts)}] if texts else []
     return results + user
 

@@ -229,6 +229,10 @@ def _content_text(where: str, role: str, content: Any, images: bool = False) -> 
             parts.append({"type": "image"})
             continue
         field_name = _TEXT_PART_FIELDS.get(part_type) if isinstance(part_type, str) else None
+        if part_type == _IMAGE_PART:
+            raise InvalidRequestError(
+                f"{part_where}: images are not supported: this model takes text parts only", param=part_where
+            )
         if field_name is None or (part_type == "refusal" and role != "assistant"):
             raise InvalidRequestError(
                 f"{part_where}.type {part_type!r} is not supported: this model takes text parts only",

@@ -197,3 +197,26 @@ def test_image_urls_from_listed_hosts(api: openai.OpenAI, image_server: str) -> 
         with pytest.raises(openai.BadRequestError) as info:
             api.chat.completions.create(model=MODEL, messages=image_messages(image_server + path), max_tokens=2)
         assert info.value.body["message"].startswith("messages[0].content[1]: ") and why in info.value.body["message"]
+
+
+def test_anthropic_image_blocks_take_the_same_path(api: openai.OpenAI, cluster: LocalCluster) -> None:
+    """/v1/messages through the official SDK: an image block is the same prompt as the chat
+    request's image part (input + cache read + cache creation = the chat prompt tokens), a repeat
+    reads it from the cache, and a bad one is a 400 naming the Anthropic block."""
+    import anthropic
+
+    url = png_url(5)
+    chat, _ = _chat(api, image_messages(url))
+    claude = anthropic.Anthropic(base_url=cluster.url, api_key="none", max_retries=0, timeout=30)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": url.split(",", 1)[1]}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": QUESTION}, image, {"type": "text", "text": FOLLOW}]}]
+    reply = claude.messages.create(model=MODEL, max_tokens=4, messages=messages)
+    usage = reply.usage
+    total = usage.input_tokens + (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0)
+    assert total == chat.usage.prompt_tokens, (usage, chat.usage)
+    assert (usage.cache_read_input_tokens or 0) >= (_image_offset(url) + IMAGE_TOKENS) // BLOCK * BLOCK
+    bad = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGVsbG8="}}
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "x"}, bad]}])
+    assert err.value.body["error"]["message"].startswith("messages[0].content[1]"), err.value.body

@@ -10,6 +10,7 @@ import pytest
 from dynamod.daemon.frontend.anthropic.convert import chat_messages, to_chat_request
 from dynamod.daemon.frontend.anthropic.schema import decode_count_tokens_request, decode_messages_request
 from dynamod.daemon.frontend.openai.sampling import sampling_options
+from dynamod.daemon.frontend.preprocess.media.parts import WHERE_KEY
 from dynamod.shared.errors import InvalidRequestError
 
 USER = [{"role": "user", "content": "hi"}]
@@ -118,12 +119,30 @@ def test_tool_choice_maps_to_the_chat_modes() -> None:
         sampling_options(unknown, logprobs=None)
 
 
+def test_image_blocks_become_image_parts_in_order_with_their_place() -> None:
+    png = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    url = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.jpg"}}
+    content = [{"type": "text", "text": "look"}, png, {"type": "text", "text": "and"}, url]
+    chat = to_chat_request(decode_messages_request(_req(system="s", messages=[{"role": "user", "content": content}])))
+    parts = chat.messages[1]["content"]
+    assert [p["type"] for p in parts] == ["text", "image_url", "text", "image_url"]
+    assert parts[1]["image_url"] == {"url": "data:image/png;base64,iVBORw0KGgo="}
+    assert parts[3]["image_url"] == {"url": "https://example.com/a.jpg"}
+    # A bad image's 400 names the Anthropic block, not the chat message it became (system is [0]).
+    assert [p.get(WHERE_KEY) for p in parts] == [None, "messages[0].content[1]", None, "messages[0].content[3]"]
+
+
 def test_what_cannot_be_served_is_refused_by_name() -> None:
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
-    _refused(_req(messages=[{"role": "user", "content": [{"type": "text", "text": "x"}, image]}]),
-             "messages[0].content[1]", "image blocks are not supported")
     result = {"type": "tool_result", "tool_use_id": "t", "content": [image]}
     _refused(_req(messages=[{"role": "user", "content": [result]}]), "messages[0].content[0].content[0]", "image")
+    for source, field in (({"type": "base64", "media_type": "image/bmp", "data": "AA=="}, "media_type"),
+                          ({"type": "base64", "media_type": "image/png", "data": ""}, "data"),
+                          ({"type": "file", "file_id": "f-1"}, "'file'")):
+        _refused(_req(messages=[{"role": "user", "content": [{"type": "image", "source": source}]}]),
+                 "messages[0].content[0].source", field)
+    document = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}
+    _refused(_req(messages=[{"role": "user", "content": [document]}]), "messages[0].content[0]", "document")
     _refused(_req(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "tools[0]", "Anthropic's servers")
     _refused(_req(tools=[{"name": "f"}]), "tools[0].input_schema")
     _refused(_req(messages=[*USER, {"role": "assistant", "content": "The answer is"}]), "messages[1]", "prefill")

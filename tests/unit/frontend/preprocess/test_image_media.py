@@ -236,5 +236,5 @@ def test_tiny_vl_chat_prompt_with_images() -> None:
 def test_text_model_refuses_images_as_before() -> None:
     pre = ModelPreprocessor.load(ModelCard(served_model_name="tiny"), TINY_MODEL_DIR)
     messages = [{"role": "user", "content": [part(data_url(encoded(8, 8)))]}]
-    with refuse(r"messages\[0\]\.content\[0\]\.type 'image_url' is not supported: this model takes text parts only"):
+    with refuse(r"messages\[0\]\.content\[0\]: images are not supported: this model takes text parts only"):
         asyncio.run(pre.chat_inputs(_request(messages), MediaLoader()))

@@ -106,7 +106,7 @@ def test_tool_calls_and_tool_results() -> None:
         ([{"role": "user", "content": 5}], "must be a string or a list"),
         (
             [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-            "'image_url' is not supported",
+            "images are not supported: this model takes text parts only",
         ),
         ([{"role": "user", "content": [{"type": "text"}]}], "content[0].text must be a string"),
         ([{"role": "user", "content": "x", "tool_calls": []}], "only assistant messages"),
