@@ -21,6 +21,15 @@ targets:
 
 ``--static-cache DIR`` keeps the static runs (keyed by trace content and replay flags) so a second
 run of the bench only replays the planners.
+
+``--compare-forecasts`` replays nothing: per trace it feeds the arrivals, 5 s at a time, to the
+agg planner's ``ReactiveCore`` and scores the rates it could plan for against the mean rate a
+worker launched at that tick meets once ready (25-40 s later): ``window`` (the last window's
+mean), ``rise`` (the window plus the rise of the last start-up, carried over the next: the agg
+projection before the forecast), ``forecast`` (``forecast.RateForecast``: the arrivals' fitted
+growth over the horizon, not past a step) and ``planned`` (the larger of rise and forecast: what
+agg sizes for). ``under`` is the demand each left unplanned (request-seconds: misses),
+``over`` the surplus (cost).
 """
 
 from __future__ import annotations
@@ -120,6 +129,36 @@ def judge(trace: str, planner: dict[str, Any], runs: list[dict[str, Any]]) -> di
                               "static_at_equal_cost": equal_cost, "not_below_static_of_equal_cost": not_below}}
 
 
+def compare_forecasts(records: list[dict[str, Any]], startup_s: float, interval_s: float = 5.0) -> dict[str, Any]:
+    """See the module docstring: each candidate rate's shortfall and surplus over the trace."""
+    from dynamod.daemon.perf.profile import PerfProfile, default_profile_path
+    from dynamod.daemon.planner.capacity import CapacityModel
+    from dynamod.daemon.planner.policy import Observation, TrafficSample
+    from dynamod.daemon.planner.reactive import ReactiveCore
+
+    model = CapacityModel(PerfProfile.load(default_profile_path()), mode="agg", ttft_ms=2000.0, itl_ms=50.0)
+    core = ReactiveCore(model, mode="agg", interval_s=interval_s, kv=None, startup_s=startup_s)
+    end = max(r["timestamp"] for r in records) / 1000.0
+    counts = [0] * (int(end // interval_s) + 1)
+    for r in records:
+        counts[int(r["timestamp"] / 1000.0 // interval_s)] += 1
+    lo, hi = int(round((startup_s - interval_s) / interval_s)), int(round((startup_s + 2 * interval_s) / interval_s))
+    scores = {name: {"under": 0.0, "over": 0.0} for name in ("window", "rise", "forecast", "planned")}
+    for i, n in enumerate(counts):
+        now = (i + 1) * interval_s
+        core.demand(Observation(now, {}, TrafficSample(interval_s, float(n), 2000.0, 100.0, None, None)))
+        ahead = counts[i + lo + 1: i + hi + 1]
+        if core.observed_s < core.demand_window_s or len(ahead) < hi - lo:
+            continue
+        actual = sum(ahead) / (len(ahead) * interval_s)
+        fc = core.forecast.rate if core.forecast is not None else core.window_rate
+        for name, rate in (("window", core.window_rate), ("rise", core.sustained_rate), ("forecast", fc),
+                           ("planned", max(core.sustained_rate, fc))):
+            scores[name]["under"] += max(0.0, actual - rate) * interval_s
+            scores[name]["over"] += max(0.0, rate - actual) * interval_s
+    return {name: {k: round(v) for k, v in sc.items()} for name, sc in scores.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", default=",".join(TRACES), help=f"comma list of {', '.join(TRACES)}")
@@ -137,6 +176,8 @@ def main() -> int:
     ap.add_argument("--no-static", action="store_true", help="skip the static frontier (planner figures only)")
     ap.add_argument("--static-cache", default=None, help="directory to keep static runs in between bench runs")
     ap.add_argument("--extra", default="", help="more `dynamod replay` flags for the planner runs (one string)")
+    ap.add_argument("--compare-forecasts", action="store_true",
+                    help="replay nothing: score the agg planner's rate forecasts on the traces (module docstring)")
     args = ap.parse_args()
     chosen = {"traces": args.traces.split(","), "modes": args.modes.split(","), "planners": args.planners.split(",")}
     for what, allowed in (("traces", TRACES), ("modes", MODES), ("planners", PLANNERS)):
@@ -145,6 +186,18 @@ def main() -> int:
             print(f"bench/planner.py: error: unknown {what} {', '.join(bad)}; choose from {', '.join(allowed)}",
                   file=sys.stderr)
             return 2
+    if args.compare_forecasts:
+        out: dict[str, Any] = {"startup_s": args.startup, "seed": args.seed, "traces": {}}
+        for name in chosen["traces"]:
+            if name == "mooncake":
+                lines = DEFAULT_TRACE.read_text().splitlines()[: args.max_requests]
+                records = [json.loads(line) for line in lines if line.strip()]
+            else:
+                records = trace_gen.generate(name, seed=args.seed, **GENERATED[name])[: args.max_requests]
+            out["traces"][name] = compare_forecasts(records, args.startup)
+        json.dump(out, sys.stdout, indent=1)
+        print()
+        return 0
     cache = Path(args.static_cache) if args.static_cache else None
     results: dict[str, Any] = {
         "max_requests": args.max_requests, "gpu_budget": args.budget, "startup_s": args.startup,

@@ -7,10 +7,13 @@ Every interval (``ReactiveCore.assess``), per pool:
   interval of a heavy-tailed trace is noise) -- arrivals x ISL x (1 - prefix hit rate), arrivals x
   OSL, a significant rise carried over the start-up (a ramp is met, not trailed; in agg also the
   rise of the last start-up time, grown by its ratio (at most ``TREND_CAP``) and carried over
-  the next: prefill beyond the plan lands in the
-  decodes' steps at once, while a prefill pool's queue absorbs it within TTFT) -- through the
-  ``CapacityModel``, times the factor the SLA misses taught (below). A sustained need: it is
-  the evidence the scale-down window remembers.
+  the next: prefill beyond the plan lands in the decodes' steps at once, while a prefill pool's
+  queue absorbs it within TTFT) -- through the ``CapacityModel``, times the factor the SLA
+  misses taught (below). A sustained need: it is the evidence the scale-down window remembers.
+  In agg, above it, the rate ``forecast.RateForecast`` expects when the workers launched now and
+  at the next decision are ready (the arrivals' growth over the last window and start-up): a
+  transient need. It scales up ahead of a ramp out of a trough, which the rise trails by a
+  start-up; remembered, its fleets were held for a whole release window.
 - **backlog**: the prompt tokens still queued when a worker launched now would be ready (the
   queue now, plus what the last interval's arrivals add beyond what the ready workers compute
   during the start-up), cleared within the start-up: queued requests and waiting time count. A
@@ -58,6 +61,7 @@ from dynamod.daemon.planner.capacity import (
     Sized,
     ceil_replicas,
 )
+from dynamod.daemon.planner.forecast import Forecast, RateForecast
 from dynamod.daemon.planner.policy import (
     Observation,
     PoolObservation,
@@ -158,10 +162,14 @@ class ReactiveCore:
         self.observed_s = 0.0  # seconds of traffic measured so far
         self.trend_rate = 0.0  # the window's rate carried to when a new worker would be ready
         self.window_rate = 0.0  # the window's arrivals per second, as measured
-        # The window's rate at each interval of the last start-up time: what the traffic grew by
-        # within one (``rise``), the headroom a fleet needs until a worker launched now is ready.
-        self._rates: deque[tuple[float, float]] = deque()
+        # Agg: the growth of the arrivals over the last window and start-up, carried to when the
+        # workers launched now and at the next decision are ready (``forecast.py``); ``rise`` is
+        # what it adds to the window's rate, the headroom a fleet needs to meet a ramp.
+        self._forecast = RateForecast(self.demand_window_s + startup_s)
+        self.forecast: Forecast | None = None
         self.rise = 0.0
+        self._rates: deque[tuple[float, float]] = deque()
+        self.sustained_rate = 0.0
         # What the SLA misses taught, per pool: the factor on the model's load that meets the
         # targets on this engine and this traffic (the model's agg prefill share is a bound, the
         # truth depends on how many requests are short). Each settled interval moves it towards
@@ -192,6 +200,7 @@ class ReactiveCore:
         if t is not None and t.duration_s > 0:
             self._recent.append((obs.now, t))
             self.short_rate = finite(t.num_requests / t.duration_s) or 0.0
+            self._forecast.add(obs.now, t.duration_s, t.num_requests)
             self._burn.append((obs.now, *self._sample_misses(t)))
         while self._recent and self._recent[0][0] <= obs.now - self.demand_window_s:
             self._recent.popleft()
@@ -223,6 +232,11 @@ class ReactiveCore:
                 self.trend_rate = max(rate, min(r_new + slope * self.startup_s, TREND_CAP * r_new))
         self.rise = self._rise(obs.now, rate)
         rate = max(self.trend_rate, self.window_rate + self.rise) if self.mode == "agg" else self.trend_rate
+        self.sustained_rate = rate
+        if self.mode == "agg":
+            self.forecast = self._forecast.forecast(obs.now, self.startup_s + self.interval_s)
+            if self.observed_s >= self.demand_window_s:  # the first window's rate is a guess, no evidence
+                rate = max(rate, self.forecast.rate)
         self.isl = _weighted(samples, "isl") or self.isl
         # The measured means over the window, for the decision record (what the SLA was judged on
         # is the histograms' tails, in ``ttft_over_frac`` / ``itl_over_frac``).
@@ -315,6 +329,8 @@ class ReactiveCore:
         for name, value in (("ttft_ms", self.ttft_ms), ("itl_ms", self.itl_ms)):
             if value is not None:
                 base[name] = round(value, 3)
+        if self.forecast is not None:
+            base.update(self.forecast.as_inputs(), window_rate=round(self.window_rate, 4))
         out: dict[str, list[Need]] = {}
         for pool in pools:
             pobs = obs.pools.get(pool) or PoolObservation(pool, 0)
@@ -359,8 +375,23 @@ class ReactiveCore:
                           f"{sized.decode_thpt:.0f} tok/s{learned} -> {steady}")
             # Until a whole window was measured the rate is a guess: it may size up, it is no evidence.
             young = self.observed_s < self.demand_window_s
-            needs.append(Need(pool, steady, R_CAPACITY, f"over the last {min(self.observed_s, self.demand_window_s):g} s: "
-                              f"{detail}", inputs, transient=young))
+            over = f"over the last {min(self.observed_s, self.demand_window_s):g} s"
+            # The model's load is linear in the rate (the agg share does not depend on it): the
+            # part the measured rate asks is sustained, what the forecast adds on top transient.
+            measured = steady
+            if demand.request_rate > self.sustained_rate > 0:
+                scale = self.sustained_rate / demand.request_rate
+                measured = max(ceil_replicas(load * scale * k), ceil_replicas(busy * scale / MAX_UTILISATION)
+                               if pool != POOL_DECODE else 0)
+            elif demand.request_rate > 0 and self.sustained_rate <= 0:
+                measured = 0
+            if measured < steady:
+                needs.append(Need(pool, measured, R_CAPACITY, f"{over}: at the measured {self.sustained_rate:.3g} req/s "
+                                  f"-> {measured}", inputs, transient=young))
+                needs.append(Need(pool, steady, R_CAPACITY, f"{over}, the rate forecast when a worker launched now "
+                                  f"is ready: {detail}", inputs, transient=True))
+            else:
+                needs.append(Need(pool, steady, R_CAPACITY, f"{over}: {detail}", inputs, transient=young))
             projected = inputs["projected_backlog_tokens"]
             clear_s = max(self.model.ttft_ms / 1000.0, self.startup_s, 1e-3)
             n_cap = ceil_replicas(load * k + projected / (sized.prefill_thpt * clear_s)) if pool != POOL_DECODE else 0

@@ -132,3 +132,26 @@ def test_no_traffic_holds_and_step_cap_applies() -> None:
                        traffic=TrafficSample(duration_s=30, num_requests=900, isl=3000, osl=200, ttft_ms=None, itl_ms=None))
     plans = p.plan(busy)  # raw prefill 9, capped at one step
     assert (plans["prefill"].desired, plans["prefill"].reason) == (2, "max_scaling_step")
+
+
+def test_the_predictive_floor_holds_the_pool_but_is_no_release_evidence() -> None:
+    """The first slow interval predicts from the first 5 s (here a burst of 6k-token prompts): a
+    floor of the whole budget. It holds the pool while it stands; once the next prediction drops
+    it, the pool shrinks to what the measured traffic needed, instead of holding the guess for a
+    whole release window (10 start-ups: 50 s here)."""
+    p = SlaPolicy(SlaPolicyConfig(mode="agg", interval_s=30.0, reactive_interval_s=5.0, startup_s=5.0, ttft_ms=2000.0,
+                                  itl_ms=50.0, predictor=PredictorConfig(kind="constant"),
+                                  budget=ReplicaBudget(max_gpu_budget=8)), profile())
+    ready, seen = 1, []
+    for i in range(1, 16):
+        first = i == 1
+        traffic = TrafficSample(duration_s=5.0, num_requests=20.0 if first else 5.0, isl=6000.0 if first else 500.0,
+                                osl=50.0, ttft_ms=300.0, itl_ms=10.0)
+        plan = p.plan(Observation(now=5.0 * i, pools={"agg": PoolObservation("agg", ready)}, traffic=traffic))["agg"]
+        seen.append((5.0 * i, plan.desired, plan.inputs.get("predicted_floor")))
+        ready = plan.desired  # workers ready at once: only the guard's memory is under test
+    assert seen[0][1] == 8 and seen[0][2] is not None and seen[0][2] >= 8  # the guess: the whole budget
+    dropped = next(t for t, _d, floor in seen if floor is not None and floor < 8)
+    assert all(d == 8 for t, d, _f in seen if t < dropped)  # held while it stood
+    assert next(d for t, d, _f in seen if t == dropped) < 8  # released at once when it fell ...
+    assert seen[-1][1] == 1  # ... to what one worker serves, within 40 s of the drop (the window is 50 s)
