@@ -17,6 +17,11 @@ at the same total worker count under a mixed load (long prompts among short-prom
 streams), TTFT and ITL p50/p99 per request class:
 
     python bench/disagg.py --sections serving [--topologies agg:4,disagg:1:3,disagg:2:2]
+                           [--serving-kv-transfer-overlap chunk|none]
+
+Disaggregated topologies also report the exposed KV transfer (prefill end to the decode worker
+holding every block) from the decode workers' metrics: with ``chunk`` (the default) the decode
+worker reads each prefill chunk's blocks while the next one computes.
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ and ZMQ events, like ``dynamod up``). The load mixes two classes, as the issue a
   among them.
 
 For each class it reports TTFT and ITL p50/p99 in wall milliseconds (the mocker runs at
-``--serving-speedup``; multiply by it for model time). In an aggregated worker a long prompt's
+``--serving-speedup``; multiply by it for model time), and for disaggregated topologies the
+exposed KV transfer (the prefill's last block computed until the decode worker had every block;
+mean, and p50/p99 interpolated from the decode workers' histogram buckets).
+``--serving-kv-transfer-overlap`` sets ``--kv-transfer-overlap`` on the workers and the frontend. In an aggregated worker a long prompt's
 prefill step is also the step of every decode running there, so those decodes' ITL jumps by the
 prefill time; in a disaggregated cluster the decode workers only receive finished KV.
 """
@@ -51,6 +54,8 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--long-prompt-tokens", default="4096,8000", help="range of long prompts [default 4096,8000]")
     g.add_argument("--long-max-tokens", type=int, default=16, help="[default 16]")
     g.add_argument("--serving-worker-args", default="", help="extra flags for every worker")
+    g.add_argument("--serving-kv-transfer-overlap", choices=("chunk", "none"), default=None,
+                   help="--kv-transfer-overlap of disaggregated workers and the frontend [default: theirs]")
 
 
 class Cluster:
@@ -63,6 +68,7 @@ class Cluster:
         self.env["DYN_FILE_KV"] = str(self.root / "kv")
         self.procs: list[subprocess.Popen[bytes]] = []
         self.port = free_port()
+        self.system_ports: dict[str, int] = {}  # worker name -> its status (metrics) port
         parts = topology.split(":")
         frontend_extra: list[str] = []
         if parts[0] == "agg" and len(parts) == 2:
@@ -75,10 +81,16 @@ class Cluster:
             raise SystemExit(f"bad topology {topology!r}: use agg:N or disagg:P:D[:cond]")
         runtime = ["--discovery-backend", "file", "--event-plane", "zmq", "--file-kv", str(self.root / "kv")]
         worker_extra = args.serving_worker_args.split()
+        overlap = getattr(args, "serving_kv_transfer_overlap", None)
+        if overlap is not None and "prefill" in self.pools:
+            worker_extra = [*worker_extra, "--kv-transfer-overlap", overlap]
+            frontend_extra = [*frontend_extra, "--kv-transfer-overlap", overlap]
         for role, count in self.pools.items():
             for i in range(count):
+                port = self.system_ports[f"{role}-{i}"] = free_port()
                 self._spawn(f"{role}-{i}", [*CLI, "--role", role, "--engine", "mocker", "--model", "tiny", *runtime,
-                                            "--speedup-ratio", str(args.serving_speedup), *worker_extra])
+                                            "--speedup-ratio", str(args.serving_speedup), "--system-port", str(port),
+                                            *worker_extra])
         self._spawn("frontend", [*CLI, "--role", "frontend", *runtime, "--http-port", str(self.port),
                                  "--router-mode", "kv", *frontend_extra])
 
@@ -182,6 +194,60 @@ async def run_load(url: str, args: argparse.Namespace, seed: int) -> dict[str, A
     return {"short": short.summary(), "long": long_.summary()}
 
 
+def _histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """Prometheus' ``histogram_quantile``: cumulative (upper bound, count) pairs, linear within a bucket."""
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return 0.0
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            if upper == float("inf"):
+                return lower
+            return lower + (upper - lower) * (rank - below) / max(count - below, 1e-9)
+        lower, below = upper, count
+    return lower
+
+
+def exposed_transfer(cluster: Cluster) -> dict[str, Any]:
+    """The decode workers' exposed KV transfer (ms) from their
+    ``dynamo_component_kv_transfer_exposed_seconds`` histograms, summed over workers."""
+    name = "dynamo_component_kv_transfer_exposed_seconds"
+    buckets: dict[float, float] = {}
+    total = count = 0.0
+    overlaps: set[str] = set()
+    for worker, port in cluster.system_ports.items():
+        if not worker.startswith("decode"):
+            continue
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if not line.startswith(name):
+                continue
+            head, value = line.rsplit(" ", 1)
+            if 'overlap="' in head:
+                overlaps.add(head.split('overlap="', 1)[1].split('"', 1)[0])
+            if head.startswith(name + "_bucket"):
+                le = head.split('le="', 1)[1].split('"', 1)[0]
+                bound = float("inf") if le == "+Inf" else float(le)
+                buckets[bound] = buckets.get(bound, 0.0) + float(value)
+            elif head.startswith(name + "_sum"):
+                total += float(value)
+            elif head.startswith(name + "_count"):
+                count += float(value)
+    ordered = sorted(buckets.items())
+    return {
+        "transfers": int(count), "overlap": sorted(overlaps),
+        "ms_mean": round(total / count * 1000.0, 2) if count else 0.0,
+        "ms_p50": round(_histogram_quantile(ordered, 0.5) * 1000.0, 2),
+        "ms_p99": round(_histogram_quantile(ordered, 0.99) * 1000.0, 2),
+    }
+
+
 def _frontend_disagg_counts(url: str) -> dict[str, float]:
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
@@ -200,6 +266,7 @@ def _frontend_disagg_counts(url: str) -> dict[str, float]:
 async def serving_section(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "speedup": args.serving_speedup, "duration_s": args.serving_duration,
+        "kv_transfer_overlap": args.serving_kv_transfer_overlap or "default",
         "short": {"concurrency": args.short_concurrency, "prompt_tokens": args.short_prompt_tokens,
                   "max_tokens": args.short_max_tokens},
         "long": {"rate_per_s": args.long_rate, "prompt_tokens": args.long_prompt_tokens,
@@ -214,6 +281,8 @@ async def serving_section(args: argparse.Namespace) -> dict[str, Any]:
             decisions = _frontend_disagg_counts(cluster.url)
             if decisions:
                 result["prefill_decisions"] = decisions
+            if "prefill" in cluster.pools:
+                result["exposed_transfer"] = exposed_transfer(cluster)
             out["topologies"][topology] = result
             print(f"serving {topology}: {json.dumps(result)}", file=sys.stderr, flush=True)
         finally:

@@ -19,6 +19,11 @@ from dynamod.shared.security.settings import RequestPlaneSecurity
 
 DEFAULT_HOLD_TIMEOUT_S = 60.0
 DEFAULT_TRANSFER_TIMEOUT_S = 10.0
+# When a prefill worker hands a prompt's KV to the decode worker (``--kv-transfer-overlap``).
+OVERLAP_CHUNK = "chunk"  # transfer parameters at admission; each chunk's blocks are read as computed
+OVERLAP_NONE = "none"  # transfer parameters when the prefill ends; then all blocks are read
+LIVE_OVERLAPS = (OVERLAP_CHUNK, OVERLAP_NONE)
+DEFAULT_OVERLAP = OVERLAP_CHUNK
 
 # Failure reasons (dynamo_component_kv_transfer_failures_total{reason}).
 REASON_TIMEOUT = "timeout"
@@ -39,6 +44,7 @@ class KvTransferSettings:
     peer_component: str = "prefill"  # where decode workers look prefill workers' agents up
     advertise_host: str | None = None  # what the agent's metadata names instead of ``host``
     security: RequestPlaneSecurity | None = None  # the request plane's TLS and token guard the block server too
+    overlap: str = DEFAULT_OVERLAP  # prefill: LIVE_OVERLAPS (a decode worker reads either kind)
 
 
 class TransferDirectory(Protocol):
@@ -55,6 +61,8 @@ class TransferStatsSink(Protocol):
     def served(self, num_blocks: int, num_bytes: int) -> None: ...
 
     def failed(self, reason: str) -> None: ...
+
+    def exposed(self, ms: float, streamed: bool) -> None: ...
 
     def hold_expired(self) -> None: ...
 

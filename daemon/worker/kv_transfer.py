@@ -17,7 +17,9 @@ from collections import deque
 
 from dynamod.daemon.engines.kv_transfer import (
     DEFAULT_HOLD_TIMEOUT_S,
+    DEFAULT_OVERLAP,
     DEFAULT_TRANSFER_TIMEOUT_S,
+    LIVE_OVERLAPS,
     KvTransferSettings,
 )
 from dynamod.daemon.worker.metrics import KvTransferMetrics
@@ -47,6 +49,12 @@ def add_kv_transfer_args(group: argparse._ActionsContainer) -> None:
         "[default %(default)s]",
     )
     group.add_argument(
+        "--kv-transfer-overlap", choices=LIVE_OVERLAPS, default=os.environ.get("DYN_KV_TRANSFER_OVERLAP", DEFAULT_OVERLAP),
+        help="prefill: chunk hands the decode worker a prompt's KV blocks as each prefill chunk computes them "
+        "(transfer parameters at admission, decode starts when the last block lands); none: all of them after "
+        "the prefill [env DYN_KV_TRANSFER_OVERLAP, default %(default)s]",
+    )
+    group.add_argument(
         "--kv-transfer-timeout", type=float, default=DEFAULT_TRANSFER_TIMEOUT_S,
         help="decode: seconds to read a prompt's KV blocks before prefilling locally instead [default %(default)s]",
     )
@@ -73,6 +81,7 @@ def kv_transfer_settings(
         transfer_timeout_s=args.kv_transfer_timeout,
         advertise_host=advertise_host,
         security=security,
+        overlap=getattr(args, "kv_transfer_overlap", DEFAULT_OVERLAP),
     )
 
 
@@ -93,6 +102,7 @@ class KvTransferStats:
         self.holds_expired = 0
         self.held_blocks = 0
         self._ms: deque[float] = deque(maxlen=_WINDOW)
+        self._exposed_ms: deque[float] = deque(maxlen=_WINDOW)
 
     def pulled(self, result: TransferResult) -> None:
         self.bytes_total += result.num_bytes
@@ -100,6 +110,18 @@ class KvTransferStats:
         self._ms.append(result.seconds * 1000.0)
         if self._metrics is not None:
             self._metrics.pulled(self._wid, result)
+
+    def exposed(self, ms: float, streamed: bool) -> None:
+        """A decode worker's KV arrived ``ms`` after the prefill computed its last block (the
+        transfer time the first token waits for; ``streamed``: overlapped with the prefill)."""
+        self._exposed_ms.append(ms)
+        if self._metrics is not None:
+            self._metrics.exposed(self._wid, ms, streamed)
+
+    def exposed_percentiles_ms(self) -> tuple[float, float]:
+        """(p50, p99) of the exposed transfer times in the window; zeros before the first."""
+        p50, p99 = percentiles(self._exposed_ms, (0.5, 0.99))
+        return p50, p99
 
     def served(self, num_blocks: int, num_bytes: int) -> None:
         self.bytes_total += num_bytes

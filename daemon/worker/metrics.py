@@ -12,6 +12,9 @@ from dynamod.shared.protocol.worker_id import worker_id_hex
 # KV reads take from well under a millisecond (a few blocks on loopback) to seconds (a long
 # prompt of a large model over a slow link).
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# The exposed transfer is a few ms to tens of ms when it overlaps the prefill: finer where it lives.
+EXPOSED_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+                   0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class KvTransferMetrics:
@@ -42,11 +45,20 @@ class KvTransferMetrics:
             "dynamo_component_kv_hold_expired", "Holds freed because no decode worker read them in time",
             ("worker_id",), registry=registry,
         )
+        self.exposed_seconds = Histogram(
+            "dynamo_component_kv_transfer_exposed_seconds",
+            "Decode side: the prefill's last KV block computed until the decode worker had every block "
+            "(the transfer time the first token waits for); overlap streamed or none",
+            ("worker_id", "overlap"), buckets=EXPOSED_BUCKETS, registry=registry,
+        )
 
     def pulled(self, worker_id: str, result: TransferResult) -> None:
         self.bytes.labels(worker_id, "pulled", result.backend).inc(result.num_bytes)
         self.blocks.labels(worker_id, "pulled", result.backend).inc(result.num_blocks)
         self.seconds.labels(worker_id, result.backend).observe(result.seconds)
+
+    def exposed(self, worker_id: str, ms: float, streamed: bool) -> None:
+        self.exposed_seconds.labels(worker_id, "streamed" if streamed else "none").observe(ms / 1000.0)
 
     def served(self, worker_id: str, backend: str, num_blocks: int, num_bytes: int) -> None:
         self.bytes.labels(worker_id, "served", backend).inc(num_bytes)

@@ -92,6 +92,11 @@ class KvTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     first_token: int | None = None  # the token the prefill worker sampled (not streamed)
     expires_at: float = 0.0  # wall clock (time.time()) after which the blocks are freed
     checksum: int | None = None
+    # Streamed (KV transfer overlapped with the prefill): sent when the prompt was admitted, before
+    # its blocks are computed; the decode worker reads them as they become ready and gets the
+    # checksum with the last one (``first_token`` and ``checksum`` are unset).
+    streaming: bool = False
+    computed_at: float = 0.0  # wall clock when the last block was computed (0: not yet, streamed)
 
 
 kv_transfer_metadata_encoder = msgspec.json.Encoder()

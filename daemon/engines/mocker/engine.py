@@ -36,6 +36,7 @@ from dynamod.daemon.engines.mocker.core import CoreLoad, MockerCore, StepOutput
 from dynamod.daemon.engines.mocker.guided import GuidedState, GuidedVocab
 from dynamod.daemon.engines.mocker.request import request_seed
 from dynamod.daemon.engines.mocker.streams import RequestStream
+from dynamod.daemon.engines.mocker.trace_marks import TraceMarks
 from dynamod.daemon.engines.mocker.transfer import REPORT_KEY, MockerKvTransfer, parse_transfer_params
 from dynamod.shared.errors import (
     ConfigError,
@@ -44,6 +45,7 @@ from dynamod.shared.errors import (
     UnavailableError,
 )
 from dynamod.shared.kv.transfer.memory import KvBlockMemory
+from dynamod.shared.observability.tracing import engine_span
 from dynamod.shared.protocol.kv_events import MEDIUM_GPU, KvEvent, RouterEvent
 from dynamod.shared.protocol.kv_transfer import KvLayout, KvTransferParams
 from dynamod.shared.protocol.llm import FINISH_ABORT, EngineOutput, PreprocessedRequest, Usage
@@ -109,6 +111,7 @@ class MockerEngine(EngineBookkeeping):
         self._wake = [asyncio.Event() for _ in self.cores]
         self._tasks: list[asyncio.Task[None]] = []
         self._stats = [LoopStats() for _ in self.cores]
+        self._traced: dict[str, TraceMarks] = {}  # requests whose spans record (trace_marks.py)
 
     @staticmethod
     def _engine_info(config: MockerConfig) -> EngineInfo:
@@ -227,6 +230,10 @@ class MockerEngine(EngineBookkeeping):
             stream = self._active.get(request_id)
             if stream is not None:
                 stream.final_params = {REPORT_KEY: report}
+                stream.attach_params(stream.final_params)  # also with the first token: route-explain
+        marks = self._traced.get(request_id) if self._traced else None
+        if marks is not None:
+            marks.transferred(report)
         self._publish(rank, core.take_events())
         self._wake[rank].set()
 
@@ -261,17 +268,24 @@ class MockerEngine(EngineBookkeeping):
         if request.disaggregated_params is not None and remote is None and not request.prefill_only:
             stream.final_params = {REPORT_KEY: {"ok": False, "reason": "this worker has no KV transfer agent"}}
         self._active[request_id] = stream
+        span = engine_span(request_id)
+        marks = self._traced[request_id] = TraceMarks(span) if span is not None else None
         self._wake[rank].set()
         done = False
         try:
             while True:
                 out = await stream.get()
+                if marks is not None:
+                    marks.output(len(out.token_ids), out.finish_reason)
                 if out.finish_reason is not None:
                     done = True
                     yield out
                     return
                 yield out
         finally:
+            if marks is not None:
+                del self._traced[request_id]
+                marks.emit()
             if not done:
                 if self._active.get(request_id) is stream:
                     del self._active[request_id]
@@ -279,6 +293,7 @@ class MockerEngine(EngineBookkeeping):
                     self._wake[rank].set()
                     if self._kv is not None:
                         self._kv.cancel_load(request_id)
+                        self._kv.stream_aborted(request_id)
                     logger.debug("mocker request aborted request_id=%s dp_rank=%d", request_id, rank)
 
     async def abort(self, request_id: str) -> None:
@@ -288,6 +303,7 @@ class MockerEngine(EngineBookkeeping):
         self.cores[stream.dp_rank].abort(request_id)
         if self._kv is not None:
             self._kv.cancel_load(request_id)
+            self._kv.stream_aborted(request_id)
         self._wake[stream.dp_rank].set()
         stream.finish(FINISH_ABORT, Usage(prompt_tokens=stream.prompt_tokens, completion_tokens=stream.num_tokens))
 
@@ -370,6 +386,8 @@ class MockerEngine(EngineBookkeeping):
                 self._publish(rank, out.kv_events)
             if out.remote_loads is not None and self._kv is not None:
                 self._kv.start_loads(rank, out.remote_loads)
+            if out.streams_opened is not None or out.streams_failed is not None:
+                self._streams_changed(rank, out)  # now: the decode is dispatched while this step computes
             if not out.req_ids and not out.duration_ms:
                 # Nothing could run: every request waits for its KV from a prefill worker, or
                 # held blocks leave no room for the head request. Wait for a read to end, a hold
@@ -400,8 +418,30 @@ class MockerEngine(EngineBookkeeping):
                 stats.lag_max_s = lag
             self._deliver(rank, out)
 
+    def _streams_changed(self, rank: int, out: StepOutput) -> None:
+        """Streamed holds admitted this step send their transfer parameters at once; preempted
+        ones fail their readers."""
+        kv = self._kv
+        assert kv is not None, "streamed holds without a transfer agent"
+        for tid, reason in out.streams_failed or ():
+            kv.stream_failed(tid, reason)
+        for hold in out.streams_opened or ():
+            params = kv.stream_opened(rank, hold)
+            stream = self._active.get(hold.request_id)
+            if stream is not None:
+                stream.push_params(params)
+
     def _deliver(self, rank: int, out: StepOutput) -> None:
         streams = self._active
+        if out.prefill_progress and self._kv is not None and self._kv.streaming:
+            self._kv.progress(out.prefill_progress)  # the chunks just computed are ready to read
+        if self._traced and out.prefill_progress:
+            # The step that first computes a traced prompt ends its queue wait (at the step's start).
+            start = time.time_ns() - int(out.duration_ms * 1e6 / self.config.speedup_ratio)
+            for request_id, _, _ in out.prefill_progress:
+                marks = self._traced.get(request_id)
+                if marks is not None:
+                    marks.scheduled(start)
         for request_id, token in zip(out.req_ids, out.token_ids, strict=True):
             stream = streams.get(request_id)
             if stream is not None:
@@ -428,6 +468,8 @@ class MockerEngine(EngineBookkeeping):
             stream = self._active.pop(request_id, None)
             if stream is not None:
                 stream.fail(exc)
+            if self._kv is not None:
+                self._kv.stream_aborted(request_id)
 
     def _end_all(self, exc: BaseException | None) -> None:
         """Ends every in-flight stream: with ``exc``, or as aborted when None."""

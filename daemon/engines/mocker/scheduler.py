@@ -25,7 +25,10 @@ the engine to read. ``finish_remote_load`` puts it back at the head of the waiti
 KV in place (only the last prompt token is computed here, as vLLM recomputes it to sample the first
 token; that costs a decode slot, not a prefill) or, when the read failed, with no blocks, to be
 prefilled locally. A prefill worker's request (``hold_kv``) keeps its blocks when it finishes; the
-core hands them to a hold.
+core hands them to a hold. With ``allocate_holds_whole`` (the KV transfer overlapped with the
+prefill) such a request gets blocks for its whole prompt when it is admitted, as a remote decode
+does, so their rows can be handed to the decode worker before the first chunk is computed; they
+join the prefix cache chunk by chunk as usual, as their tokens are computed.
 
 Onboarding from the disk tier waits the same way, but before admission: a waiting request whose
 prefix continues in block files that must be read first starts the reads and moves to
@@ -159,6 +162,8 @@ class Scheduler:
         self._arrivals = itertools.count()
         self.running: list[MockRequest] = []
         self.waiting_for_remote: dict[str, MockRequest] = {}
+        # Held prefill requests get their whole prompt's blocks at admission (streamed transfers).
+        self.allocate_holds_whole = False
         # Aborted while their KV was being read: the read may still write into their blocks, so
         # the blocks are freed when it ends (``finish_remote_load``), not at the abort.
         self._aborted_loads: dict[str, MockRequest] = {}
@@ -404,9 +409,15 @@ class Scheduler:
                         num_hit_tokens += len(plan.entries) * bs
                     num_new_hit = num_hit_tokens
                 num_new = request.num_tokens - num_hit_tokens
+                whole = num_new if request.hold_kv and self.allocate_holds_whole and not arrived else 0
                 if num_new > budget:
                     num_new = budget  # chunked prefill
-                if kv.allocate_slots(request, num_new, hits, num_new_hit, watermark) is None:
+                if whole:
+                    # Every block now, the prefix cache only up to this chunk (its bytes exist then).
+                    if kv.allocate_slots(request, whole, hits, num_new_hit, watermark, delay_caching=True) is None:
+                        break
+                    kv.cache_blocks(request, num_hit_tokens + num_new)
+                elif kv.allocate_slots(request, num_new, hits, num_new_hit, watermark) is None:
                     break
                 waiting.popleft()
                 if not arrived and plan is not None:

@@ -21,13 +21,25 @@ counted, and the request is prefilled locally; the prefill worker is then notifi
 so it frees its blocks before the hold expires.
 
 The decode's final output carries a transfer report in ``disaggregated_params["kv_transfer"]``:
-blocks and bytes read, the checksum found and the one expected, milliseconds, backend, and on
+blocks and bytes read, the checksum found and the one expected, milliseconds, backend, the exposed
+transfer (``exposed_ms``: the prefill's last block computed until every block was here), and on
 failure the reason, so a client can prove bytes received == bytes computed.
+
+Overlapped with the prefill (``--kv-transfer-overlap chunk``, the core's ``enable_hold_streaming``):
+a held prompt gets its whole prompt's blocks when it is admitted, and its stream sends an early
+output with *streaming* parameters (rows, no checksum) right away, so the frontend dispatches the
+decode while the prefill computes. Each step's ``prefill_progress`` marks the computed rows ready
+in the memory's ``BlockReadiness``; the hold, when the prefill ends, marks the last one with the
+checksum. The decode worker's streamed read waits for rows on the block server and gets the
+checksum with the last block. A prefill that stops early (aborted, preempted, expired, or its
+reader gave up) fails the waiting readers, which prefill locally; a hold whose reader already gave
+up is freed when it is made.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +48,7 @@ from typing import Any
 import msgspec
 
 from dynamod.daemon.engines.kv_transfer import (
+    OVERLAP_CHUNK,
     REASON_CHECKSUM,
     REASON_ERROR,
     REASON_PEER_LOST,
@@ -110,19 +123,87 @@ class MockerKvTransfer:
         self._expiry: dict[str, asyncio.TimerHandle] = {}
         self._pulls: dict[str, asyncio.Task[None]] = {}
         self._notifies: set[asyncio.Task[None]] = set()
+        # Streamed holds whose prefill still runs: transfer id -> request id, and back; those
+        # whose reader let go before the prefill ended (freed as soon as the hold is made).
+        self._streams: dict[str, str] = {}
+        self._stream_of: dict[str, str] = {}
+        self._released_early: set[str] = set()
+        self.block_size = cores[0].config.block_size
+        self.streaming = ctx.settings.overlap == OVERLAP_CHUNK
         for rank, core in enumerate(cores):
             core.hold_id_prefix = f"{worker_id:x}-{rank}-"
+            if self.streaming:
+                core.enable_hold_streaming()
         ctx.agent.set_notify_callback(self._on_notify)
 
     # ---- prefill: holds -------------------------------------------------------------------------
 
+    def stream_opened(self, rank: int, hold: KvHold) -> dict[str, Any]:
+        """A held prompt was admitted with its whole prompt's blocks: its rows are open for
+        streamed reads (the cached prefix ready now), its expiry runs from now, and the
+        ``disaggregated_params`` of its early output are returned."""
+        tid = hold.transfer_id
+        timeout = self.ctx.settings.hold_timeout_s
+        self._streams[tid] = hold.request_id
+        self._stream_of[hold.request_id] = tid
+        self.memory.readiness.open(tid, hold.block_ids, ready=hold.cached_tokens // self.block_size)
+        self._expiry[tid] = asyncio.get_running_loop().call_later(timeout, self._expire, tid)
+        params = KvTransferParams(
+            transfer_id=tid, worker_id=self.worker_id, dp_rank=rank, backend=self.ctx.agent.backend,
+            block_ids=hold.block_ids, block_hashes=hold.block_hashes, num_tokens=hold.num_tokens,
+            cached_tokens=hold.cached_tokens, expires_at=time.time() + timeout, streaming=True,
+        )
+        return msgspec.to_builtins(params)
+
+    def progress(self, prefill_progress: list[tuple[str, int, int]]) -> None:
+        """A step's prefill chunks were computed: their streamed rows are ready."""
+        stream_of = self._stream_of
+        readiness = self.memory.readiness
+        for request_id, _before, after in prefill_progress:
+            tid = stream_of.get(request_id)
+            if tid is not None:
+                readiness.advance(tid, after // self.block_size)
+
+    def stream_failed(self, transfer_id: str, reason: str) -> None:
+        """A streamed prefill will not end in a hold (preempted): its readers fail now."""
+        request_id = self._streams.pop(transfer_id, None)
+        if request_id is None:
+            return
+        self._stream_of.pop(request_id, None)
+        self._end_stream(transfer_id, reason)
+
+    def stream_aborted(self, request_id: str) -> None:
+        """The prefill request was aborted (its client or the frontend went away)."""
+        tid = self._stream_of.pop(request_id, None)
+        if tid is not None:
+            self._streams.pop(tid, None)
+            self._end_stream(tid, "the prefill was aborted on the prefill worker")
+
+    def _end_stream(self, transfer_id: str, reason: str) -> None:
+        self._released_early.discard(transfer_id)
+        timer = self._expiry.pop(transfer_id, None)
+        if timer is not None:
+            timer.cancel()
+        if self.memory.readiness.fail(transfer_id, reason):
+            logger.info("kv stream failed worker_id=%016x transfer_id=%s reason=%r", self.worker_id, transfer_id, reason)
+
     def hold_created(self, rank: int, hold: KvHold) -> dict[str, Any]:
-        """Arms the hold's expiry and returns the final output's ``disaggregated_params``."""
+        """Arms the hold's expiry and returns the final output's ``disaggregated_params``; a
+        streamed hold's last rows become ready with its checksum (or, if its reader let go
+        meanwhile, it is freed at once)."""
         timeout = self.ctx.settings.hold_timeout_s
         tid = hold.transfer_id
+        streamed = self._streams.pop(tid, None) is not None
+        if streamed:
+            self._stream_of.pop(hold.request_id, None)
+            timer = self._expiry.pop(tid, None)
+            if timer is not None:
+                timer.cancel()
         self._hold_rank[tid] = rank
         self._expiry[tid] = asyncio.get_running_loop().call_later(timeout, self._expire, tid)
         self._update_held()
+        checksum = self.memory.checksum(hold.block_ids)
+        now = time.time()
         params = KvTransferParams(
             transfer_id=tid,
             worker_id=self.worker_id,
@@ -133,9 +214,16 @@ class MockerKvTransfer:
             num_tokens=hold.num_tokens,
             cached_tokens=hold.cached_tokens,
             first_token=hold.first_token,
-            expires_at=time.time() + timeout,
-            checksum=self.memory.checksum(hold.block_ids),
+            expires_at=now + timeout,
+            checksum=checksum,
+            computed_at=now,
         )
+        if streamed:
+            if tid in self._released_early:
+                self._released_early.discard(tid)
+                self._release(tid)
+            else:
+                self.memory.readiness.complete(tid, checksum, now)
         return msgspec.to_builtins(params)
 
     def release(self, transfer_id: str) -> KvHold | None:
@@ -144,6 +232,13 @@ class MockerKvTransfer:
 
     def _on_notify(self, message: str) -> None:
         transfer_id, blocks_read = parse_notify_message(message)
+        if transfer_id in self._streams:
+            # The reader let go before the prefill ended (it prefills locally): free the hold as
+            # soon as it is made, and fail any other read of it.
+            self._released_early.add(transfer_id)
+            self.memory.readiness.fail(transfer_id, "its reader gave up")
+            logger.debug("kv stream released early worker_id=%016x transfer_id=%s", self.worker_id, transfer_id)
+            return
         hold = self._release(transfer_id)
         if hold is None:
             logger.debug("kv notify for no hold worker_id=%016x transfer_id=%s", self.worker_id, transfer_id)
@@ -157,6 +252,11 @@ class MockerKvTransfer:
 
     def _expire(self, transfer_id: str) -> None:
         self._expiry.pop(transfer_id, None)
+        if transfer_id in self._streams:  # the prefill outlived the hold timeout
+            self._released_early.add(transfer_id)
+            self.memory.readiness.fail(transfer_id, "the hold expired before its prefill ended")
+            self.ctx.stats.hold_expired()
+            return
         hold = self._release(transfer_id)
         if hold is not None:
             self.ctx.stats.hold_expired()
@@ -172,6 +272,7 @@ class MockerKvTransfer:
             timer.cancel()
         if rank is None:
             return None
+        self.memory.readiness.close(transfer_id)
         hold = self.cores[rank].release_hold(transfer_id)
         self._update_held()
         if hold is not None:
@@ -182,9 +283,13 @@ class MockerKvTransfer:
         """After the cores released holds themselves (clear, sleep): drop their timers."""
         for tid in [t for t, rank in self._hold_rank.items() if t not in self.cores[rank].holds]:
             self._hold_rank.pop(tid, None)
+            self.memory.readiness.close(tid)
             timer = self._expiry.pop(tid, None)
             if timer is not None:
                 timer.cancel()
+        live = set().union(*(core.scheduler.requests for core in self.cores))
+        for request_id in [r for r in self._stream_of if r not in live]:
+            self.stream_aborted(request_id)
         self._update_held()
 
     def _update_held(self) -> None:
@@ -208,6 +313,7 @@ class MockerKvTransfer:
         params = load.params
         settings = self.ctx.settings
         k = load.num_local_hits
+        streamed = params.streaming
         report: dict[str, Any] = {
             "ok": False,
             "transfer_id": params.transfer_id,
@@ -216,6 +322,7 @@ class MockerKvTransfer:
             "bytes": 0,
             "local_hit_blocks": k,
             "expected": params.checksum,
+            "streamed": streamed,
         }
         started = time.monotonic()
         meta: KvTransferMetadata | None = None
@@ -230,24 +337,42 @@ class MockerKvTransfer:
             meta = await self.ctx.directory.lookup(
                 params.worker_id, settings.peer_component, timeout_s=min(_LOOKUP_TIMEOUT_S, settings.transfer_timeout_s)
             )
-            remaining = settings.transfer_timeout_s - (time.monotonic() - started)
+            budget = settings.transfer_timeout_s
+            if streamed:  # the read also waits out the prefill: it may last until the hold expires
+                budget = max(budget, params.expires_at - time.time())
+            remaining = budget - (time.monotonic() - started)
             if remaining <= 0:
                 raise KvTransferTimeout(f"no time left to read after finding agent {meta.agent_name}")
             result = await self.ctx.agent.read_blocks(
                 meta, params.block_ids[k:], load.local_block_ids[k:], timeout_s=remaining,
                 notify=notify_message(params.transfer_id, len(params.block_ids) - k),
+                transfer_id=params.transfer_id if streamed else None, streamed=streamed,
+                idle_timeout_s=settings.transfer_timeout_s,  # a streamed read: a silent peer is stalled
             )
+            landed = time.time()
             checksum = self.memory.checksum(load.local_block_ids)
+            expected = params.checksum if params.checksum is not None else result.checksum
             report.update(
                 blocks=result.num_blocks, bytes=result.num_bytes, ms=round(result.seconds * 1000.0, 3),
-                backend=result.backend, checksum=checksum,
+                backend=result.backend, checksum=checksum, expected=expected,
             )
-            if params.checksum is not None and checksum != params.checksum:
+            computed_at = result.ready_at if streamed else params.computed_at
+            exposed_ms = max((landed - computed_at) * 1000.0, 0.0) if computed_at > 0 else None
+            if exposed_ms is not None:
+                report["exposed_ms"] = round(exposed_ms, 3)
+            if expected is not None and checksum != expected:
                 reason = REASON_CHECKSUM
-                report["reason"] = f"checksum {checksum:#x} of the received blocks is not the prefill's {params.checksum:#x}"
+                report["reason"] = f"checksum {checksum:#x} of the received blocks is not the prefill's {expected:#x}"
             else:
                 ok = True
+                if streamed and exposed_ms is not None:
+                    # A streamed read's wall time includes the prefill it waited out: what the
+                    # transfer costs the first token (and what the router's estimate learns) is
+                    # the part after the prefill's last block.
+                    result = dataclasses.replace(result, seconds=exposed_ms / 1000.0)
                 self.ctx.stats.pulled(result)
+                if exposed_ms is not None:
+                    self.ctx.stats.exposed(exposed_ms, streamed)
         except asyncio.CancelledError:
             report["reason"] = "aborted"
             self._notify_later(meta, params)
@@ -309,6 +434,8 @@ class MockerKvTransfer:
         for task in notifies:
             task.cancel()
         await asyncio.gather(*notifies, return_exceptions=True)
+        for request_id in list(self._stream_of):
+            self.stream_aborted(request_id)
         for tid in list(self._hold_rank):
             self._release(tid)
 

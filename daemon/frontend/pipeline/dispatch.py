@@ -33,6 +33,7 @@ from typing import Any
 
 import msgspec
 
+from dynamod.daemon.frontend.pipeline.encode import EncodeStage
 from dynamod.daemon.frontend.pipeline.models import EndpointPool, ModelRegistry, ServedModel
 from dynamod.daemon.frontend.pipeline.prefill import FrontendPrefillTarget, prefill_route
 from dynamod.daemon.frontend.pipeline.request import EngineRequest
@@ -78,6 +79,8 @@ class Dispatcher:
         self.prefill_stage = prefill_stage or PrefillStage(DisaggPolicyConfig(), registry.metrics.disagg)
         # Told when this process finds a worker unreachable (other frontends quarantine it too).
         self.on_worker_down: Callable[[int], None] | None = None
+        # Sends images to the model's encode pool (pipeline/encode.py); None: workers encode them.
+        self.encode_stage: EncodeStage | None = None
 
     def open(self, request: EngineRequest) -> EngineStream:
         # The frontend's --migration-limit, when given, overrides the model card's.
@@ -177,12 +180,14 @@ class EngineStream:
         req = self.request
         if req.direct_ids is not None:
             choice, pool = self._direct()
+            await self._encode(choice.overlap_blocks if req.model.prefill is None else 0)
             outcome = await self._prefill([choice.instance]) if req.model.prefill is not None else None
             return choice, pool, outcome
         candidates = await self._candidates(exclude)
         pre = req.preprocessed
         outcome: PrefillOutcome | None = None
         if req.model.prefill is not None:
+            await self._encode(0)  # the prefill worker is picked inside the stage: every image
             outcome = await self._prefill(candidates)
             candidates = await self._candidates(exclude)  # the prefill took a while: who is still here
         passed: set[int] = set()
@@ -208,6 +213,12 @@ class EngineStream:
             route_span(req.trace, choice, routed_at, route.stage)
             pool = model.workers.get(choice.worker_id)
             if pool is not None:
+                if outcome is None:  # aggregated: images whose tokens the worker caches need no encode
+                    try:
+                        await self._encode(choice.overlap_blocks)
+                    except BaseException:
+                        router.on_finish(req.request_id)  # the client left while its images were encoded
+                        raise
                 return choice, pool, outcome
             # The worker left while the router held the request (its queue, a busy fleet): not a
             # failure of the request, and not a migration; route it again among those still here.
@@ -218,6 +229,24 @@ class EngineStream:
                 req.request_id, choice.worker_id,
             )
             candidates = await self._candidates(exclude | passed)
+
+    async def _encode(self, cached_blocks: int) -> None:
+        """The encode stage, for a prefilling worker that caches ``cached_blocks`` of the prompt."""
+        stage = self._d.encode_stage
+        req = self.request
+        if stage is None or not req.preprocessed.mm_items:
+            return
+        if req.migrations:
+            stage.forget(req)  # the first attempt's reader freed those embeddings: encode again
+        span = tracing.tracer().child(req.trace, "encode", attempt=req.migrations)
+        try:
+            await stage.run(req, cached_blocks * req.model.card.kv_block_size)
+        finally:
+            if span is not None:
+                items = req.preprocessed.mm_items or []
+                span.set("images", len(items))
+                span.set("images_remote", sum(1 for item in items if item.embedding is not None))
+                span.end()
 
     async def _prefill(self, candidates: list[Instance]) -> PrefillOutcome:
         """The prefill stage of this attempt (the prompt plus what was generated so far)."""
@@ -328,6 +357,11 @@ class EngineStream:
             )
             router = req.model.router
             assert router is not None
+            if outcome is not None and outcome.remote:
+                # The decode worker fetches this prompt's KV, it does not compute it: no prefill work
+                # queued there (with the transfer overlapped, the decode is sent while the prefill
+                # still runs, and counting it would make that worker look busy for all that time).
+                router.on_first_token(request_id)
             # Remote prefill: the prompt's cache hits happened on the prefill worker.
             remote_cached = outcome.cached_tokens if outcome is not None and outcome.remote else None
             if remote_cached is not None:

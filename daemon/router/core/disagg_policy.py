@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -46,6 +47,9 @@ from dynamod.daemon.router.core.disagg_cost import (
     DEFAULT_INTERFERENCE_WEIGHT,
     DEFAULT_TRANSFER_BANDWIDTH_GB_S,
     DEFAULT_TRANSFER_LATENCY_MS,
+    OVERLAP_CHUNK,
+    OVERLAP_NONE,
+    OVERLAPS,
     ComputeModel,
     CostState,
     ProfileCompute,
@@ -107,8 +111,13 @@ class DisaggPolicyConfig:
     # transfer does not move, so it keeps its credit (None: the router's configured weight); 0 is
     # Dynamo's decode router, which routes remote prompts with no cache credit.
     remote_decode_overlap_weight: float | None = None
+    # When the prompt's KV moves to the decode worker (``disagg_cost.OVERLAPS``): live, what the
+    # prefill workers' ``--kv-transfer-overlap`` does (``--kv-transfer-overlap`` here says so).
+    transfer_overlap: str = OVERLAP_NONE
 
     def __post_init__(self) -> None:
+        if self.transfer_overlap not in OVERLAPS:
+            raise ConfigError(f"transfer_overlap must be one of {', '.join(OVERLAPS)}, got {self.transfer_overlap!r}")
         if self.policy not in POLICIES:
             raise ConfigError(f"conditional disagg policy {self.policy!r} is unknown; choose one of {', '.join(POLICIES)}")
         if self.eff_isl_threshold < 0:
@@ -143,7 +152,9 @@ class DisaggPolicyConfig:
     @property
     def transfer(self) -> TransferEstimate:
         """The configured transfer estimate (live callers swap in a measured bandwidth)."""
-        return TransferEstimate(self.kv_bytes_per_token, self.transfer_bandwidth_gb_s, self.transfer_latency_ms)
+        return TransferEstimate(
+            self.kv_bytes_per_token, self.transfer_bandwidth_gb_s, self.transfer_latency_ms, overlap=self.transfer_overlap
+        )
 
     def profile_compute(self) -> ProfileCompute:
         """The live compute model: ``perf_profile``, or the shipped mocker profile. Loaded once
@@ -170,6 +181,14 @@ def add_disagg_args(parser: argparse.ArgumentParser) -> None:
         '"transfer_bandwidth_gb_s": 25.0, "transfer_latency_ms": 1.0, "perf_profile": null, '
         '"remote_decode_overlap_weight": null}',
     )
+    if not any("--kv-transfer-overlap" in a.option_strings for a in parser._actions):  # replay has its own
+        g.add_argument(
+            "--kv-transfer-overlap", choices=(OVERLAP_CHUNK, OVERLAP_NONE),
+            default=os.environ.get("DYN_KV_TRANSFER_OVERLAP", OVERLAP_CHUNK),
+            help="what the prefill workers' --kv-transfer-overlap does, for the cost policy's transfer estimate: "
+            "chunk, only the part of the transfer after the prefill's last chunk delays the first token; none, "
+            "all of it [env DYN_KV_TRANSFER_OVERLAP, default %(default)s]",
+        )
     g.add_argument(
         "--decode-fallback", action=argparse.BooleanOptionalAction, default=True,
         help="prefill on the decode worker when no prefill worker is there or prefill fails [default on]",
@@ -196,6 +215,7 @@ def disagg_config_from_args(args: argparse.Namespace) -> DisaggPolicyConfig:
         return DisaggPolicyConfig(
             enabled=bool(getattr(args, "router_conditional_disagg", False)),
             decode_fallback=bool(getattr(args, "decode_fallback", True)),
+            transfer_overlap=getattr(args, "kv_transfer_overlap", OVERLAP_NONE),
             **fields,  # type: ignore[arg-type]
         )
     except TypeError as exc:

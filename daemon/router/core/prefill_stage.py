@@ -13,8 +13,12 @@ Per request (and again per migration attempt, with the tokens generated so far i
    worker that is not used hears so (``discard``), so its queue is not counted twice;
 3. remote: the prompt goes to the prefill worker with ``prefill_only=True`` and ``max_tokens=1``;
    the first frame carrying ``disaggregated_params`` ends the stage (the final frame for the
-   mocker, vLLM and TensorRT-LLM; an early one for SGLang, whose prefill runs on while decode
-   starts). The rest of that stream is drained by a background task the caller owns and closes.
+   mocker without overlap, vLLM and TensorRT-LLM; an early one for SGLang, whose prefill runs on
+   while decode starts, and for the mocker with ``--kv-transfer-overlap chunk``, whose *streaming*
+   parameters come when the prompt is admitted and whose blocks the decode worker reads as they
+   are computed). The rest of that stream is drained by a background task the caller owns and
+   closes. A streamed prefill stays counted on its prefill worker (``done``) until that stream
+   ends: its prompt is still queued work there.
 
 A prefill that fails (an error, a broken stream, no params within ``prefill_timeout_s``) is tried
 once more on another prefill worker, then prefilled locally on the decode worker when
@@ -323,6 +327,7 @@ class PrefillStage:
         pool.sent(pick, body)
         started = time.perf_counter()
         handed_off = False
+        streaming = False
         error: Exception | None = None
         try:
             async with asyncio.timeout(self.prefill_timeout_s):
@@ -357,11 +362,20 @@ class PrefillStage:
             outcome.pick = pick
             outcome.cached_tokens = _cached_tokens(out, params, len(request.token_ids))
             self.metrics.prefill_duration.labels(model).observe(outcome.duration_s)
-            drains.append(asyncio.create_task(_drain(stream, request.request_id), name=f"prefill-drain:{request.request_id}"))
+            streaming = isinstance(params, dict) and params.get("streaming") is True
+
+            def ended(exc: Exception | None) -> None:
+                if streaming:
+                    pool.done(pick, body, exc)
+
+            drains.append(
+                asyncio.create_task(_drain(stream, request.request_id, ended), name=f"prefill-drain:{request.request_id}")
+            )
             handed_off = True
             return outcome
         finally:
-            pool.done(pick, body, error)
+            if not (handed_off and streaming):
+                pool.done(pick, body, error)
             if not handed_off:
                 await stream.aclose()  # type: ignore[attr-defined]
 
@@ -416,18 +430,22 @@ def _cached_tokens(frame: dict[str, Any], params: Any, isl: int) -> int | None:
     return None if value is None else min(int(value), isl)
 
 
-async def _drain(stream: AsyncIterator[Any], request_id: str) -> None:
-    """Reads the prefill stream to its end (SGLang's prefill runs on after its early params);
-    cancelling the task closes the stream, which cancels the prefill request on the worker."""
+async def _drain(stream: AsyncIterator[Any], request_id: str, ended: Callable[[Exception | None], None]) -> None:
+    """Reads the prefill stream to its end (SGLang's and a streamed mocker's prefill runs on after
+    its early params); cancelling the task closes the stream, which cancels the prefill request on
+    the worker. ``ended`` hears how it ended (the error that broke it, else None)."""
+    error: Exception | None = None
     try:
         async for out in stream:
             if isinstance(out, dict) and out.get("finish_reason") == FINISH_ERROR:
                 logger.warning("prefill failed after its params request_id=%s error=%s", request_id, out.get("error"))
     except DynamoError as exc:
+        error = exc
         logger.info("prefill stream ended early request_id=%s error=%s", request_id, exc)
     finally:
         with contextlib.suppress(DynamoError):
             await stream.aclose()  # type: ignore[attr-defined]
+        ended(error)
 
 
 async def close_drains(drains: list[asyncio.Task[None]]) -> None:

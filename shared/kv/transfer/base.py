@@ -39,12 +39,16 @@ class KvTransferTimeout(KvTransferError, DeadlineExceededError):
 
 @dataclass(slots=True)
 class TransferResult:
-    """What one ``read_blocks`` moved and how long it took (wall clock)."""
+    """What one ``read_blocks`` moved and how long it took (wall clock). A read that named its
+    transfer learns from the server the checksum of the transfer's blocks and when the last of
+    them was computed (``ready_at``, ``time.time()``; 0 when the server did not say)."""
 
     num_blocks: int
     num_bytes: int
     seconds: float
     backend: str
+    checksum: int | None = None
+    ready_at: float = 0.0
 
 
 NotifyCallback = Callable[[str], None]
@@ -101,10 +105,18 @@ class KvTransferAgent(Protocol):
         *,
         timeout_s: float,
         notify: str | None = None,
+        transfer_id: str | None = None,
+        streamed: bool = False,
+        idle_timeout_s: float | None = None,
     ) -> TransferResult:
         """Copies ``remote_block_ids`` of ``remote`` into ``local_block_ids`` of this agent's
         memory (same length, same ``block_bytes``), then delivers ``notify`` to the remote agent.
-        Raises ``KvTransferTimeout`` after ``timeout_s``, ``KvTransferError`` on any failure."""
+        ``streamed``: the blocks of ``transfer_id`` may still be being computed; the remote agent
+        sends each as it becomes ready (``readiness.py``), and the read ends when the last lands;
+        ``idle_timeout_s``: it fails (``KvTransferTimeout``) when the remote agent sends neither a
+        block nor a heartbeat for that long (a stalled peer, not a prefill still computing).
+        Raises ``KvTransferTimeout`` after ``timeout_s``, ``KvTransferError`` on any failure
+        (a streamed read also when the remote prefill failed)."""
         ...
 
     async def notify(self, remote: KvTransferMetadata, message: str, *, timeout_s: float) -> None:

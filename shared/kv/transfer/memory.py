@@ -13,11 +13,14 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
+from dynamod.shared.kv.transfer.readiness import BlockReadiness
+
 
 class KvBlockMemory:
-    """Block-addressed host memory. Block ids index rows; rows are contiguous and C-ordered."""
+    """Block-addressed host memory. Block ids index rows; rows are contiguous and C-ordered.
+    ``readiness``: the transfers whose rows are still being computed (streamed to readers)."""
 
-    __slots__ = ("num_blocks", "block_bytes", "array")
+    __slots__ = ("num_blocks", "block_bytes", "array", "readiness")
 
     def __init__(self, num_blocks: int, block_bytes: int) -> None:
         if num_blocks <= 0 or block_bytes <= 0:
@@ -25,6 +28,7 @@ class KvBlockMemory:
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
         self.array = np.zeros((num_blocks, block_bytes), dtype=np.uint8)
+        self.readiness = BlockReadiness()
 
     @property
     def base_address(self) -> int:

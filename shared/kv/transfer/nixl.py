@@ -16,6 +16,15 @@ the remote agent is removed, so the next read re-adds it and reconnects.
 The agent also runs a ``TcpKvAgent`` on the same memory (its address is in the metadata): a peer
 without NIXL can still read from this worker, and this worker reads from such a peer over TCP.
 
+Streamed reads (KV transfer overlapped with the prefill): a READ is one-sided and cannot wait for
+blocks the peer is still computing, so the reader long-polls the peer's block server for how many
+are ready (``watch``: no bytes, answered when more are, or at a heartbeat) and READs each newly
+ready batch over NIXL; the last READ carries the completion notification, the last answer the
+checksum. The readiness side channel is our TCP one rather than NIXL notifications: a prefill
+agent could only ``send_notif`` to a decode agent whose metadata it had added, which it does not
+have (decode agents are not looked up by prefill workers), and notifications are polled, where the
+long-poll answers at once.
+
 UCX on a CPU-only host: the defaults work (shared memory and TCP transports); ``UCX_TLS`` can
 restrict them (e.g. ``UCX_TLS=tcp,self`` between hosts without RDMA).
 """
@@ -250,10 +259,20 @@ class NixlKvAgent:
         *,
         timeout_s: float,
         notify: str | None = None,
+        transfer_id: str | None = None,
+        streamed: bool = False,
+        idle_timeout_s: float | None = None,
     ) -> TransferResult:
         if not _speaks_nixl(remote):
             return await self._tcp.read_blocks(
-                remote, remote_block_ids, local_block_ids, timeout_s=timeout_s, notify=notify
+                remote, remote_block_ids, local_block_ids, timeout_s=timeout_s, notify=notify,
+                transfer_id=transfer_id, streamed=streamed, idle_timeout_s=idle_timeout_s,
+            )
+        if streamed:
+            if not transfer_id:
+                raise KvTransferError("a streamed read needs the transfer id whose blocks it waits for")
+            return await self._read_streamed(
+                remote, list(remote_block_ids), list(local_block_ids), timeout_s, notify, transfer_id, idle_timeout_s
             )
         check_read_args(self.memory, remote, remote_block_ids, local_block_ids)
         if notify is not None and len(notify.encode()) > MAX_NOTIFY_BYTES:
@@ -296,6 +315,72 @@ class NixlKvAgent:
                 )
             raise KvTransferError(f"{what} failed ({state}); the peer went away or refused it")
         return read_result(BACKEND_NIXL, self.agent_name, remote, len(local_block_ids), self.memory.block_bytes, started)
+
+    async def _read_streamed(
+        self,
+        remote: KvTransferMetadata,
+        remote_ids: list[int],
+        local_ids: list[int],
+        timeout_s: float,
+        notify: str | None,
+        transfer_id: str,
+        idle_timeout_s: float | None,
+    ) -> TransferResult:
+        """A READ cannot wait for blocks the peer is still computing: long-poll the peer's block
+        server for how many are ready (``TcpKvAgent.watch``: no bytes, a heartbeat while none is
+        new) and READ each newly ready batch over NIXL; the last READ carries the notification,
+        the last answer the checksum. A stalled peer misses its heartbeats (``idle_timeout_s``)."""
+        check_read_args(self.memory, remote, remote_ids, local_ids)
+        if notify is not None and len(notify.encode()) > MAX_NOTIFY_BYTES:
+            raise KvTransferError(f"notification of {len(notify)} characters is over {MAX_NOTIFY_BYTES} bytes")
+        started = time.monotonic()
+        deadline = started + timeout_s
+        peer = await self._peer(remote, timeout_s)
+        n = len(remote_ids)
+        done = 0
+        poll_s = idle_timeout_s if idle_timeout_s is not None else timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise KvTransferTimeout(
+                    f"streaming {n} blocks of transfer {transfer_id} from NIXL agent {remote.agent_name} did not "
+                    f"finish within {timeout_s}s ({done} arrived)"
+                )
+            ready = await self._tcp.watch(
+                remote, remote_ids, transfer_id, done, timeout_s=min(poll_s, left), wait_ms=int(left * 1000)
+            )
+            if ready.ready > done:
+                last = ready.ready == n
+                message = notify.encode() if last and notify is not None else b""
+                state = await self._read_batch(peer, remote, remote_ids[done:ready.ready], local_ids[done:ready.ready],
+                                               message, deadline)
+                if state != "DONE":
+                    await self._forget(remote.agent_name)
+                    what = f"reading blocks {done}..{ready.ready} of transfer {transfer_id} from NIXL agent {remote.agent_name}"
+                    if state == "TIMEOUT":
+                        raise KvTransferTimeout(f"{what} did not finish within {timeout_s}s")
+                    raise KvTransferError(f"{what} failed ({state}); the peer went away or refused it")
+                done = ready.ready
+            if done == n:
+                if n == 0 and notify is not None:
+                    await self.notify(remote, notify, timeout_s=max(deadline - time.monotonic(), 0.1))
+                result = read_result(BACKEND_NIXL, self.agent_name, remote, n, self.memory.block_bytes, started)
+                result.checksum, result.ready_at = ready.checksum, ready.ready_at
+                return result
+
+    async def _read_batch(
+        self, peer: _Peer, remote: KvTransferMetadata, remote_ids: list[int], local_ids: list[int],
+        message: bytes, deadline: float,
+    ) -> str:
+        remaining = max(deadline - time.monotonic(), 0.0)
+        try:
+            return await self._run(
+                self._read_sync, peer, remote_ids, local_ids, message, deadline, timeout_s=remaining + _THREAD_GRACE_S
+            )
+        except TimeoutError:
+            return "TIMEOUT"
+        except Exception as exc:  # nixl raises its own types (e.g. nixlRemoteDisconnectError)
+            return f"ERR: {type(exc).__name__}: {exc}"
 
     async def notify(self, remote: KvTransferMetadata, message: str, *, timeout_s: float) -> None:
         if not _speaks_nixl(remote):

@@ -9,6 +9,7 @@ the reader's zero-copy receive and connection pool in ``tcp_client``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -26,11 +27,14 @@ from dynamod.shared.kv.transfer.tcp_client import KvConnectionPool, KvReadConnec
 from dynamod.shared.kv.transfer.tcp_server import KvBlockServer
 from dynamod.shared.kv.transfer.tcp_wire import (
     MAX_NOTIFY_BYTES,
+    DataReply,
     ErrorReply,
     NotifyRequest,
     OkReply,
     ReadRequest,
+    ReadyReply,
     Reply,
+    WatchRequest,
     contiguous_runs,
     encode_frame,
     join_address,
@@ -142,22 +146,60 @@ class TcpKvAgent:
         *,
         timeout_s: float,
         notify: str | None = None,
+        transfer_id: str | None = None,
+        streamed: bool = False,
+        idle_timeout_s: float | None = None,
     ) -> TransferResult:
         check_read_args(self.memory, remote, remote_block_ids, local_block_ids)
         if notify is not None:
             _check_notify(notify)
+        if streamed and not transfer_id:
+            raise KvTransferError("a streamed read needs the transfer id whose blocks it waits for")
         array = self.memory.array
         targets = [memoryview(array[a:b].reshape(-1)) for a, b in contiguous_runs(list(local_block_ids))]
-        read = encode_frame(ReadRequest(list(remote_block_ids), self.memory.block_bytes))
+        # A streamed read lets the server wait for blocks still being computed, up to our deadline.
+        wait_ms = max(int(timeout_s * 1000), 1) if streamed else 0
+        read = encode_frame(ReadRequest(list(remote_block_ids), self.memory.block_bytes, transfer_id or "", wait_ms))
         started = time.monotonic()
+        last: list[DataReply] = []
 
         async def exchange(conn: KvReadConnection) -> None:
-            _expect(await conn.request(read, targets), remote, "read")
+            if streamed and idle_timeout_s is not None:
+                reply = await _watched(conn, conn.request(read, targets), idle_timeout_s, remote)
+            else:
+                reply = await conn.request(read, targets)
+            _expect(reply, remote, "read")
+            if isinstance(reply, DataReply):
+                last.append(reply)
             if notify is not None:
                 _expect(await conn.request(encode_frame(NotifyRequest(notify))), remote, "notify")
 
         await self._with_connection(remote, exchange, timeout_s, f"reading {len(local_block_ids)} blocks")
-        return read_result(BACKEND_TCP, self.agent_name, remote, len(local_block_ids), self.memory.block_bytes, started)
+        result = read_result(BACKEND_TCP, self.agent_name, remote, len(local_block_ids), self.memory.block_bytes, started)
+        if last:
+            result.checksum, result.ready_at = last[-1].checksum, last[-1].ready_at
+        return result
+
+    async def watch(
+        self, remote: KvTransferMetadata, block_ids: Sequence[int], transfer_id: str, have: int, *,
+        timeout_s: float, wait_ms: int,
+    ) -> ReadyReply:
+        """How many of ``block_ids`` (a prefix) of the remote's open transfer are computed, once
+        more than ``have`` are or at the server's heartbeat (``tcp_wire``'s ``watch``): what a
+        one-sided reader (NIXL) long-polls before each READ. ``timeout_s`` bounds this poll, so a
+        peer that misses its heartbeats is a ``KvTransferTimeout``."""
+        frame = encode_frame(WatchRequest(list(block_ids), self.memory.block_bytes, transfer_id, have, max(wait_ms, 1)))
+        replies: list[ReadyReply] = []
+
+        async def exchange(conn: KvReadConnection) -> None:
+            reply = await conn.request(frame)
+            _expect(reply, remote, "watch")
+            if not isinstance(reply, ReadyReply):
+                raise KvTransferError(f"KV agent {remote.agent_name} at {remote.address} answered a watch with {reply!r}")
+            replies.append(reply)
+
+        await self._with_connection(remote, exchange, timeout_s, f"watching transfer {transfer_id}")
+        return replies[-1]
 
     async def notify(self, remote: KvTransferMetadata, message: str, *, timeout_s: float) -> None:
         _check_notify(message)
@@ -188,8 +230,8 @@ class TcpKvAgent:
                 conn, reused = await self._pool.acquire(remote.address)
                 try:
                     await exchange(conn)
-                except KvTransferError:
-                    if not (reused and conn.closed and conn.received_bytes == 0):
+                except KvTransferError as exc:
+                    if isinstance(exc, KvTransferTimeout) or not (reused and conn.closed and conn.received_bytes == 0):
                         raise
                     conn = await self._pool.dial(remote.address)
                     await exchange(conn)
@@ -214,6 +256,30 @@ class TcpKvAgent:
                 conn.abort()
             raise
         self._pool.release(conn)
+
+
+async def _watched(conn: KvReadConnection, request: Awaitable[Reply], idle_s: float, remote: KvTransferMetadata) -> Reply:
+    """A streamed read's reply, given up (``KvTransferTimeout``) once the server has sent nothing,
+    not even a heartbeat, for ``idle_s``: a prefill still computing keeps its heartbeats coming."""
+    task = asyncio.ensure_future(request)
+    conn.last_heard = time.monotonic()
+    try:
+        while True:
+            done, _ = await asyncio.wait((task,), timeout=min(idle_s / 4, 0.25))
+            if done:
+                return task.result()
+            silent = time.monotonic() - conn.last_heard
+            if silent > idle_s:
+                conn.abort()
+                raise KvTransferTimeout(
+                    f"KV agent {remote.agent_name} at {remote.address} sent nothing for {silent:.1f}s while streaming "
+                    f"({conn.received_bytes} of {conn.expected_bytes} block bytes arrived); the peer is stalled"
+                )
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
 
 
 def _check_notify(message: str) -> None:

@@ -7,7 +7,9 @@ rows, so the kernel copies them into place and nothing else touches them. Header
 exactly (length first, then the body), so payload bytes never land in a scratch buffer.
 
 Where the bytes go is fixed before the request is sent: the loop may ask for the next buffer before
-the coroutine that sent the request runs again.
+the coroutine that sent the request runs again. A streamed read's reply comes as several ``data``
+frames, each announcing the next part of the bytes (``tcp_wire``); they fill the same rows in order,
+and an ``error`` frame in place of the next part ends the read with the server's reason.
 
 Credentials (``ClientCredentials``, the request plane's): with TLS configured every connection is
 dialled over TLS against the cluster CA; with a cluster token each new connection first sends a
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
 from typing import cast
 
 import msgspec
@@ -60,9 +63,12 @@ class KvReadConnection(asyncio.BufferedProtocol):
         self._state = _IDLE
         self._length = bytearray(LENGTH_SIZE)
         self._body = bytearray()
-        self._filled = 0
+        self._filled = 0  # of the header being read
         self._targets: list[memoryview] = []
         self._target_index = 0
+        self._target_filled = 0  # bytes of the current target already received
+        self._segment_left = 0  # payload bytes the last ``data`` frame announced, still to come
+        self.last_heard = 0.0  # time.monotonic() of the last bytes received
         self._reply: asyncio.Future[Reply] | None = None
         self._is_read = False
         self._pending_data: DataReply = DataReply(0, 0)
@@ -77,7 +83,8 @@ class KvReadConnection(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         state = self._state
         if state == _PAYLOAD:
-            return self._targets[self._target_index][self._filled :]
+            start = self._target_filled
+            return self._targets[self._target_index][start : start + self._segment_left]
         if state == _LENGTH:
             return memoryview(self._length)[self._filled :]
         if state == _BODY:
@@ -85,16 +92,24 @@ class KvReadConnection(asyncio.BufferedProtocol):
         return memoryview(self._scratch)  # bytes nobody asked for: reported in buffer_updated
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.last_heard = time.monotonic()
         state = self._state
-        self._filled += nbytes
         if state == _PAYLOAD:
             self.received_bytes += nbytes
-            if self._filled == len(self._targets[self._target_index]):
+            self._segment_left -= nbytes
+            self._target_filled += nbytes
+            if self._target_filled == len(self._targets[self._target_index]):
                 self._target_index += 1
-                self._filled = 0
-                if self._target_index == len(self._targets):
+                self._target_filled = 0
+            if self._segment_left == 0:
+                if self.received_bytes == self.expected_bytes:
                     self._finish(self._pending_data)
-        elif state == _LENGTH:
+                else:  # a streamed read: the next part's frame follows
+                    self._state = _LENGTH
+                    self._filled = 0
+            return
+        self._filled += nbytes
+        if state == _LENGTH:
             if self._filled == LENGTH_SIZE:
                 (length,) = LENGTH.unpack(self._length)
                 if not 0 < length <= MAX_FRAME_BYTES:
@@ -136,6 +151,8 @@ class KvReadConnection(asyncio.BufferedProtocol):
         self.expected_bytes = sum(len(t) for t in self._targets)
         self.received_bytes = 0
         self._target_index = 0
+        self._target_filled = 0
+        self._segment_left = 0
         self._filled = 0
         self._state = _LENGTH
         self._reply = asyncio.get_running_loop().create_future()
@@ -162,11 +179,16 @@ class KvReadConnection(asyncio.BufferedProtocol):
             return
         if isinstance(reply, DataReply):
             announced = reply.num_blocks * reply.block_bytes
-            if not self._is_read or announced != self.expected_bytes:
+            left = self.expected_bytes - self.received_bytes
+            if announced == 0 and left > 0 and self._is_read:  # a streamed read's heartbeat
+                self._filled = 0
+                self._state = _LENGTH
+                return
+            if not self._is_read or announced > left or announced < 0:
                 self._fail(
                     KvTransferError(
                         f"KV block server {self.address} announced {announced} block bytes, "
-                        f"expected {self.expected_bytes}"
+                        f"expected {left} more"
                     )
                 )
                 return
@@ -175,6 +197,7 @@ class KvReadConnection(asyncio.BufferedProtocol):
             if announced == 0:
                 self._finish(reply)
             else:
+                self._segment_left = announced
                 self._state = _PAYLOAD
             return
         if isinstance(reply, OkReply) and self._is_read:

@@ -6,6 +6,10 @@ same message; the connection stays usable. Block rows go to the socket as views 
 write per run of consecutive ids, in bounded chunks), so the asyncio transport copies only what
 the kernel did not take at once, and ``drain`` keeps that bounded.
 
+A read that names an open transfer of the memory's ``readiness`` (``wait_ms > 0``: streamed) may
+ask for blocks the engine is still computing: they are sent in order, a ``data`` frame per batch as
+they become ready, with heartbeats while none is, and the checksum with the last (``tcp_wire``).
+
 Block bytes are prompt content, so the server admits readers the way the request plane does
 (``ServerGuard``, built from the same ``RequestPlaneSecurity``): with TLS configured it serves only
 TLS (mutual when client certificates are required), and with a cluster token the first frame of a
@@ -22,6 +26,7 @@ address, the oldest closed to make room; a reader that proved itself is never pu
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 
@@ -29,18 +34,23 @@ import msgspec
 
 from dynamod.shared.kv.transfer.base import KvTransferError, NotifyCallback, deliver_notify
 from dynamod.shared.kv.transfer.memory import KvBlockMemory
+from dynamod.shared.kv.transfer.readiness import TransferNotReady, TransferProgress
 from dynamod.shared.kv.transfer.tcp_wire import (
+    HEARTBEAT_S,
     LENGTH,
     LENGTH_SIZE,
     MAX_BLOCKS_PER_READ,
     MAX_FRAME_BYTES,
     MAX_NOTIFY_BYTES,
+    MAX_WAIT_MS,
     DataReply,
     ErrorReply,
     HelloRequest,
     NotifyRequest,
     OkReply,
     ReadRequest,
+    ReadyReply,
+    WatchRequest,
     contiguous_runs,
     encode_frame,
     request_decoder,
@@ -208,6 +218,8 @@ class KvBlockServer:
                     return
                 if isinstance(request, ReadRequest):
                     await self._serve_read(request, writer)
+                elif isinstance(request, WatchRequest):
+                    await self._serve_watch(request, writer)
                 elif isinstance(request, HelloRequest):
                     # Open server, or a repeated hello on an admitted connection: nothing to check.
                     writer.write(encode_frame(OkReply()))
@@ -255,7 +267,16 @@ class KvBlockServer:
         await writer.drain()
         return False
 
-    def _refusal(self, request: ReadRequest) -> str | None:
+    def _unknown(self, transfer_id: str) -> str:
+        reason = self._memory.readiness.ended(transfer_id)
+        if reason is not None:
+            return f"transfer {transfer_id} failed: {reason}"
+        return (
+            f"agent {self._agent_name} has no open transfer {transfer_id!r} "
+            "(its prefill was aborted, or its blocks were released or expired)"
+        )
+
+    def _refusal(self, request: ReadRequest | WatchRequest) -> str | None:
         memory = self._memory
         if request.block_bytes != memory.block_bytes:
             return (
@@ -280,15 +301,109 @@ class KvBlockServer:
             writer.write(encode_frame(ErrorReply("invalid_read", refusal)))
             await writer.drain()
             return
+        progress = self._memory.readiness.get(request.transfer_id) if request.transfer_id else None
+        if progress is None and request.wait_ms > 0:
+            # A streamed read names a transfer this engine opened; gone means aborted or released.
+            writer.write(encode_frame(ErrorReply("unknown_transfer", self._unknown(request.transfer_id))))
+            await writer.drain()
+            return
+        if progress is None:
+            writer.write(encode_frame(DataReply(len(request.block_ids), self._memory.block_bytes)))
+            await self._send_rows(request.block_ids, writer)
+            return
+        await self._serve_streamed(request, progress, writer)
+
+    async def _serve_streamed(self, request: ReadRequest, progress: TransferProgress, writer: asyncio.StreamWriter) -> None:
+        """Sends the blocks of an open transfer as they become ready: one ``data`` frame per batch
+        of newly ready blocks, the last with the checksum; an ``error`` frame when the prefill
+        fails or the blocks are not ready within ``wait_ms``."""
+        positions = progress.positions(request.block_ids)
+        if positions is None or any(b <= a for a, b in zip(positions, positions[1:], strict=False)):
+            writer.write(encode_frame(ErrorReply(
+                "invalid_read", f"the blocks read are not rows of transfer {request.transfer_id}, in its order",
+            )))
+            await writer.drain()
+            return
+        ids = request.block_ids
+        n = len(ids)
+        deadline = asyncio.get_running_loop().time() + min(request.wait_ms, MAX_WAIT_MS) / 1000.0
+        sent = 0
+        while True:
+            ready = bisect.bisect_left(positions, progress.ready)  # requested blocks computed so far
+            if ready > sent or (ready == n and sent == n == 0):
+                last = ready == n
+                writer.write(encode_frame(DataReply(
+                    ready - sent, self._memory.block_bytes,
+                    checksum=progress.checksum if last else None, ready_at=progress.ready_at if last else 0.0,
+                )))
+                await self._send_rows(ids[sent:ready], writer)
+                sent = ready
+            if sent == n:
+                return
+            try:
+                loop = asyncio.get_running_loop()
+                beat = loop.time() + HEARTBEAT_S
+                try:
+                    await progress.changed(min(beat, deadline))
+                except TransferNotReady as exc:
+                    if exc.failed or beat >= deadline:
+                        raise
+                    writer.write(encode_frame(DataReply(0, self._memory.block_bytes)))  # still computing
+                    await writer.drain()
+            except TransferNotReady as exc:
+                code = "transfer_failed" if exc.failed else "not_ready"
+                logger.info(
+                    "kv_transfer.tcp.stream_ended agent=%s transfer_id=%s sent=%d of=%d code=%s reason=%r",
+                    self._agent_name, request.transfer_id, sent, n, code, str(exc),
+                )
+                writer.write(encode_frame(ErrorReply(code, f"transfer {request.transfer_id}: {exc}")))
+                await writer.drain()
+                return
+
+    async def _serve_watch(self, request: WatchRequest, writer: asyncio.StreamWriter) -> None:
+        """Answers once more than ``have`` of the blocks are ready, or at the heartbeat with the
+        same count, or with an ``error`` (failed, unknown, or not ready by ``wait_ms``)."""
+        refusal = self._refusal(request)
+        progress = self._memory.readiness.get(request.transfer_id)
+        positions = progress.positions(request.block_ids) if progress is not None else None
+        if refusal is None and progress is None:
+            refusal = self._unknown(request.transfer_id)
+        elif refusal is None and (positions is None or any(b <= a for a, b in zip(positions, positions[1:], strict=False))):
+            refusal = f"the blocks watched are not rows of transfer {request.transfer_id}, in its order"
+        if refusal is not None or progress is None or positions is None:
+            code = "unknown_transfer" if progress is None else "invalid_read"
+            writer.write(encode_frame(ErrorReply(code, refusal or "")))
+            await writer.drain()
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(request.wait_ms, MAX_WAIT_MS) / 1000.0
+        n = len(positions)
+        ready = bisect.bisect_left(positions, progress.ready)
+        if ready <= request.have and ready < n:
+            try:
+                await progress.changed(min(loop.time() + HEARTBEAT_S, deadline))
+            except TransferNotReady as exc:
+                if exc.failed or loop.time() >= deadline:
+                    code = "transfer_failed" if exc.failed else "not_ready"
+                    writer.write(encode_frame(ErrorReply(code, f"transfer {request.transfer_id}: {exc}")))
+                    await writer.drain()
+                    return
+            ready = bisect.bisect_left(positions, progress.ready)
+        last = ready == n
+        writer.write(encode_frame(ReadyReply(
+            ready, checksum=progress.checksum if last else None, ready_at=progress.ready_at if last else 0.0,
+        )))
+        await writer.drain()
+
+    async def _send_rows(self, block_ids: list[int], writer: asyncio.StreamWriter) -> None:
         array = self._memory.array
-        writer.write(encode_frame(DataReply(len(request.block_ids), self._memory.block_bytes)))
-        for start, stop in contiguous_runs(request.block_ids):
+        for start, stop in contiguous_runs(block_ids):
             rows = memoryview(array[start:stop].reshape(-1))
             for offset in range(0, len(rows), _CHUNK_BYTES):
                 writer.write(rows[offset : offset + _CHUNK_BYTES])
                 await writer.drain()
         await writer.drain()
-        self.bytes_served += len(request.block_ids) * self._memory.block_bytes
+        self.bytes_served += len(block_ids) * self._memory.block_bytes
 
     def _deliver(self, request: NotifyRequest) -> None:
         message = request.message[:MAX_NOTIFY_BYTES]
