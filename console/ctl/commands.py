@@ -45,7 +45,7 @@ def _settings(args: argparse.Namespace) -> ConsoleSettings:
 
 
 @contextlib.asynccontextmanager
-async def _runtime(args: argparse.Namespace) -> AsyncIterator[DistributedRuntime]:
+async def action_runtime(args: argparse.Namespace) -> AsyncIterator[DistributedRuntime]:
     """A runtime without an event plane: actions only need discovery and the request plane."""
     from dynamod.shared.runtime.distributed import DistributedRuntime
 
@@ -160,7 +160,7 @@ def _report(result: ActionResult, as_json: bool) -> int:
 async def action(args: argparse.Namespace) -> int:
     """Any worker action: the spec and body its subcommand carries (``worker_actions.py``); ``lora
     list`` without an instance asks every worker."""
-    async with _runtime(args) as rt:
+    async with action_runtime(args) as rt:
         client = ControlClient(rt, namespace=_settings(args).namespace)
         try:
             if args.action_spec is LIST_LORAS:

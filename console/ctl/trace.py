@@ -20,7 +20,7 @@ from typing import Any
 from dynamod.console.actions.control import ControlClient
 from dynamod.console.actions.traces import TraceGatherer
 from dynamod.console.collectors.traces import frontend_http, frontend_trace_urls, guessed_trace_urls
-from dynamod.console.ctl.commands import _runtime
+from dynamod.console.ctl.commands import action_runtime
 from dynamod.console.settings import settings_from_args
 from dynamod.console.state.cluster import ClusterState
 from dynamod.console.waterfall import render_text
@@ -56,7 +56,7 @@ def output_width(asked: int | None) -> int:
 
 async def trace(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    async with _runtime(args) as rt:
+    async with action_runtime(args) as rt:
         control = ControlClient(rt, namespace=settings.namespace)
         try:
             records = await control.instances()
