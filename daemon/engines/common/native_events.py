@@ -5,7 +5,8 @@ ever sees the converted events. Engines publish ``KvEventBatch``es (shared/proto
 whose block hashes are the engine's own: vLLM's are Python ints or sha256 bytes seeded per
 process, SGLang's are ints. The router cannot compute them, so a stored block is rehashed from its
 ``token_ids`` with the router's local hash (shared/kv/hashing.py; the event's ``block_size``, the
-LoRA name salting the seed); the engine hash is kept, as a stable u64, only to match later
+LoRA name salting the seed, and for blocks that cover images the images' ids from the event's
+``extra_keys``); the engine hash is kept, as a stable u64, only to match later
 removals and parent references.
 
 Every cache tier is indexed as its own medium (``KvStored.medium``/``KvRemoved.medium``): with
@@ -20,10 +21,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import xxhash
 
-from dynamod.shared.kv.hashing import compute_block_hashes
+from dynamod.shared.kv.hashing import compute_block_hashes, mm_local_hash
 from dynamod.shared.protocol.kv_events import (
     MEDIA,
     MEDIUM_CPU,
@@ -58,6 +60,31 @@ def engine_hash_to_int(block_hash: int | bytes) -> int:
     if isinstance(block_hash, int):
         return block_hash & _U64
     return xxhash.xxh3_64_intdigest(bytes(block_hash), _BYTES_HASH_SEED)
+
+
+def engine_mm_key(block_keys: list[Any] | None) -> bytes:
+    """A block's image key (shared/kv/hashing.py ``block_mm_key``) from the engine's extra keys for
+    that block: the identifiers of its ``[identifier, offset]`` pairs, in order. The engine's
+    identifier is our ``mm_hash`` because the adapter passes it as the image's uuid. Bare entries
+    (a LoRA name, which the seed already covers; a cache salt; prompt-embedding digests) are not
+    images and are skipped."""
+    if not block_keys:
+        return b""
+    return b"".join(
+        key[0].encode("utf-8")
+        for key in block_keys
+        if isinstance(key, (list, tuple)) and len(key) == 2 and isinstance(key[0], str) and isinstance(key[1], int)
+    )
+
+
+def with_engine_mm_keys(local: list[int], extra_keys: list[list[Any] | None], n: int) -> list[int]:
+    """Re-keys, in place, the first ``n`` local hashes of a stored event whose blocks cover images,
+    as the router keys a prompt's blocks (``hashing.with_mm_keys``), so a cached image matches."""
+    for i, block_keys in enumerate(extra_keys[:n]):
+        key = engine_mm_key(block_keys)
+        if key:
+            local[i] = mm_local_hash(local[i], key)
+    return local
 
 
 def medium_of(native_medium: str | None) -> str:
@@ -106,6 +133,8 @@ def convert_native_event(
                 event.block_size,
             )
             n = len(local)
+        if event.extra_keys:
+            with_engine_mm_keys(local, event.extra_keys, n)
         blocks = [StoredBlock(engine_hash_to_int(h), local[i]) for i, h in enumerate(event.block_hashes[:n])]
         parent = None if event.parent_block_hash is None else engine_hash_to_int(event.parent_block_hash)
         return KvStored(parent_hash=parent, blocks=blocks, lora_name=event.lora_name, medium=medium_of(event.medium))

@@ -15,6 +15,9 @@ payloads here (tests/unit/engines/test_sglang_adapter.py), never against a runni
   adapter binds that PULL socket when the engine has one, as Dynamo does, and reads it with a
   restricted unpickler that can build nothing but that report (metrics_wire.py), never
   ``recv_pyobj``: whoever can write to the socket must not run code in the worker.
+- Images: ``image_data`` beside ``input_ids``, decoded at the frontend's sizes, with the frontend's
+  hashes as ``mm_hashes`` where SGLang takes them; its image blocks' pad values are then keyed back
+  to those hashes in its KV events (multimodal.py).
 - Disaggregation (``--role prefill|decode``): SGLang's disaggregation mode and bootstrap rooms
   (disagg.py); a prefill leg yields its room first, then prefills; a decode leg joins the room.
 - Controls: abort -> ``tokenizer_manager.abort_request``; clear -> ``flush_cache``; sleep/wake ->
@@ -53,6 +56,7 @@ from dynamod.daemon.engines.common.disagg import (
     request_stage,
 )
 from dynamod.daemon.engines.common.engine_base import NativeEngineBase, engine_request_error, request_errors
+from dynamod.daemon.engines.common.images import decode_images, image_items
 from dynamod.daemon.engines.common.kv_endpoints import plan_kv_events
 from dynamod.daemon.engines.common.kv_subscriber import NativeKvSubscriber
 from dynamod.daemon.engines.common.lora import local_adapter_dir
@@ -63,6 +67,13 @@ from dynamod.daemon.engines.sglang.metrics_wire import (
     MAX_PAYLOAD_BYTES,
     MetricsMessageError,
     decode_kv_metrics,
+)
+from dynamod.daemon.engines.sglang.multimodal import (
+    ImagePads,
+    image_token_id,
+    rekeying_decoder,
+    sglang_image_kwargs,
+    takes_mm_hashes,
 )
 from dynamod.daemon.engines.sglang.outputs import SglangOutputTracker, sampling_params
 from dynamod.daemon.models.local import LocalModel
@@ -167,6 +178,10 @@ class SglangEngine(NativeEngineBase):
         self._private_dir: str | None = None
         self._metrics: dict[int, Any] = {}
         self._metrics_task: asyncio.Task[None] | None = None
+        # A vision-language model's images: pad value -> frontend hash, to key its KV events (multimodal.py).
+        image_token = image_token_id(model.path)
+        self._image_pads = ImagePads(image_token) if image_token is not None else None
+        self._takes_mm_hashes = False  # set once the engine is built
 
     # ---- lifecycle (``start()`` is NativeEngineBase's) -------------------------------------------
 
@@ -181,7 +196,8 @@ class SglangEngine(NativeEngineBase):
             raise ConfigError(str(exc)) from None
         # SGLang's KVEventsConfig has no enable flag; drop ours so its pydantic model accepts it.
         config = {k: v for k, v in plan.config.items() if k != "enable_kv_cache_events"}
-        self._subscriber = NativeKvSubscriber(plan.subscribe, decode=decode_sglang_batch, on_batch=self._feed.on_batch,
+        decode = rekeying_decoder(decode_sglang_batch, self._image_pads)
+        self._subscriber = NativeKvSubscriber(plan.subscribe, decode=decode, on_batch=self._feed.on_batch,
                                               on_gap=self._feed.on_gap, topic=plan.topic, replay=plan.replay)
         self._subscriber.open()
         plan.resolve(self._subscriber.bound)
@@ -191,6 +207,7 @@ class SglangEngine(NativeEngineBase):
         logger.info("sglang engine starting worker_id=%016x argv=%s", self.worker_id, " ".join(argv))
         try:
             self._engine = await asyncio.to_thread(build_sglang_engine, argv)
+            self._takes_mm_hashes = takes_mm_hashes(self._engine)
         except (ConfigError, asyncio.CancelledError):
             raise
         except Exception as exc:
@@ -294,6 +311,12 @@ class SglangEngine(NativeEngineBase):
         lora_path = None
         if request.lora_name:
             lora_path = self._request_lora(request.lora_name).name  # SGLang keys loaded adapters by name
+        items = image_items(request)
+        with_hashes = self._image_pads is not None and self._takes_mm_hashes
+        image_kwargs = sglang_image_kwargs(items, await decode_images(items), with_hashes=with_hashes)  # multimodal.py
+        if with_hashes and items:
+            assert self._image_pads is not None
+            self._image_pads.remember(items)
         tracker = SglangOutputTracker(len(request.token_ids))
         self._active[rid] = tracker
         finished = False
@@ -306,6 +329,7 @@ class SglangEngine(NativeEngineBase):
                 if request.sampling.logprobs > 0:
                     kwargs["top_logprobs_num"] = request.sampling.logprobs
             kwargs.update(transfer)
+            kwargs.update(image_kwargs)
             if stage == STAGE_PREFILL:
                 # The decode leg starts on this frame; the prefill below waits for it to join the room.
                 yield EngineOutput(disaggregated_params=dict(transfer))

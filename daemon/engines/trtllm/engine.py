@@ -9,7 +9,9 @@ with recorded event payloads here (tests/unit/engines/test_trtllm_adapter.py).
   validates them. The adapter sets ``model``, turns block reuse on, sizes the KV event buffer
   (``event_buffer_max_size`` 4096) and defaults ``kv_cache_config.tokens_per_block`` to 64.
 - Requests: ``generate_async(token_ids, SamplingParams(..., detokenize=False), streaming=True)``;
-  new tokens are ``token_ids_diff``; closing the stream calls ``RequestOutput.abort()``.
+  new tokens are ``token_ids_diff``; closing the stream calls ``RequestOutput.abort()``. A prompt
+  with images is a ``TokensPrompt`` dict with ``multi_modal_data`` and ``multi_modal_uuids``
+  (multimodal.py); their ``mm_keys`` in the KV events key the router's blocks (kv_format.py).
 - KV events: ``get_kv_cache_events_async`` (buffered per iteration) through ``TrtllmEventMapper``
   (kv_format.py) into the router converter; a jump in ``event_id`` is a gap.
 - Load: ``get_stats_async`` (``kvCacheStats``, active and queued requests).
@@ -41,11 +43,13 @@ from dynamod.daemon.engines.common.disagg import (
     request_stage,
 )
 from dynamod.daemon.engines.common.engine_base import NativeEngineBase, engine_request_error, request_errors
+from dynamod.daemon.engines.common.images import decode_images, image_items
 from dynamod.daemon.engines.common.lora import local_adapter_dir
 from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER
 from dynamod.daemon.engines.common.sampling import choice_grammar, refuse_unsupported, stop_kwargs
 from dynamod.daemon.engines.trtllm import disagg
 from dynamod.daemon.engines.trtllm.kv_format import TrtllmEventMapper
+from dynamod.daemon.engines.trtllm.multimodal import trtllm_prompt
 from dynamod.daemon.models.local import LocalModel
 from dynamod.shared.errors import ConfigError, EngineError, InvalidRequestError, UnavailableError
 from dynamod.shared.protocol.llm import (
@@ -289,7 +293,9 @@ class TrtllmEngine(NativeEngineBase):
             params = SamplingParams(**kwargs)
         except (TypeError, ValueError) as exc:
             raise InvalidRequestError(f"bad sampling parameters: {exc}") from None
-        result = llm.generate_async(list(request.token_ids), sampling_params=params, streaming=True,
+        items = image_items(request)
+        prompt = trtllm_prompt(request.token_ids, items, await decode_images(items))  # multimodal.py
+        result = llm.generate_async(prompt, sampling_params=params, streaming=True,
                                     lora_request=lora_request, disaggregated_params=disagg_params)
         self._active[rid] = result
         prompt, done, cached = len(request.token_ids), 0, 0

@@ -17,6 +17,9 @@ own blocks), a stored chain stops at its first partial block (the router hashes 
 only) and a later removal of that partial block is not forwarded; ``event_id`` is consecutive, so
 a jump (the engine's bounded event buffer overflowed) is a gap. Block hashes are unsigned 64-bit
 ints; multimodal token ids (hex strings) cannot be rehashed by the router and end the chain.
+A block that covers images lists them in ``mm_keys`` (``{"type": "mm_key", "hash", "start_offset"}``);
+they become the event's ``extra_keys`` (``block_mm_keys``), as vLLM publishes them, so the router
+keys the block by its images as it keys the prompt.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ class TrtllmEventMapper:
     def _stored(self, data: Mapping[str, Any]) -> BlockStored | None:
         hashes: list[int] = []
         tokens: list[int] = []
+        extra_keys: list[list[Any] | None] = []
         for block in data.get("blocks") or []:
             block_hash = block.get("block_hash")
             block_tokens = block.get("tokens") or []
@@ -111,8 +115,26 @@ class TrtllmEventMapper:
                 break  # multimodal placeholder hashes: the router cannot rehash these blocks
             hashes.append(int(block_hash))
             tokens.extend(ids)  # type: ignore[arg-type]
+            extra_keys.append(block_mm_keys(block))
         if not hashes:
             return None
         parent = data.get("parent_hash")
         return BlockStored(block_hashes=hashes, parent_block_hash=None if parent is None else int(parent),
-                           token_ids=tokens, block_size=self.block_size, lora_id=data.get("lora_id"), medium="GPU")
+                           token_ids=tokens, block_size=self.block_size, lora_id=data.get("lora_id"), medium="GPU",
+                           extra_keys=extra_keys if any(extra_keys) else None)
+
+
+def block_mm_keys(block: Mapping[str, Any]) -> list[Any] | None:
+    """A stored block's ``mm_keys`` (``{"type": "mm_key", "hash", "start_offset"}``, one per image the
+    block covers, in order) as vLLM-shaped extra keys ``[id, offset]`` (None: no image), which the
+    router's converter mixes into the block's key. The id is the request's ``multi_modal_uuids``
+    entry, i.e. the frontend's ``mm_hash`` (multimodal.py): the V1 KV cache manager reports it as
+    ``hash`` (TensorRT-LLM PR 11075), the V2 one beside its content digest as ``uuid`` (PR 19529)."""
+    keys = []
+    for key in block.get("mm_keys") or ():
+        if not isinstance(key, Mapping) or key.get("type", "mm_key") != "mm_key":
+            continue
+        ident = key.get("uuid") or key.get("hash")
+        if isinstance(ident, str) and ident:
+            keys.append([ident, int(key.get("start_offset") or 0)])
+    return keys or None

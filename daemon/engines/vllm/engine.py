@@ -9,6 +9,8 @@ KV events come from vLLM's own ZMQ publisher: ``start()`` opens our subscriber f
 says who binds), then gives vLLM the matching ``--kv-events-config``. Load comes from vLLM's
 scheduler stats through a stat logger. Requests go in as token ids with our sampling and stop
 settings and come back as token-id deltas; cancelling (closing the stream) aborts them in vLLM.
+A prompt with images goes in as vLLM's multimodal prompt, the images keyed by the frontend's
+content hashes so vLLM's prefix-cache events name them as the router does (multimodal.py).
 
 Disaggregation (``--role prefill|decode``): vLLM's own KV connector moves the blocks; the adapter
 configures it and carries its ``kv_transfer_params`` between the legs (disagg.py).
@@ -45,11 +47,13 @@ from dynamod.daemon.engines.common.disagg import (
 )
 from dynamod.daemon.engines.common.engine_base import NativeEngineBase, request_errors
 from dynamod.daemon.engines.common.flags import user_kv_events_config
+from dynamod.daemon.engines.common.images import decode_images, image_items
 from dynamod.daemon.engines.common.kv_endpoints import plan_kv_events
 from dynamod.daemon.engines.common.kv_subscriber import NativeKvSubscriber
 from dynamod.daemon.engines.common.lora import local_adapter_dir
 from dynamod.daemon.engines.common.native_kv import DEFAULT_EVENT_BUFFER, NativeKvEventQueue
 from dynamod.daemon.engines.vllm import disagg, flags, offload
+from dynamod.daemon.engines.vllm.multimodal import vllm_prompt
 from dynamod.daemon.engines.vllm.outputs import OutputTracker, sampling_kwargs
 from dynamod.daemon.engines.vllm.stats import LoadTracker, make_stat_logger_factory
 from dynamod.daemon.models.local import LocalModel
@@ -394,11 +398,14 @@ class VllmEngine(NativeEngineBase):
             params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA, extra_args=extra_args)
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(f"bad sampling parameters: {exc}") from None
+        # Images: decoded here at the frontend's sizes, keyed by the frontend's hashes (multimodal.py).
+        items = image_items(request)
+        prompt = vllm_prompt(request.token_ids, items, await decode_images(items))
         # No per-request pinning in vLLM's API: a cache_control pin is reported refused (outputs.py).
         tracker = OutputTracker(len(request.token_ids), request.sampling.logprobs or 0, pin_refused=request.pin is not None)
         self._active[rid] = tracker
         stream = llm.generate(
-            TokensPrompt(prompt_token_ids=list(request.token_ids)),
+            TokensPrompt(**prompt),
             params,
             rid,
             lora_request=lora_request,

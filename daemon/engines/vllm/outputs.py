@@ -13,6 +13,7 @@ as its OpenAI server does), then vLLM's.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,8 @@ from dynamod.shared.protocol.llm import (
     PreprocessedRequest,
     Usage,
 )
+
+logger = logging.getLogger(__name__)
 
 _FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT, "error": FINISH_ERROR}
 # SamplingOptions fields that are SamplingParams arguments of the same name and meaning.
@@ -135,7 +138,9 @@ class OutputTracker:
     top logprobs per token the request asked for (0: none). ``pin_refused``: the request asked for
     a pinned prefix (``cache_control``), which vLLM cannot give: its API (0.32) has no per-request
     pin or TTL (``SamplingParams`` and ``AsyncLLM.generate`` take none; the block pool's references
-    are internal), so the usage says nothing was pinned."""
+    are internal), so the usage says nothing was pinned. ``prompt_tokens`` starts as the frontend's
+    count and becomes vLLM's own if its output says otherwise (a prompt with images whose placeholder
+    expansion vLLM's processor did differently: logged, since the router's block keys then differ)."""
 
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "num_top", "pin_refused")
 
@@ -159,6 +164,11 @@ class OutputTracker:
         nothing to send (no new token and not final)."""
         if output.num_cached_tokens:
             self.cached_tokens = int(output.num_cached_tokens)
+        engine_prompt = getattr(output, "prompt_token_ids", None)
+        if engine_prompt and len(engine_prompt) != self.prompt_tokens:
+            logger.warning("vllm prompt length differs from the frontend's frontend=%d engine=%d "
+                           "effect=usage_reports_engine_count", self.prompt_tokens, len(engine_prompt))
+            self.prompt_tokens = len(engine_prompt)
         completion = output.outputs[0] if output.outputs else None
         token_ids = list(completion.token_ids) if completion is not None else []
         self.completion_tokens += len(token_ids)
