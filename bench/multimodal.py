@@ -1,5 +1,6 @@
-"""Multimodal serving on an aggregated cluster: TTFT with 0, 1 and 4 images per request, images seen
-for the first time ("miss") against the same images again ("hit").
+"""Multimodal serving, aggregated (the workers encode images) against E+PD (an encode pool does):
+TTFT with 0, 1 and 4 images per request, images seen for the first time ("miss") against the
+same images again ("hit").
 
 Runs real processes (a frontend and ``--workers`` mocker workers serving the built-in ``tiny-vl``
 model on file discovery, as ``dynamod up`` would) and streams chat requests with data-URL images
@@ -14,9 +15,12 @@ cached tokens the server reported, and the requests' success count:
   images' content) skip the decode, the encoder and the prefill of everything but the last block.
 
 The mocker's encoder costs ``--encode-ms-per-image-token`` per image token; ``--speedup`` divides
-all simulated times. Prints one JSON object.
+all simulated times. ``--topology epd`` adds ``--encode-workers`` encode workers (``dynamod --role
+encode``, the same cost per image token): the frontend sends them the images and the agg workers
+read the embeddings over the TCP block transport instead of encoding in their engine step;
+``both`` runs the two clusters one after the other with the same requests. Prints one JSON object.
 
-    python bench/multimodal.py [--requests 30] [--concurrency 2] [--image-size 448]
+    python bench/multimodal.py [--requests 30] [--concurrency 2] [--image-size 448] [--topology both]
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ import base64
 import io
 import json
 import random
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +116,7 @@ async def scenario(base: str, bodies: list[dict[str, Any]], concurrency: int) ->
     }
 
 
-def start_cluster(root: Path, args: argparse.Namespace) -> tuple[list[subprocess.Popen[bytes]], str]:
+def start_cluster(root: Path, args: argparse.Namespace, encode_workers: int = 0) -> tuple[list[subprocess.Popen[bytes]], str]:
     kv = root / "discovery"
     kv.mkdir()
     flags = ["--discovery-backend", "file", "--event-plane", "zmq", "--file-kv", str(kv)]
@@ -121,6 +127,10 @@ def start_cluster(root: Path, args: argparse.Namespace) -> tuple[list[subprocess
         worker = [*CLI, "--role", "agg", "--engine", "mocker", "--model", MODEL, *flags, "--speedup-ratio", str(args.speedup),
                   "--block-size", str(args.block_size), "--encode-ms-per-image-token", str(args.encode_ms_per_image_token)]
         procs.append(subprocess.Popen(worker, stdout=open(logs / f"worker{i}.log", "wb"), stderr=subprocess.STDOUT))  # noqa: SIM115
+    for i in range(encode_workers):
+        encoder = [*CLI, "--role", "encode", "--model", MODEL, *flags, "--speedup-ratio", str(args.speedup),
+                   "--encode-ms-per-image-token", str(args.encode_ms_per_image_token), "--kv-transfer-backend", "tcp"]
+        procs.append(subprocess.Popen(encoder, stdout=open(logs / f"encoder{i}.log", "wb"), stderr=subprocess.STDOUT))  # noqa: SIM115
     port = free_port()
     frontend = [*CLI, "--role", "frontend", *flags, "--http-port", str(port), "--router-mode", "kv"]
     procs.append(subprocess.Popen(frontend, stdout=open(logs / "frontend.log", "wb"), stderr=subprocess.STDOUT))  # noqa: SIM115
@@ -129,7 +139,9 @@ def start_cluster(root: Path, args: argparse.Namespace) -> tuple[list[subprocess
     while time.monotonic() < deadline:
         health = get_json(base + "/health")
         models = {m["model"]: m for m in (health or {}).get("models", [])}
-        if MODEL in models and sum(w["status"] == "ready" for w in models[MODEL]["workers"]) >= args.workers:
+        encoders = sum(1 for i in (health or {}).get("instances", []) if i.get("endpoint") == "encode" and i.get("status") == "ready")
+        if MODEL in models and sum(w["status"] == "ready" for w in models[MODEL]["workers"]) >= args.workers \
+                and encoders >= encode_workers:
             return procs, base
         if any(p.poll() is not None for p in procs):
             break
@@ -152,6 +164,17 @@ async def run_all(base: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def encode_paths(base: str) -> dict[str, float]:
+    """Where the frontend says the images were encoded (``dynamo_frontend_encode_images_total``):
+    remote (an encode worker), local (the agg worker), cached (nowhere), fallback."""
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for m in re.finditer(r'^dynamo_frontend_encode_images_total\{[^}]*path="(\w+)"[^}]*\} ([0-9.e+]+)$', text, re.M):
+        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=30, help="requests per scenario [default 30]")
@@ -161,19 +184,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16, help="[default 16]")
     parser.add_argument("--speedup", type=float, default=1.0, help="mocker --speedup-ratio [default 1]")
     parser.add_argument("--encode-ms-per-image-token", type=float, default=0.05, help="[default 0.05]")
+    parser.add_argument("--topology", choices=("agg", "epd", "both"), default="agg",
+                        help="agg: the workers encode; epd: an encode pool does; both: one then the other [default agg]")
+    parser.add_argument("--encode-workers", type=int, default=1, help="encode workers of the epd topology [default 1]")
     args = parser.parse_args(argv)
-    root = Path(tempfile.mkdtemp(prefix="dynamod-bench-mm-"))
-    procs, base = start_cluster(root, args)
-    try:
-        results = asyncio.run(run_all(base, args))
-    finally:
-        stop_processes(procs, 10)
-    shutil.rmtree(root, ignore_errors=True)
-    print(json.dumps({
-        "bench": "multimodal", "topology": f"agg:{args.workers}", "model": MODEL, "image_px": args.image_size,
+    runs = {"agg": 0, "epd": args.encode_workers}
+    chosen = list(runs) if args.topology == "both" else [args.topology]
+    by_topology: dict[str, Any] = {}
+    for name in chosen:
+        root = Path(tempfile.mkdtemp(prefix="dynamod-bench-mm-"))
+        procs, base = start_cluster(root, args, runs[name])
+        try:
+            results = asyncio.run(run_all(base, args))
+            paths = encode_paths(base)
+        finally:
+            stop_processes(procs, 10)
+        shutil.rmtree(root, ignore_errors=True)
+        label = f"agg:{args.workers}" if name == "agg" else f"encode:{runs[name]}+agg:{args.workers}"
+        by_topology[name] = {"topology": label, "images_encoded_by": paths, "scenarios": results}
+    common = {
+        "bench": "multimodal", "model": MODEL, "image_px": args.image_size,
         "requests_per_scenario": args.requests, "concurrency": args.concurrency, "speedup": args.speedup,
-        "encode_ms_per_image_token": args.encode_ms_per_image_token, "scenarios": results,
-    }, indent=2))
+        "encode_ms_per_image_token": args.encode_ms_per_image_token,
+    }
+    if len(by_topology) == 1:
+        print(json.dumps({**common, **next(iter(by_topology.values()))}, indent=2))
+    else:
+        print(json.dumps({**common, "topologies": by_topology}, indent=2))
     return 0
 
 

@@ -1,6 +1,7 @@
 """The ``dynamod`` command: one binary, one role per process.
 
     dynamod --role agg|decode|prefill ...   node daemon hosting one engine
+    dynamod --role encode ...               vision encoder for a VL model's images (encode pool)
     dynamod --role frontend ...             OpenAI HTTP frontend with routing
     dynamod --role router ...               standalone KV router
     dynamod up ...                          the embedded single-host cluster
@@ -23,12 +24,14 @@ from dynamod.daemon.lifecycle import run_role
 from dynamod.shared.cli_parser import ArgumentParser, unrecognized_message
 from dynamod.shared.errors import DynamoError
 from dynamod.shared.observability.logging import configure_logging
+from dynamod.shared.observability.tracing import configure_tracing
 
 # role -> module implementing add_args/run
 ROLES: dict[str, str] = {
     "agg": "dynamod.daemon.worker.main",
     "decode": "dynamod.daemon.worker.main",
     "prefill": "dynamod.daemon.worker.main",
+    "encode": "dynamod.daemon.encode.main",
     "frontend": "dynamod.daemon.frontend.main",
     "router": "dynamod.daemon.router.main",
     "planner": "dynamod.daemon.planner.main",
@@ -99,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     args.role = name
     configure_logging(getattr(args, "log_level", None))
     try:
+        configure_tracing(getattr(args, "trace_sample_rate", None))
         if hasattr(module, "main_sync"):
             return int(module.main_sync(args) or 0)
         return run_role(lambda stop: module.run(args, stop), name=name)

@@ -20,6 +20,7 @@ ROLE_PREFILL = "prefill"
 ROLE_DECODE = "decode"
 WORKER_ROLES = frozenset({ROLE_AGG, ROLE_DECODE, ROLE_PREFILL})
 POOL_ORDER = (ROLE_AGG, ROLE_PREFILL, ROLE_DECODE)  # the order pools are listed in
+ROLE_ENCODE = "encode"  # an encode worker (vision encoder): listed with the workers, no KV, no pool figures
 STATUS_GONE = "gone"
 UNSEEDED_EVENTS = 4096  # KV events kept per worker while its kv_dump is on its way
 HISTORY_LEN = 60  # sparkline samples, one a second: the last minute of load
@@ -239,6 +240,12 @@ class Worker:
     def is_worker(self) -> bool:
         """Engine workers (agg/decode/prefill) go to the Workers table; frontends and routers do not."""
         return self.role in WORKER_ROLES or "generate" in self.endpoints and self.role == ""
+
+    @property
+    def is_encoder(self) -> bool:
+        """An encode worker: in the Workers table and as the ``encode`` pool in the topology, but
+        not in the KV pools' figures (it holds no KV and reports no load)."""
+        return self.role == ROLE_ENCODE
 
     def label(self) -> str:
         return f"{self.namespace}/{self.component}/{self.id_hex}"

@@ -2,6 +2,7 @@
 
     dynamod up [--workers 2] [--http-port 8000] [--engine mocker] [--model tiny] [--speedup-ratio R]
     dynamod up --prefill-workers P --decode-workers D [...]     disaggregated: two pools
+    dynamod up --model tiny-vl --encode-workers E [...]         images encoded by an encode pool
     dynamod up --planner load|sla --min-workers N --max-workers M  a planner sizes the pools
 
 With ``--planner`` (or ``--accept-scaling`` for a planner started elsewhere) the supervisor also
@@ -62,6 +63,7 @@ from dynamod.daemon.supervisor.scaler import DEFAULT_DRAIN_TIMEOUT_S, PoolBudget
 from dynamod.shared.config import DEFAULT_NAMESPACE, RuntimeSettings
 from dynamod.shared.discovery.factory import default_file_kv_dir
 from dynamod.shared.errors import ConfigError
+from dynamod.shared.protocol.encode import ENCODER_COMPONENT, ROLE_ENCODE
 from dynamod.shared.protocol.planner import POOL_AGG, POOL_COMPONENT, POOL_DECODE, POOL_PREFILL
 from dynamod.shared.protocol.routing import ROUTER_MODES
 from dynamod.shared.runtime.distributed import DistributedRuntime
@@ -86,6 +88,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="prefill workers (--role prefill): a disaggregated cluster; needs --decode-workers")
     g.add_argument("--decode-workers", type=int, default=None,
                    help="decode workers (--role decode); without prefill workers they prefill locally")
+    g.add_argument("--encode-workers", type=int, default=0,
+                   help="encode workers (--role encode) running the vision encoder of a vision-language --model "
+                        "(tiny-vl): the frontend sends them the images, the workers read the embeddings [default 0: "
+                        "the workers encode images themselves]")
+    g.add_argument("--encode-args", default="", metavar="FLAGS",
+                   help="extra flags for encode workers, e.g. '--encode-ms-per-image-token 0.1'")
     g.add_argument("--engine", default="mocker", help="engine of the workers [default mocker]")
     g.add_argument("--model", default="tiny", help="model directory, or 'tiny' [default tiny]")
     g.add_argument("--http-host", default="127.0.0.1", help="frontend address [default 127.0.0.1]")
@@ -265,6 +273,23 @@ class WorkerFactory:
         """The flags a ``role`` worker gets beyond its runtime and identity: what shapes its engine."""
         return [*self._passthrough, *self._extra, *self._role_extra[role]]
 
+    def encode_spec(self, index: int) -> ChildSpec:
+        """An encode worker: the model and the mocker's speedup, not the engine flags (it has no
+        engine of the workers' kind); ``--encode-args`` after them."""
+        args = self._args
+        status_port = _free_port("127.0.0.1", avoid=self._ports)
+        self._ports.add(status_port)
+        speedup = [] if args.speedup_ratio is None else ["--speedup-ratio", str(args.speedup_ratio)]
+        argv = [
+            "--role", ROLE_ENCODE, *self._runtime, "--model", args.model, "--system-port", str(status_port),
+            *speedup, *shlex.split(getattr(args, "encode_args", "") or ""),
+        ]
+        live = HttpTarget(f"http://127.0.0.1:{status_port}").url("/live")
+        spec = daemon_child(child_name(ROLE_ENCODE, index), argv, live_url=live, env=self._env)
+        spec.hang_after_s = args.hang_timeout
+        spec.pool = ROLE_ENCODE
+        return spec
+
     def spec(self, role: str, index: int) -> ChildSpec:
         args = self._args
         status_port = _free_port("127.0.0.1", avoid=self._ports)
@@ -340,6 +365,11 @@ def build_specs(
     for role, count in pools.by_role():
         for index in range(count):
             specs.append(workers.spec(role, index))
+    encode_workers = getattr(args, "encode_workers", 0) or 0
+    if encode_workers < 0:
+        raise ConfigError("--encode-workers must be 0 or more")
+    for index in range(encode_workers):
+        specs.append(workers.encode_spec(index))
     if getattr(args, "planner", None):
         specs.append(planner_spec(args, runtime, env, pools, planner_profile_flags(args, pools, workers, file_kv)))
     return specs
@@ -500,13 +530,17 @@ async def _wait_ready(target: HttpTarget, pools: Pools, timeout_s: float, stop: 
     return None
 
 
-def _banner(base_url: str, model: str, log_dir: Path | None, file_kv: str, pools: Pools, auth: str = "") -> str:
+def _banner(
+    base_url: str, model: str, log_dir: Path | None, file_kv: str, pools: Pools, auth: str = "", encode_workers: int = 0
+) -> str:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
     lines = [f"dynamod is up: {pools.describe()} serving {model!r}"]
     if pools.disaggregated:
         lines.append(f"  prefill:    {pools.prefill} worker(s), component {PREFILL_COMPONENT!r}"
                      + ("" if pools.prefill else " (none: decode workers prefill locally)"))
         lines.append(f"  decode:     {pools.decode} worker(s), component {DECODE_COMPONENT!r}")
+    if encode_workers:
+        lines.append(f"  encode:     {encode_workers} worker(s), component {ENCODER_COMPONENT!r} (images)")
     lines += [
         f"  OpenAI API: {base_url}/v1",
         f"  try:        curl -s {base_url}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d '{body}'",
@@ -602,7 +636,7 @@ async def _run(args: argparse.Namespace, stop: asyncio.Event, locks: list[Cluste
             logger.info("cluster child name=%s pid=%s", child.spec.name, child.pid)
         models = await _wait_ready(target, pools, args.ready_timeout, halt)
         if models:
-            print(_banner(base_url, models[0], log_dir, file_kv, pools, _curl_auth(target)), flush=True)
+            print(_banner(base_url, models[0], log_dir, file_kv, pools, _curl_auth(target), args.encode_workers), flush=True)
         elif not halt.is_set():
             print(
                 f"dynamod up: the cluster is not ready after {args.ready_timeout:.0f}s; still trying. "

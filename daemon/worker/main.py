@@ -18,6 +18,13 @@ import logging
 import os
 from collections.abc import Callable, Collection
 
+from dynamod.daemon.encode.metrics import EmbeddingCacheMetrics
+from dynamod.daemon.encode.model import vision_hidden_size
+from dynamod.daemon.encode.receiver import (
+    DEFAULT_EMBEDDING_CACHE_MB,
+    EmbeddingReceiver,
+    start_receiver,
+)
 from dynamod.daemon.engines.base import EngineInfo
 from dynamod.daemon.engines.factory import ENGINES, add_engine_args, create_engine
 from dynamod.daemon.models.local import LocalModel, resolve_model
@@ -48,6 +55,7 @@ logger = logging.getLogger(__name__)
 # The component each role registers under (Dynamo's names: decode and agg share ``backend``).
 COMPONENT_BY_ROLE = {role: POOL_COMPONENT[pool] for role, pool in ROLE_POOL.items()}
 DISAGG_ROLES = ("prefill", "decode")
+EMBEDDING_ROLES = ("agg", "prefill", "decode")  # the roles that may prefill images (decode: when local)
 MODEL_TYPE_CHOICES = ("chat", MODEL_TYPE_EMBEDDING)  # chat: chat and text completions (``generate``)
 EMBEDDING_ENGINES = ("mocker", "vllm")
 
@@ -57,7 +65,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--engine", choices=sorted(ENGINES), default=os.environ.get("DYN_ENGINE", "mocker"),
                    help="inference engine [env DYN_ENGINE, default mocker]")
     g.add_argument("--model", default=os.environ.get("DYN_MODEL", "tiny"),
-                   help="model directory, or 'tiny' for the shipped test model [env DYN_MODEL, default tiny]")
+                   help="model directory, or 'tiny' / 'tiny-vl' (vision-language) for the shipped test models "
+                        "[env DYN_MODEL, default tiny]")
     g.add_argument("--served-model-name", help="name clients use (default: the model's name)")
     g.add_argument("--model-type", choices=MODEL_TYPE_CHOICES, default=os.environ.get("DYN_MODEL_TYPE", "chat"),
                    help="what the model serves: chat (chat and text completions, endpoint generate) or embedding "
@@ -85,6 +94,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "kept in discovery under it and re-applied on start; with --num-workers N the engines are "
                         "NAME-0..NAME-(N-1) [env DYN_WORKER_NAME; default NODE-PORT from the host name and a fixed "
                         "--system-port, else none and nothing is kept across restarts]")
+    g.add_argument("--embedding-cache-mb", type=float, default=DEFAULT_EMBEDDING_CACHE_MB,
+                   help="vision-language models, roles agg and prefill: memory for image embeddings read from "
+                        "encode workers, kept by image content hash (0: read none, encode every image here) "
+                        "[default %(default)s]")
     add_lora_args(parser.add_argument_group("LoRA adapters (every engine, the mocker included)"))
     add_kv_transfer_args(parser.add_argument_group("kv transfer (roles prefill and decode)"))
     add_runtime_args(parser)
@@ -204,9 +217,12 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     runtime = await DistributedRuntime.create(settings)
     services: list[WorkerService] = []
     publishers: list[ModelFilesPublisher] = []
+    receivers: list[EmbeddingReceiver] = []
+    hidden = vision_hidden_size(model.path) if args.role in EMBEDDING_ROLES and args.embedding_cache_mb > 0 else None
     try:
         component = runtime.namespace().component(args.component or COMPONENT_BY_ROLE[args.role])
         metrics = WorkerMetrics(runtime.registry)
+        cache_metrics: EmbeddingCacheMetrics | None = None
         if names[0] is None:
             logger.warning(
                 "intent not persisted worker_name=none reason=%s",
@@ -236,6 +252,16 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
                 intent=intent,
                 lora_policy=lora_policy,
             )
+            if hidden is not None:  # a VL model: embeddings from the encode pool are read, not recomputed
+                if cache_metrics is None:
+                    cache_metrics = EmbeddingCacheMetrics(runtime.registry)
+                service.embeddings = await start_receiver(
+                    worker_id=lease.id, hidden_size=hidden, cache_mb=args.embedding_cache_mb,
+                    backend=args.kv_transfer_backend, host=settings.host,
+                    advertise_host=settings.advertised(settings.host), security=settings.security.request_plane,
+                    request_plane_metrics=runtime.request_plane_metrics, metrics=cache_metrics,
+                )
+                receivers.append(service.embeddings)
             await service.start()
             services.append(service)
         logger.info(
@@ -247,5 +273,6 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
         # Deregister everything first so routers stop sending, then let requests finish.
         await asyncio.gather(*(s.stop(args.shutdown_grace) for s in services), return_exceptions=True)
         await asyncio.gather(*(p.close() for p in publishers), return_exceptions=True)
+        await asyncio.gather(*(r.close() for r in receivers), return_exceptions=True)
         await runtime.shutdown(grace_s=args.shutdown_grace)
     return 0

@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from dynamod.shared.protocol.encode import EmbeddingParams
+
 
 class GuidedDecoding(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One output constraint (structured outputs): exactly one of ``json`` (a JSON schema; ``{"type":
@@ -125,6 +127,14 @@ class MultimodalItem(msgspec.Struct, kw_only=True, omit_defaults=True):
     modality: str = "image"
     width: int = 0
     height: int = 0
+    # The image file's bytes as the client sent them (PNG, JPEG, WebP or GIF, already checked by
+    # the frontend's decode), for whoever encodes it: an encode worker, or an engine that runs its
+    # own vision tower (vLLM, SGLang, TensorRT-LLM), which decodes them and resizes to
+    # ``width``x``height``. Empty when the frontend did not keep them (replayed traces, the mocker).
+    data: bytes = b""
+    # Set when an encode worker holds this image's embedding (shared/protocol/encode.py): the
+    # prefill/agg worker reads it instead of encoding; None: the worker encodes the image itself.
+    embedding: EmbeddingParams | None = None
 
 
 class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -15,6 +15,7 @@ MODEL_TYPE_CHAT = "chat"
 MODEL_TYPE_COMPLETIONS = "completions"
 MODEL_TYPE_PREFILL = "prefill"
 MODEL_TYPE_EMBEDDING = "embedding"  # serves ``embed`` (shared/protocol/embedding.py), not ``generate``
+MODEL_TYPE_ENCODE = "encode"  # an encode worker: serves ``encode`` (shared/protocol/encode.py) for the model
 
 # The output parsers a worker may name in its card (``--tool-call-parser``, ``--reasoning-parser``)
 # and the frontend looks up (daemon/frontend/parsers/registry.py holds the parsers under these

@@ -22,7 +22,7 @@ from dynamod.console.present import fmt_age, fmt_bytes_rate, fmt_ms_value, fmt_p
 from dynamod.console.state.cluster import ClusterState
 from dynamod.console.state.failed import STATUS_FAILED, FailedEntry
 from dynamod.console.state.pools import PoolSummary, is_disaggregated, summarize_pools
-from dynamod.console.state.records import POOL_ORDER, Worker
+from dynamod.console.state.records import POOL_ORDER, ROLE_ENCODE, Worker
 from dynamod.console.state.transfers import TransferFigures
 from dynamod.console.tui.details import failed_worker_detail
 from dynamod.console.tui.messages import ShowDetail, ShowWorker
@@ -147,7 +147,7 @@ class TopologyView(Tree[Any], ViewMixin):
         groups: dict[tuple[str, str], list[Worker]] = {}  # (namespace, group) -> workers
         for w in state.worker_list(workers_only=False):
             if w.endpoints and self._matches(w):
-                group = f"pool:{w.pool}" if w.is_worker else f"component:{w.component}"
+                group = f"pool:{w.pool}" if w.is_worker else "pool:encode" if w.is_encoder else f"component:{w.component}"
                 groups.setdefault((w.namespace, group), []).append(w)
         failed: dict[tuple[str, str], list[FailedEntry]] = {}
         needle = self.filter_text.lower()
@@ -155,7 +155,7 @@ class TopologyView(Tree[Any], ViewMixin):
             if not needle or needle in f"{f.name} {f.namespace} {f.pool} {STATUS_FAILED} {f.record.reason}".lower():
                 failed.setdefault((f.namespace, f"pool:{f.pool}"), []).append(f)
         tree: dict[Path, tuple[Text, Any, bool]] = {}
-        order = {f"pool:{role}": i for i, role in enumerate(POOL_ORDER)}
+        order = {f"pool:{role}": i for i, role in enumerate((*POOL_ORDER, ROLE_ENCODE))}
         keys = sorted(set(groups) | set(failed), key=lambda k: (k[0], order.get(k[1], len(order)), k[1]))
         for ns, group in keys:
             members = groups.get((ns, group), [])

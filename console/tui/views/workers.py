@@ -284,7 +284,10 @@ class WorkersView(Vertical, ViewMixin):
         self._seen = seen
         pools = state.pools()
         disaggregated = is_disaggregated(pools)
-        workers = [w for w in state.worker_list() if worker_matches(w, self.filter_text)]
+        workers = [
+            w for w in state.worker_list(workers_only=False)
+            if (w.is_worker or w.is_encoder) and worker_matches(w, self.filter_text)
+        ]
         wanted = self._wanted_columns(state, workers, disaggregated)
         columns = tuple(col for col, _ in wanted)
         table = self.table

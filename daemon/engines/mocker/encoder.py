@@ -5,7 +5,9 @@ computes any of its placeholder tokens: a prompt prefilled in chunks encodes eac
 the chunk that reaches it; an image whose tokens are all prefix-cache hits is not encoded at all
 (its KV is reused, and with it the embedding's effect); one that is cached only in part is still
 encoded whole, since the rest of its tokens need the embedding. A request whose prompt KV arrives
-from a prefill worker (``kv_transferred``) encodes nothing here.
+from a prefill worker (``kv_transferred``) encodes nothing here, and neither does an image whose
+embedding an encode worker computed and this worker read (``MultimodalItem.embedding`` is left set
+only once the read succeeded: daemon/encode/receiver.py).
 
 The cost is linear in the image tokens encoded (``--encode-ms-per-image-token``): a ViT's work
 grows with its patches, and each image token is a fixed number of them (merge_size^2, 4 for
@@ -34,6 +36,8 @@ def image_tokens_to_encode(requests: Sequence[MockRequest], num_new_tokens: Sequ
         end = start + num_new
         first_chunk = start <= max(request.num_cached_tokens, 0)
         for item in items:
+            if item.embedding is not None:  # an encode worker's embedding arrived (daemon/encode)
+                continue
             lo, hi = item.offset, item.offset + item.length
             if lo < end and hi > start and (lo >= start or first_chunk):
                 total += item.length

@@ -45,7 +45,7 @@ from dynamod.shared.errors import NoInstancesError, TransportError, UnavailableE
 from dynamod.shared.observability import tracing
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.llm import FINISH_ABORT, FINISH_LENGTH, PreprocessedRequest
-from dynamod.shared.protocol.routing import STAGE_DECODE
+from dynamod.shared.protocol.routing import STAGE_DECODE, STAGE_PREFILL
 from dynamod.shared.protocol.worker_id import worker_id_hex
 from dynamod.shared.runtime.client import InstanceGoneError
 
@@ -180,14 +180,14 @@ class EngineStream:
         req = self.request
         if req.direct_ids is not None:
             choice, pool = self._direct()
-            await self._encode(choice.overlap_blocks if req.model.prefill is None else 0)
+            await self._encode(choice.overlap_blocks * req.model.card.kv_block_size if req.model.prefill is None else 0)
             outcome = await self._prefill([choice.instance]) if req.model.prefill is not None else None
             return choice, pool, outcome
         candidates = await self._candidates(exclude)
         pre = req.preprocessed
         outcome: PrefillOutcome | None = None
         if req.model.prefill is not None:
-            await self._encode(0)  # the prefill worker is picked inside the stage: every image
+            await self._encode(self._prefill_cached_tokens())  # the prefill stage picks the worker
             outcome = await self._prefill(candidates)
             candidates = await self._candidates(exclude)  # the prefill took a while: who is still here
         passed: set[int] = set()
@@ -215,7 +215,7 @@ class EngineStream:
             if pool is not None:
                 if outcome is None:  # aggregated: images whose tokens the worker caches need no encode
                     try:
-                        await self._encode(choice.overlap_blocks)
+                        await self._encode(choice.overlap_blocks * model.card.kv_block_size)
                     except BaseException:
                         router.on_finish(req.request_id)  # the client left while its images were encoded
                         raise
@@ -230,8 +230,26 @@ class EngineStream:
             )
             candidates = await self._candidates(exclude | passed)
 
-    async def _encode(self, cached_blocks: int) -> None:
-        """The encode stage, for a prefilling worker that caches ``cached_blocks`` of the prompt."""
+    def _prefill_cached_tokens(self) -> int:
+        """The prompt tokens the prefill worker the stage is likely to pick caches (its router's
+        estimate; 0 without one). Should the stage pick another, or prefill on the decode worker,
+        the images skipped here are encoded by that worker: slower, never wrong."""
+        req = self.request
+        pp = req.model.prefill
+        if pp is None or pp.router is None:
+            return 0
+        candidates = pp.candidates(self._d.quarantine)
+        if not candidates:
+            return 0
+        pre = req.preprocessed
+        est = pp.router.estimate(
+            RouteRequest(req.request_id, pre.token_ids, req.model.lora_name, stage=STAGE_PREFILL, mm_items=pre.mm_items),
+            candidates,
+        )
+        return 0 if est is None else est.cached_tokens
+
+    async def _encode(self, cached_tokens: int) -> None:
+        """The encode stage, for a prefilling worker that caches ``cached_tokens`` of the prompt."""
         stage = self._d.encode_stage
         req = self.request
         if stage is None or not req.preprocessed.mm_items:
@@ -240,7 +258,7 @@ class EngineStream:
             stage.forget(req)  # the first attempt's reader freed those embeddings: encode again
         span = tracing.tracer().child(req.trace, "encode", attempt=req.migrations)
         try:
-            await stage.run(req, cached_blocks * req.model.card.kv_block_size)
+            await stage.run(req, cached_tokens)
         finally:
             if span is not None:
                 items = req.preprocessed.mm_items or []

@@ -187,7 +187,17 @@ class KvPrefillRouter:
         return choice
 
     def estimate(self, request: RouteRequest, candidates: Sequence[Instance]) -> DecodeEstimate | None:
-        return None
+        """The prefill worker ``select`` would pick and the prompt prefix it caches; counts nothing
+        (the encode stage skips images that worker caches)."""
+        kv = self._group.kv
+        try:
+            decision = kv.best_worker(
+                request.request_id, request.token_ids, lora_name=self._lora, allowed=self._group.candidate_keys(candidates),
+                prompt_hashes=mm_prompt_hashes(kv, request, self._lora),
+            )
+        except (OverloadedError, NoInstancesError):
+            return None
+        return decode_estimate(kv, decision, len(request.token_ids))
 
     def record(self, choice: RouteChoice, model: str) -> None:
         if choice.explain is not None:

@@ -17,6 +17,10 @@ disaggregated model whose prefill workers are all gone prefills locally (``no_pr
 instead of silently turning into an aggregated one; a decode-role worker makes its model
 disaggregated in the same way before any prefill worker has shown up.
 
+Encode cards (model type ``encode``, component ``encoder``, endpoint ``encode``) are not models
+either: they form the ``EncoderPool`` of the model with that name, which the encode stage sends
+images to (pipeline/encode.py); without one, the model's workers encode images themselves.
+
 Embedding cards (model type ``embedding``, endpoint ``embed``) make models of their own kind, kept
 apart in ``embedding_models``: ``get`` (chat, completions, responses) and ``get_embedding``
 (``/v1/embeddings``) each answer a model of the other kind with a 400 that says which endpoint it
@@ -44,6 +48,7 @@ from dynamod.shared.protocol.model_card import (
     MODEL_TYPE_CHAT,
     MODEL_TYPE_COMPLETIONS,
     MODEL_TYPE_EMBEDDING,
+    MODEL_TYPE_ENCODE,
     MODEL_TYPE_PREFILL,
     ModelCard,
 )
@@ -131,6 +136,20 @@ class PrefillPool:
 
 
 @dataclass(eq=False)
+class EncoderPool:
+    """The encode workers of one served model name (cards of model type ``encode``): the frontend
+    sends them a request's images (pipeline/encode.py). ``inflight`` counts the images this
+    frontend has sent each worker and not had answered: the pool picks the least loaded."""
+
+    name: str
+    workers: dict[int, EndpointPool] = field(default_factory=dict)
+    inflight: dict[int, int] = field(default_factory=dict)
+
+    def candidates(self, quarantine: Quarantine, exclude: set[int] | frozenset[int] = frozenset()) -> list[Instance]:
+        return _ready(self.workers, quarantine, exclude)
+
+
+@dataclass(eq=False)
 class ServedModel:
     """One model name clients can ask for, and the workers that serve it."""
 
@@ -194,6 +213,8 @@ class ModelRegistry:
         self._cards: dict[str, tuple[str, int]] = {}  # card key -> (model name, worker id)
         self._prefill_cards: dict[str, tuple[str, int]] = {}  # prefill card key -> (model name, worker id)
         self.prefill_pools: dict[str, PrefillPool] = {}  # model name -> its prefill pool (may precede the model)
+        self._encode_cards: dict[str, tuple[str, int]] = {}  # encode card key -> (model name, worker id)
+        self.encoder_pools: dict[str, EncoderPool] = {}  # model name -> its encode workers
         self._pools: dict[tuple[str, str], EndpointPool] = {}
         self._pool_lock = asyncio.Lock()
         self._preprocessors = PreprocessorCache(ModelFilesReader(runtime.store, self._namespace))
@@ -277,6 +298,9 @@ class ModelRegistry:
             return
         if MODEL_TYPE_EMBEDDING in card.model_types:
             await self._apply_embedding_put(key, parsed.component, parsed.name, parsed.instance_id, card)
+            return
+        if MODEL_TYPE_ENCODE in card.model_types:
+            await self._apply_encode_put(key, parsed.component, parsed.name, parsed.instance_id, card)
             return
         if not ({MODEL_TYPE_CHAT, MODEL_TYPE_COMPLETIONS} & set(card.model_types)):
             if MODEL_TYPE_PREFILL in card.model_types:
@@ -405,8 +429,35 @@ class ModelRegistry:
         self._notify()
         return True
 
+    # -- encoder pools ----------------------------------------------------------------------------
+
+    async def _apply_encode_put(self, key: str, component: str, endpoint: str, worker_id: int, card: ModelCard) -> None:
+        name = card.served_model_name
+        previous = self._encode_cards.get(key)
+        if previous is not None and previous[0] != name:
+            self._apply_delete(key)
+        pool = await self._pool(component, endpoint)
+        self._encode_cards[key] = (name, worker_id)
+        ep = self.encoder_pools.setdefault(name, EncoderPool(name))
+        if worker_id not in ep.workers:
+            ep.workers[worker_id] = pool
+            logger.info("encode worker added model=%s worker_id=%016x encode_workers=%d", name, worker_id, len(ep.workers))
+        self._notify()
+
+    def _apply_encode_delete(self, key: str) -> bool:
+        entry = self._encode_cards.pop(key, None)
+        if entry is None:
+            return False
+        name, worker_id = entry
+        ep = self.encoder_pools.get(name)
+        if ep is not None and ep.workers.pop(worker_id, None) is not None:
+            ep.inflight.pop(worker_id, None)
+            logger.info("encode worker removed model=%s worker_id=%016x encode_workers=%d", name, worker_id, len(ep.workers))
+        self._notify()
+        return True
+
     def _apply_delete(self, key: str) -> None:
-        if self._apply_prefill_delete(key):
+        if self._apply_prefill_delete(key) or self._apply_encode_delete(key):
             return
         entry = self._cards.pop(key, None)
         if entry is None:

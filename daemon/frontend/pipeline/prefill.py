@@ -39,7 +39,8 @@ class FrontendPrefillTarget:
         if not candidates or pool.router is None:
             return None
         choice = await pool.router.select(
-            RouteRequest(request.request_id, request.token_ids, request.lora_name, stage=STAGE_PREFILL), candidates
+            RouteRequest(request.request_id, request.token_ids, request.lora_name, stage=STAGE_PREFILL,
+                         mm_items=request.mm_items), candidates
         )
         wid = choice.worker_id
         endpoint_pool = pool.workers.get(wid)

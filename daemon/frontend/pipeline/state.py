@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from dynamod.daemon.frontend.http.fleet_metrics import FleetMetrics
 from dynamod.daemon.frontend.http.request_checks import REASON_DRAINING, REASON_OVERLOADED
 from dynamod.daemon.frontend.pipeline.dispatch import Dispatcher
+from dynamod.daemon.frontend.pipeline.encode import EncodeStage
 from dynamod.daemon.frontend.pipeline.metrics import FrontendMetrics
 from dynamod.daemon.frontend.pipeline.models import ModelRegistry
 from dynamod.daemon.frontend.preprocess.media import MediaLoader, MediaSettings
@@ -52,6 +53,8 @@ class FrontendState:
     def __post_init__(self) -> None:
         if self.media is None:
             self.media = MediaLoader(self.config.media)
+        if self.dispatcher is not None and self.dispatcher.encode_stage is None:  # images to the encode pools
+            self.dispatcher.encode_stage = EncodeStage(self.registry, self.dispatcher.quarantine)
 
     @property
     def inflight(self) -> int:

@@ -72,7 +72,7 @@ class MediaLoader:
             self._decoded[key] = image
             if len(self._decoded) > DECODED_CACHE_SIZE:
                 self._decoded.popitem(last=False)
-        return vision.process(ref, image)
+        return vision.process(ref, image, data)
 
 
 def _digest(data: bytes) -> bytes:

@@ -100,6 +100,7 @@ class ProcessedImage:
     height: int
     num_tokens: int
     mm_hash: str  # the content hash with the resize mixed in: what the KV blocks are keyed by
+    data: bytes = b""  # the image file as fetched: engines that encode themselves decode it
 
 
 def low_detail_size(height: int, width: int) -> tuple[int, int]:
@@ -157,9 +158,9 @@ class VisionProcessor:
         )
         return cls(rules=rules, image_token_id=image_token_id, processor_type=kind)
 
-    def process(self, ref: ImageRef, image: DecodedImage) -> ProcessedImage:
+    def process(self, ref: ImageRef, image: DecodedImage, data: bytes = b"") -> ProcessedImage:
         """The image's size to the encoder and its token count (a 400 naming the part when the
-        rules refuse it)."""
+        rules refuse it); ``data``, the image file, rides along for the engine's encoder."""
         height, width = image.height, image.width
         if ref.detail == "low":
             height, width = low_detail_size(height, width)
@@ -170,7 +171,7 @@ class VisionProcessor:
         tokens = self.rules.num_tokens(resized_h, resized_w)
         return ProcessedImage(
             ref=ref, image=image, width=resized_w, height=resized_h, num_tokens=tokens,
-            mm_hash=mm_hash(image.content_hash, resized_w, resized_h),
+            mm_hash=mm_hash(image.content_hash, resized_w, resized_h), data=data,
         )
 
     def expand(self, prompt_ids: Sequence[int], images: Sequence[ProcessedImage]) -> tuple[list[int], list[MultimodalItem]]:
@@ -196,6 +197,7 @@ class VisionProcessor:
             image = next(it)
             items.append(MultimodalItem(
                 mm_hash=image.mm_hash, offset=len(out), length=image.num_tokens, width=image.width, height=image.height,
+                data=image.data,
             ))
             out.extend([pad] * image.num_tokens)
         return out, items
