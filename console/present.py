@@ -299,7 +299,8 @@ def status_table(state: ClusterState, *, include_gone: bool = False) -> tuple[tu
     rows = []
     for w in workers:
         st = w.stats
-        has_load = bool(st.loads)
+        kv_less = w.is_encoder  # an encode worker's load record has no KV figures: "-", not 0
+        has_load = bool(st.loads) and not kv_less
         row = [
             w.id_hex,
             f"{w.namespace}/{w.component}",
@@ -311,11 +312,11 @@ def status_table(state: ClusterState, *, include_gone: bool = False) -> tuple[tu
             str(w.pid or "-"),
             str(st.running) if has_load else "-",
             str(st.waiting) if has_load else "-",
-            fmt_pct(st.kv_usage),
+            fmt_pct(None if kv_less else st.kv_usage),
         ]
         if with_tiers:
             row.append(fmt_tiers(tiers[w.instance_id]))
-        row += [fmt_pct(st.hit_rate), fmt_age(now - w.started_at if w.started_at else None)]
+        row += [fmt_pct(None if kv_less else st.hit_rate), fmt_age(now - w.started_at if w.started_at else None)]
         rows.append(tuple(row))
     return columns, rows
 

@@ -148,6 +148,39 @@ class WorkerStats:
         return sum(m.prefix_hit_rate for m in self.loads.values()) / len(self.loads)
 
     @property
+    def encoder_busy(self) -> float | None:
+        """An encode worker's share of time encoding over its last report (``None``: no report)."""
+        if not self.loads:
+            return None
+        return max(m.encoder_busy for m in self.loads.values())
+
+    @property
+    def encode_images_per_s(self) -> float | None:
+        if not self.loads:
+            return None
+        return sum(m.encode_images_per_s for m in self.loads.values())
+
+    def _embedding_counts(self) -> tuple[int, int]:
+        """(hits, misses) of a VL worker's embedding cache since start. The cache is the worker's,
+        not a rank's: every rank's record carries the same counts, so the freshest (largest) wins."""
+        best = (0, 0)
+        for m in self.loads.values():
+            if m.embedding_cache_hits + m.embedding_cache_misses > sum(best):
+                best = (m.embedding_cache_hits, m.embedding_cache_misses)
+        return best
+
+    @property
+    def embedding_lookups(self) -> int:
+        """Images a VL worker looked up in its embedding cache since start (0: none, or text-only)."""
+        return sum(self._embedding_counts())
+
+    @property
+    def embedding_hit_rate(self) -> float | None:
+        """Embedding-cache hits / lookups since start; ``None`` before the first image."""
+        hits, misses = self._embedding_counts()
+        return hits / (hits + misses) if hits + misses else None
+
+    @property
     def load_value(self) -> float:
         """The sparkline's quantity: requests the worker holds (running + waiting)."""
         return float(self.running + self.waiting)

@@ -28,6 +28,7 @@ from dynamod.shared.kv.transfer.base import KvTransferAgent
 from dynamod.shared.kv.transfer.factory import create_agent
 from dynamod.shared.protocol.encode import EmbeddingParams
 from dynamod.shared.protocol.llm import MultimodalItem, PreprocessedRequest
+from dynamod.shared.protocol.load import LoadMetrics
 from dynamod.shared.protocol.worker_id import worker_id_hex
 from dynamod.shared.security.settings import RequestPlaneSecurity
 from dynamod.shared.transport.liveness import RequestPlaneMetrics
@@ -83,6 +84,13 @@ class EmbeddingReceiver:
     @property
     def cached_bytes(self) -> int:
         return sum(len(ids) for ids in self._cache.values()) * self.pages.block_bytes
+
+    def stamp_load(self, m: LoadMetrics) -> LoadMetrics:
+        """The worker's load record with this cache's hits and misses (since start), so the console
+        shows the hit rate per worker from the event plane."""
+        m.embedding_cache_hits = self.hits
+        m.embedding_cache_misses = self.misses
+        return m
 
     def cached(self, mm_hash: str) -> bool:
         return mm_hash in self._cache

@@ -39,6 +39,15 @@ class LoadMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Lower KV tiers by medium ("CPU", "DISK"; kv_events.MEDIA), when the engine has them; the
     # device cache is ``kv_usage``/``total_blocks`` above.
     kv_tiers: dict[str, KvTierLoad] | None = None
+    # Encode pool (issue 26). An encode worker (role ``encode``, component ``encoder``) reports its
+    # encoder over the last publishing interval; the KV fields above stay at their defaults.
+    encoder_busy: float = 0.0  # encoder seconds per wall second (0..1: the share of time it encoded)
+    encode_images_per_s: float = 0.0  # images encoded per second
+    encode_inflight_images: int = 0  # images queued or being encoded now
+    # An agg/prefill worker of a vision-language model: its embedding cache (by image content
+    # hash), cumulative since start. Both 0 on a text-only worker, and then left out on the wire.
+    embedding_cache_hits: int = 0  # images whose embedding was already cached (no read)
+    embedding_cache_misses: int = 0  # images whose embedding was read from an encode worker
 
 
 load_encoder = msgspec.msgpack.Encoder()

@@ -16,7 +16,9 @@ says why the TTFT and ITL columns are ``-``.
 
 When some worker has host or disk KV tiers (its load messages carry ``kv_tiers``), a ``TIER%``
 column follows KV with each lower tier's occupancy (``H40 D12``); a cluster without tiers never
-shows it.
+shows it. Likewise the encode pool: once an encode worker reports its load, ``ENC%`` (encoder busy
+share) and ``IMG/S`` appear, on its row only (its KV columns read ``-``: it holds none), and once a
+VL worker looked up an image, ``EMB`` gives its embedding-cache hit rate.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from dynamod.console.present import (
     fmt_ms,
     fmt_ms_value,
     fmt_pct,
+    fmt_rate,
     fmt_tiers,
     pool_row,
     sparkline,
@@ -57,21 +60,25 @@ SPARK_WIDTH = 12
 # Display order, and the cell width each column needs when fitting (text columns are measured).
 COLUMN_WIDTH = {
     "ID": 16, "ROLE": 7, "COMPONENT": 0, "STATUS": 8, "MODEL": 0, "LORAS": 0, "NODE": 0, "RUN": 3, "WAIT": 4,
-    "KV": 4, TIER_COLUMN: 9, "HIT": 4, "TTFT": 5, "ITL": 5, "XFER/S": 7, "XFER50": 6, "XFER99": 6, "XFAIL": 5, "HELD": 4,
+    "KV": 4, TIER_COLUMN: 9, "HIT": 4, "EMB": 4, "ENC%": 4, "IMG/S": 6, "TTFT": 5, "ITL": 5, "XFER/S": 7, "XFER50": 6, "XFER99": 6, "XFAIL": 5, "HELD": 4,
     "CACHED": 6, "ROUTED": 6, "AGE": 4, "LOAD": SPARK_WIDTH,
 }
 MEASURED = ("COMPONENT", "MODEL", "LORAS", "NODE")
 # What is kept first when columns must go. A one-pool cluster has no use for ROLE (every row says
 # agg) or transfer columns; a disaggregated one needs the role right after the status.
-PRIORITY_AGG = ("ID", "STATUS", "RUN", "WAIT", "KV", TIER_COLUMN, "HIT", "TTFT", "ITL", "LOAD",
+PRIORITY_AGG = ("ID", "STATUS", "RUN", "WAIT", "KV", TIER_COLUMN, "HIT", "EMB", "ENC%", "IMG/S", "TTFT", "ITL", "LOAD",
                 "COMPONENT", "MODEL", "NODE", "LORAS", "CACHED", "ROUTED", "AGE", "ROLE")
-PRIORITY_DISAGG = ("ID", "STATUS", "ROLE", "RUN", "WAIT", "KV", TIER_COLUMN, "XFER/S", "TTFT", "ITL", "XFER99", "HIT", "LOAD",
+PRIORITY_DISAGG = ("ID", "STATUS", "ROLE", "RUN", "WAIT", "KV", TIER_COLUMN, "XFER/S", "TTFT", "ITL", "XFER99", "HIT", "EMB",
+                   "ENC%", "IMG/S", "LOAD",
                    "XFAIL", "HELD", "XFER50", "COMPONENT", "MODEL", "NODE", "LORAS", "CACHED", "ROUTED", "AGE")
 CELL_PADDING = 2  # DataTable pads each cell by one column on either side
 SCROLLBAR = 1
 
 
 TRANSFER_COLUMNS = ("XFER/S", "XFER50", "XFER99", "XFAIL", "HELD")
+ENCODER_COLUMNS = ("ENC%", "IMG/S")  # an encode worker's encoder: busy share and images/s (last report)
+EMBEDDING_COLUMN = "EMB"  # a VL worker's embedding-cache hit rate since start
+KV_COLUMNS = frozenset({"RUN", "WAIT", "KV", TIER_COLUMN, "HIT", "CACHED"})  # "-" on an encode worker: it holds no KV
 
 
 def column_width(col: str, measured: dict[str, int]) -> int:
@@ -81,17 +88,26 @@ def column_width(col: str, measured: dict[str, int]) -> int:
 
 
 def fit_columns(
-    width: int, disaggregated: bool, measured: dict[str, int], *, transfers: bool = True, tiers: bool = False
+    width: int, disaggregated: bool, measured: dict[str, int], *, transfers: bool = True, tiers: bool = False,
+    encoders: bool = False, embeddings: bool = False,
 ) -> tuple[str, ...]:
     """The columns that fit ``width`` terminal columns, in display order: taken by priority, a
     column too wide for what is left is skipped (a narrower one after it may still fit). Until
     some worker reports a KV transfer, the transfer columns (all "-") come last; without a worker
-    with KV tiers there is no tier column."""
+    with KV tiers there is no tier column; without an encode worker's load report no encoder
+    columns (and with one, ROLE ranks right after STATUS: it tells the encoders apart), without a VL worker's
+    embedding lookup no EMB column."""
     room = width - SCROLLBAR
     chosen: set[str] = set()
     order = PRIORITY_DISAGG if disaggregated else PRIORITY_AGG
     if not tiers:
         order = tuple(c for c in order if c != TIER_COLUMN)
+    if not encoders:
+        order = tuple(c for c in order if c not in ENCODER_COLUMNS)
+    elif not disaggregated:
+        order = ("ID", "STATUS", "ROLE", *(c for c in order if c not in ("ID", "STATUS", "ROLE")))
+    if not embeddings:
+        order = tuple(c for c in order if c != EMBEDDING_COLUMN)
     if not transfers:
         order = tuple(c for c in order if c not in TRANSFER_COLUMNS) + TRANSFER_COLUMNS
     for col in order:
@@ -165,10 +181,13 @@ def worker_cells(
     """The row of one worker. ``spark`` caches sparklines: they change once a second, not per refresh."""
     st = w.stats
     has_load = bool(st.loads)
+    encoder = w.is_encoder
     xfer = transfer if transfer is not None and transfer.seen else None
     out: list[Cell] = []
     for col in columns:
-        if col == "ID":
+        if encoder and col in KV_COLUMNS:
+            out.append("-")
+        elif col == "ID":
             out.append(Text(w.id_hex, style="bold red") if w.instance_id in hot else w.id_hex)
         elif col == "ROLE":
             out.append(w.role or "-")
@@ -202,6 +221,12 @@ def worker_cells(
             out.append(fmt_tiers(tiers or {}))
         elif col == "HIT":
             out.append(fmt_pct(st.hit_rate))
+        elif col == EMBEDDING_COLUMN:
+            out.append(fmt_pct(st.embedding_hit_rate))
+        elif col == "ENC%":
+            out.append(fmt_pct(st.encoder_busy) if encoder else "-")
+        elif col == "IMG/S":
+            out.append(fmt_rate(st.encode_images_per_s) if encoder else "-")
         elif col == "TTFT":
             out.append(fmt_ms(st.ttft_s))
         elif col == "ITL":
@@ -274,7 +299,10 @@ class WorkersView(Vertical, ViewMixin):
         }
         transfers = any(p.transfers_seen for p in state.pools().values())
         tiers = any(state.tiers.figures(w.instance_id) for w in workers)
-        chosen = fit_columns(self.app.size.width, disaggregated, measured, transfers=transfers, tiers=tiers)
+        encoders = any(w.is_encoder and w.stats.loads for w in workers)
+        embeddings = any(w.stats.embedding_lookups for w in workers)
+        chosen = fit_columns(self.app.size.width, disaggregated, measured, transfers=transfers, tiers=tiers,
+                             encoders=encoders, embeddings=embeddings)
         return tuple((col, column_width(col, measured)) for col in chosen)
 
     def refresh_from(self, state: ClusterState, *, force: bool = False) -> None:

@@ -12,15 +12,22 @@ but time: the request completes through the other encode worker.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import re
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
 import openai
 import pytest
 
+from dynamod.shared.config import RuntimeSettings
+from dynamod.shared.events.plane import TOPIC_KV_METRICS
+from dynamod.shared.protocol.load import LoadMetrics, load_decoder
+from dynamod.shared.runtime.distributed import DistributedRuntime
 from tests.fixtures.servers import free_port, wait_until
 from tests.integration.frontend.test_frontend_multimodal import (
     BLOCK,
@@ -120,6 +127,64 @@ def test_encode_pool_encodes_and_caches(cluster: tuple[LocalCluster, int, list[i
     work = status_metrics(worker_port)
     assert metric(work, "dynamo_component_embedding_cache_hits_total") == 1
     assert metric(work, "dynamo_component_embedding_cache_misses_total") == 1
+
+
+def encoder_record(c: LocalCluster, pid: int) -> dict:
+    """The frontend's view of the ``encode`` record of the encode worker with process id ``pid``."""
+    return next(i for i in c.health().get("instances", []) if i.get("endpoint") == "encode" and i.get("pid") == pid)
+
+
+def dynamoctl(c: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    """``dynamoctl`` as an operator runs it (its own process, the cluster's discovery)."""
+    return subprocess.run([sys.executable, "-m", "dynamod.console.ctl.main", "--file-kv", str(c.file_kv), *args],
+                          capture_output=True, text=True, timeout=30, env=c.env)
+
+
+async def test_encoder_load_on_event_plane_and_drain(cluster: tuple[LocalCluster, int, list[int]], api: openai.OpenAI) -> None:
+    """The load records the console reads: encode workers report encoder busy time and images/s,
+    the agg worker its embedding cache. ``dynamoctl drain`` takes an encoder out of the pool (its
+    images go to the other), ``dynamoctl sleep`` on it fails in one line, ``wake`` puts it back."""
+    c, _, _ = cluster
+    slow = c.workers[1]
+    encoders = {int(i["instance_id"], 16) for i in c.health()["instances"] if i["endpoint"] == "encode"}
+    rt = await DistributedRuntime.create(RuntimeSettings(discovery_backend="file", file_kv=str(c.file_kv), event_plane="zmq"))
+    try:
+        assert rt.events is not None
+        sub = await rt.events.subscribe(rt.namespace().name, "*", TOPIC_KV_METRICS)
+        sent = asyncio.create_task(asyncio.to_thread(chat, api, image_messages(png_url(31))))
+        busy: LoadMetrics | None = None
+        cache: LoadMetrics | None = None
+        async with asyncio.timeout(15):
+            async for msg in sub:
+                m = load_decoder.decode(msg.payload)
+                if m.worker_id in encoders and m.encode_images_per_s > 0:
+                    busy = m
+                elif m.worker_id not in encoders and m.embedding_cache_misses >= 1:
+                    cache = m
+                if busy is not None and cache is not None and sent.done():
+                    break
+        await sent
+        await sub.close()
+    finally:
+        await rt.shutdown(grace_s=0.5)
+    assert busy is not None and 0 < busy.encoder_busy <= 1 and busy.kv_usage == 0 and busy.status == "ready"
+    assert cache is not None and cache.total_blocks > 0  # the agg worker's own record, the cache riding along
+
+    slow_id = encoder_record(c, slow.popen.pid)["instance_id"]
+    drained = dynamoctl(c, "drain", slow_id, "--wait", "--drain-timeout", "10")
+    assert drained.returncode == 0 and "drained" in drained.stdout, drained.stderr
+    wait_until(lambda: encoder_record(c, slow.popen.pid)["status"] == "draining", 10, what="the frontend sees it draining")
+    before = metric(status_metrics(cluster[2][0]), "dynamo_component_encoder_images_total")
+    for seed in (32, 33):  # the pool would alternate: both go to the other encoder
+        chat(api, image_messages(png_url(seed)))
+    assert metric(status_metrics(cluster[2][0]), "dynamo_component_encoder_images_total") == before
+    slept = dynamoctl(c, "sleep", slow_id)
+    assert slept.returncode != 0 and slept.stdout == ""
+    assert slept.stderr.strip().splitlines() == [
+        f"dynamoctl: error: sleep {slow_id}: sleep is not supported on an encode worker (it holds no KV, engine or adapters)"]
+    woke = dynamoctl(c, "wake", slow_id)
+    assert woke.returncode == 0, woke.stderr
+    wait_until(lambda: encoder_record(c, slow.popen.pid)["status"] == "ready", 10, what="the encoder ready again")
 
 
 def test_encoder_killed_mid_request(cluster: tuple[LocalCluster, int, list[int]], api: openai.OpenAI) -> None:

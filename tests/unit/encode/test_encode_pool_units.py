@@ -283,7 +283,7 @@ async def test_encode_endpoint_refuses_bad_requests_and_answers_good_ones() -> N
     service = EncodeService(SimpleNamespace(), SimpleNamespace(id=7), card, enc, SimpleNamespace(), EncoderMetrics(registry))  # type: ignore[arg-type]
 
     async def call(body: dict) -> list:
-        return [frame async for frame in service._encode(body, SimpleNamespace())]  # type: ignore[arg-type]
+        return [frame async for frame in service._encode(body, SimpleNamespace(headers={}))]  # type: ignore[arg-type]
 
     good = {"request_id": "r", "model": "m", "items": [{"mm_hash": "ab" * 16, "num_tokens": 16}]}
     for bad, why in (({**good, "model": "other"}, "serves 'm'"), ({**good, "items": []}, "at least one"),
