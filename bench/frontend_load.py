@@ -127,12 +127,13 @@ class Connection:
 _decode = msgspec.json.decode
 
 
-async def stream_request(conn: Connection, path: str, body: bytes, keep_alive: bool) -> Result:
+async def stream_request(conn: Connection, path: str, body: bytes, keep_alive: bool, request_id: str | None = None) -> Result:
     await conn.ensure()
     assert conn.reader is not None and conn.writer is not None
+    rid = f"x-request-id: {request_id}\r\n" if request_id is not None else ""
     head = (
         f"POST {path} HTTP/1.1\r\nHost: {conn.host}:{conn.port}\r\nContent-Type: application/json\r\n"
-        f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\n"
+        f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\n{rid}"
         f"Connection: {'keep-alive' if keep_alive else 'close'}\r\n\r\n"
     ).encode()
     start = time.perf_counter()
@@ -274,9 +275,10 @@ async def run_load(args: argparse.Namespace, fresh: bool, prompts: list[str]) ->
         conn = Connection(host, port)
         while next_index < len(bodies):
             body = bodies[next_index]
+            rid = f"{args.request_ids}-{next_index}" if args.request_ids else None
             next_index += 1
             try:
-                results.append(await stream_request(conn, path, body, keep_alive=not fresh))
+                results.append(await stream_request(conn, path, body, keep_alive=not fresh, request_id=rid))
             except (HttpError, OSError, asyncio.IncompleteReadError, ValueError, IndexError) as exc:
                 key = str(exc)[:160]
                 errors[key] = errors.get(key, 0) + 1
@@ -376,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-prefixes", type=int, default=0,
                    help="N common prompt prefixes (half of each prompt) [default 0: all distinct]")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-ids", default="", metavar="PREFIX",
+                   help="send x-request-id PREFIX-N with request N (the client-chosen id path) [default: none]")
     p.add_argument("--json", action="store_true", help="print only the JSON report")
     args = p.parse_args(argv)
     try:

@@ -24,7 +24,7 @@ from dynamod.daemon.lifecycle import run_role
 from dynamod.shared.cli_parser import ArgumentParser, unrecognized_message
 from dynamod.shared.errors import DynamoError
 from dynamod.shared.observability.logging import configure_logging
-from dynamod.shared.observability.tracing import configure_tracing
+from dynamod.shared.observability.tracing_setup import configure_tracing
 
 # role -> module implementing add_args/run
 ROLES: dict[str, str] = {

@@ -247,6 +247,12 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         f"[env DYN_REQUEST_PLANE_HANDSHAKE_TIMEOUT, default {DEFAULT_HANDSHAKE_TIMEOUT_S:g}]",
     )
     g.add_argument("--log-level", help="log level [env DYN_LOG, default info]")
+    g.add_argument(
+        "--trace-sample-rate",
+        type=float,
+        help="fraction of requests whose trace spans are recorded (the local ring buffer, and OTLP export when "
+        "OTEL_* asks for it); failed and migrated requests are always kept [env DYN_TRACE_SAMPLE_RATE, default 1.0]",
+    )
     add_security_args(parser)
 
 

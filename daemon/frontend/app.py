@@ -4,6 +4,7 @@
     POST /v1/responses   GET|DELETE /v1/responses/{id}
     POST /v1/messages   POST /v1/messages/count_tokens   (Anthropic's Messages API: ``anthropic/``)
     GET  /health (503 while shutting down)   GET /live   GET /metrics   GET /openapi.json
+    GET  /v1/traces?request_id=ID|trace_id=ID|slowest=N   (recent requests' spans: pipeline/tracing.py)
 
 Every request first passes the doors (``http/request_checks.FrontDoors``: API key, rate, body size,
 admission).
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import uuid
 from typing import Any
+from urllib.parse import parse_qs
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -41,7 +43,9 @@ from dynamod.daemon.frontend.openai.responses.endpoint import ResponsesEndpoint,
 from dynamod.daemon.frontend.openai.responses.store import ResponseStore
 from dynamod.daemon.frontend.openai.schema import ModelList, ModelObject, encoder
 from dynamod.daemon.frontend.pipeline.state import FrontendState
-from dynamod.shared.errors import DynamoError, NotFoundError
+from dynamod.daemon.frontend.pipeline.tracing import requests_summary
+from dynamod.shared.errors import DynamoError, InvalidRequestError, NotFoundError
+from dynamod.shared.observability import tracing
 from dynamod.shared.protocol.worker_id import worker_id_hex
 
 
@@ -159,6 +163,48 @@ class MetricsEndpoint:
         await send_bytes(send, 200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
 
 
+class TracesEndpoint:
+    """``GET /v1/traces?request_id=ID`` (or ``trace_id=``): the spans this frontend holds for a
+    request, ``{"object": "list", "data": [span...]}``; ``GET /v1/traces?slowest=N``: the N slowest
+    recent requests it holds, ``{"object": "list", "requests": [...]}``. Same auth as /metrics."""
+
+    MAX_LIMIT = 10_000
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+
+        def one(name: str) -> str | None:
+            values = query.get(name)
+            return values[-1] if values else None
+
+        try:
+            slowest = one("slowest")
+            if slowest is not None:
+                n = _bounded_int("slowest", slowest, self.MAX_LIMIT)
+                body = {"object": "list", "requests": requests_summary(n)}
+            else:
+                request_id, trace_id = one("request_id"), one("trace_id")
+                if request_id is None and trace_id is None:
+                    raise InvalidRequestError("give request_id, trace_id or slowest", param="request_id")
+                limit = _bounded_int("limit", one("limit") or "1000", self.MAX_LIMIT)
+                spans = tracing.tracer().ring.find(request_id, trace_id, limit)
+                body = {"object": "list", "data": tracing.spans_as_dicts(spans)}
+        except DynamoError as exc:
+            await send_error(send, to_http_error(exc))
+            return
+        await send_json(send, 200, json.dumps(body, separators=(",", ":")).encode())
+
+
+def _bounded_int(name: str, text: str, top: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise InvalidRequestError(f"{name} must be an integer, got {text!r}", param=name) from None
+    if not 0 <= value <= top:
+        raise InvalidRequestError(f"{name} must be between 0 and {top}, got {value}", param=name)
+    return value
+
+
 ANTHROPIC_PREFIX = "/v1/messages"
 
 
@@ -258,6 +304,7 @@ def _build_starlette(state: FrontendState, hot: dict[str, Any], store: ResponseS
         _route("/health", HealthEndpoint(state), ["GET"]),
         _route("/live", _AsgiFunction(live), ["GET"]),
         _route("/metrics", MetricsEndpoint(state), ["GET"]),
+        _route("/v1/traces", TracesEndpoint(), ["GET"]),
         _route("/openapi.json", OpenApiEndpoint(state, api_keys=api_keys), ["GET"]),
     ]
     return Starlette(

@@ -57,12 +57,15 @@ from dynamod.daemon.router.core.worker_load import decode_load
 from dynamod.daemon.router.prefill_pool import RouterPrefillPool
 from dynamod.shared.drain import InFlight
 from dynamod.shared.errors import DynamoError, InvalidRequestError, NoInstancesError, NotFoundError
+from dynamod.shared.observability import tracing
+from dynamod.shared.protocol import control
 from dynamod.shared.protocol.best_worker import BestWorkerAnswer, BestWorkerRequest
 from dynamod.shared.protocol.instance import Instance
 from dynamod.shared.protocol.keys import mdc_prefix, parse_key
 from dynamod.shared.protocol.llm import PreprocessedRequest
 from dynamod.shared.protocol.model_card import ModelCard
 from dynamod.shared.protocol.routing import STAGE_DECODE, STAGE_PREFILL, RoutingDecision
+from dynamod.shared.protocol.worker_id import worker_id_hex
 from dynamod.shared.runtime.distributed import deregister_all, mark_all_draining
 from dynamod.shared.runtime.model_cards import ModelCardSet
 from dynamod.shared.transport.plane import RequestContext
@@ -143,6 +146,7 @@ class RouterService:
         router = self._rt.namespace().component(self.config.router_component)
         self._served.append(await router.endpoint(GENERATE).serve(self._generate, role=ROLE))
         self._served.append(await router.endpoint(BEST_WORKER_ID).serve(self._best_worker_id, role=ROLE))
+        self._served.append(await router.endpoint(control.TRACES).serve(self._traces, role=ROLE))
         logger.info(
             "router serving namespace=%s router_component=%s worker_component=%s block_size=%s workers=%d",
             self.namespace, self.config.router_component, self.config.worker_component,
@@ -307,16 +311,38 @@ class RouterService:
         except msgspec.ValidationError as exc:
             raise InvalidRequestError(f"bad generate request: {exc}") from None
         self._inflight.enter()
+        # This router's span of the request: a child of the caller's (traceparent), parent of the
+        # routing decision and of the worker's span; unsampled, it still passes the flag along.
+        span = tracing.tracer().start_span(
+            tracing.SPAN_HANDLE_PAYLOAD, component=ROLE, parent=tracing.headers_context(ctx.headers),
+            attributes={"request_id": tracing.headers_request_id(ctx.headers) or request.request_id,
+                        "model": request.model, "role": ROLE, "engine_request_id": request.request_id,
+                        "prompt_tokens": len(request.token_ids)},
+        )
         try:
             # aclosing: a cancelled caller must free the request and cancel the worker's stream
             # now, not whenever the abandoned inner generator is collected.
-            async with contextlib.aclosing(self._route_and_stream(request, ctx)) as outputs:
+            async with contextlib.aclosing(self._route_and_stream(request, ctx, span)) as outputs:
                 async for out in outputs:
                     yield out
+        except Exception as exc:
+            span.fail(exc)
+            raise
         finally:
+            span.end()
             self._inflight.leave()
 
-    async def _route_and_stream(self, request: PreprocessedRequest, ctx: RequestContext) -> AsyncIterator[Any]:
+    async def _traces(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
+        """The spans this process holds for a request or a trace (as the workers' endpoint)."""
+        req = control.parse_body(body, control.TracesRequest, control.TRACES)
+        if req.limit < 0:
+            raise InvalidRequestError(f"limit must be at least 0, got {req.limit}")
+        spans = tracing.tracer().ring.find(req.request_id, req.trace_id, req.limit)
+        yield control.ok(f"{len(spans)} spans", spans=tracing.spans_as_dicts(spans))
+
+    async def _route_and_stream(
+        self, request: PreprocessedRequest, ctx: RequestContext, span: tracing.Span
+    ) -> AsyncIterator[Any]:
         kv = await self._wait_for_workers()
         key = request.request_id
         if key in kv.active:
@@ -327,9 +353,18 @@ class RouterService:
             outcome: PrefillOutcome | None = None
             if self.disaggregated:
                 assert self.prefill_stage is not None and self.prefill is not None
-                outcome = await self.prefill_stage.run(
-                    request, self.prefill, lambda: self._decode_hint(kv, request, allowed), model=request.model, drains=drains
-                )
+                prefill = tracing.tracer().child(span, tracing.SPAN_PREFILL)
+                with tracing.use_span(prefill or span):
+                    outcome = await self.prefill_stage.run(
+                        request, self.prefill, lambda: self._decode_hint(kv, request, allowed), model=request.model,
+                        drains=drains,
+                    )
+                if prefill is not None:
+                    prefill.update({"remote": outcome.remote, **tracing.flat_attributes("disagg", outcome.info.explain())})
+                    if outcome.pick is not None:
+                        prefill.set("worker_id", worker_id_hex(outcome.pick.worker_id))
+                    prefill.end()
+            routed_at = time.time_ns()
             decision = await kv.select_worker_waiting(
                 key, request.token_ids, lora_name=request.lora_name, allowed=allowed,
                 overlap_weight=None if outcome is None or self.prefill_stage is None
@@ -340,7 +375,14 @@ class RouterService:
                 decision.stage = STAGE_DECODE
                 decision.disagg = outcome.info
             self.decisions.offer(decision, request.model)
-            async with contextlib.aclosing(self._forward(kv, key, request, decision, outcome, ctx)) as outputs:
+            route = tracing.tracer().child(span, tracing.SPAN_ROUTE, stage=decision.stage)
+            if route is not None:
+                route.start_unix_ns = routed_at
+                route.update(tracing.flat_attributes("router", decision.explain()))
+                route.set("router.detail", decision.detail)
+                route.end()
+            span.set("worker_id", worker_id_hex(decision.worker_id))
+            async with contextlib.aclosing(self._forward(kv, key, request, decision, outcome, ctx, span)) as outputs:
                 async for out in outputs:
                     yield out
         finally:
@@ -348,7 +390,7 @@ class RouterService:
 
     async def _forward(
         self, kv: KvRouter, key: str, request: PreprocessedRequest, decision: RoutingDecision,
-        outcome: PrefillOutcome | None, ctx: RequestContext,
+        outcome: PrefillOutcome | None, ctx: RequestContext, span: tracing.Span,
     ) -> AsyncIterator[Any]:
         wid, rank = decision.worker_id, decision.dp_rank
         try:
@@ -361,7 +403,8 @@ class RouterService:
             )
             if outcome is not None:
                 forward = decode_body(forward, outcome)
-            stream = self._client.stream_to(inst, forward, request_id=request.request_id, timeout_s=ctx.time_left())
+            with tracing.use_span(span):  # the worker's span is a child of this router's
+                stream = self._client.stream_to(inst, forward, request_id=request.request_id, timeout_s=ctx.time_left())
             try:
                 first = True
                 async for out in stream:

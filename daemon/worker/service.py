@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from dynamod.daemon.encode.receiver import EmbeddingReceiver, receive_embeddings
 from dynamod.daemon.engines.base import EmbeddingEngine, Engine, EngineInfo, KvTransferEngine, LoraInfo
 from dynamod.daemon.engines.kv_transfer import KvTransferContext, KvTransferSettings
 from dynamod.daemon.worker.kv_transfer import KvTransferStats
@@ -44,6 +45,8 @@ from dynamod.shared.errors import (
 from dynamod.shared.events.plane import TOPIC_KV_EVENTS, TOPIC_KV_METRICS, EventPublisher
 from dynamod.shared.kv.transfer.directory import KvTransferDirectory
 from dynamod.shared.kv.transfer.factory import create_agent
+from dynamod.shared.observability import tracing
+from dynamod.shared.observability.logging import REQUEST_ID as LOG_REQUEST_ID
 from dynamod.shared.protocol import control
 from dynamod.shared.protocol.control import (
     ClearKvRequest,
@@ -51,6 +54,7 @@ from dynamod.shared.protocol.control import (
     EmptyRequest,
     LoadLoraRequest,
     SleepRequest,
+    TracesRequest,
     UnloadLoraRequest,
     parse_body,
 )
@@ -61,6 +65,7 @@ from dynamod.shared.protocol.kv_events import MEDIA, router_event_encoder
 from dynamod.shared.protocol.llm import PreprocessedRequest
 from dynamod.shared.protocol.load import LoadMetrics, load_encoder
 from dynamod.shared.protocol.model_card import MODEL_TYPE_EMBEDDING, ModelCard, encode_card
+from dynamod.shared.protocol.worker_id import worker_id_hex
 from dynamod.shared.runtime.distributed import Component, ServedInstance, deregister_all, mark_all_draining
 from dynamod.shared.runtime.intent import IntentRecorder
 from dynamod.shared.transport.plane import RequestContext
@@ -124,6 +129,7 @@ class WorkerService:
         lora_policy: LoraSourcePolicy | None = None,
     ) -> None:
         self.component = component
+        self.embeddings: EmbeddingReceiver | None = None  # set by the worker for a VL model (encode pool)
         # Where adapters may come from; the default (no root) loads none (``lora_policy``).
         self.lora_policy = lora_policy or LoraSourcePolicy()
         self.engine = engine
@@ -185,6 +191,7 @@ class WorkerService:
             control.UNLOAD_LORA: self._unload_lora,
             control.LIST_LORAS: self._list_loras,
             control.KV_DUMP: self._kv_dump,
+            control.TRACES: self._traces,
         }
         # Cards first: a frontend that sees the instance must find its model.
         await self._put_card(None, self.card)
@@ -402,8 +409,68 @@ class WorkerService:
         request = self._admit(body, PreprocessedRequest, "generate")
         assert self.card is not None  # served only after start()
         check_generate_limits(request, self.card.context_length)
-        async for out in self.engine.generate(request):
-            yield out
+        if request.mm_items:  # images an encode worker encoded: read their embeddings first
+            request = await receive_embeddings(self.embeddings, request)
+        client_id = tracing.headers_request_id(ctx.headers)
+        if client_id is not None:
+            # This stream's task logs with the client's request id (the task ends with the stream).
+            LOG_REQUEST_ID.set(client_id)
+        span = self._payload_span(request, ctx)
+        if span is None:
+            async for out in self.engine.generate(request):
+                yield out
+            return
+        # The engine finds the span by the request's id (its queue, compute and transfer spans
+        # are children); the stream's frames tell when the first token and the end came.
+        tracing.bind_engine_span(request.request_id, span)
+        first = True
+        try:
+            async for out in self.engine.generate(request):
+                if first and getattr(out, "token_ids", None):
+                    first = False
+                    span.set("ttft_ms", round((time.time_ns() - span.start_unix_ns) / 1e6, 3))
+                finish = getattr(out, "finish_reason", None)
+                if finish is not None:
+                    span.set("finish_reason", finish)
+                    usage = getattr(out, "usage", None)
+                    if usage is not None:
+                        span.set("completion_tokens", usage.completion_tokens)
+                        span.set("cached_tokens", getattr(usage, "cached_tokens", None))
+                yield out
+        except BaseException as exc:
+            if isinstance(exc, GeneratorExit | asyncio.CancelledError):
+                span.set("cancelled", True)
+            else:
+                span.fail(exc)
+            raise
+        finally:
+            tracing.unbind_engine_span(request.request_id)
+            span.end()
+
+    def _payload_span(self, request: PreprocessedRequest, ctx: RequestContext) -> tracing.Span | None:
+        """This worker's span of one request: Dynamo's ``handle_payload``, a child of the caller's
+        span (``traceparent``), recording as the caller decided (a caller without one: this
+        process's sampler). None when nobody records it (the engine then pays nothing more)."""
+        parent = tracing.headers_context(ctx.headers)
+        tr = tracing.tracer()
+        span = tr.start_span(
+            tracing.SPAN_HANDLE_PAYLOAD,
+            component=self.role if self.role in tracing.COMPONENTS else "agg",
+            parent=parent,
+            instance_id=worker_id_hex(self.worker_id),
+            attributes={
+                "request_id": tracing.headers_request_id(ctx.headers) or request.request_id,
+                "model": request.model,
+                "worker_id": worker_id_hex(self.worker_id),
+                "role": self.role,
+                "engine_request_id": request.request_id,
+                "endpoint": ctx.endpoint,
+                "prompt_tokens": len(request.token_ids),
+                "prefill_only": bool(request.prefill_only),
+                "remote_prefill": request.disaggregated_params is not None and not request.prefill_only,
+            },
+        )
+        return span if span.recording else None
 
     async def _embed(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
         """One reply frame: the vectors of all inputs (``EmbedResponse``)."""
@@ -521,6 +588,14 @@ class WorkerService:
             yield {"status": control.STATUS_OK, "events": events[i : i + _KV_DUMP_CHUNK]}
         yield control.ok(f"dumped {len(events)} events", done=True, count=len(events))
 
+    async def _traces(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
+        """The spans this process holds for a request (its ``x-request-id``) or a trace."""
+        req = parse_body(body, TracesRequest, control.TRACES)
+        if req.limit < 0:
+            raise InvalidRequestError(f"limit must be at least 0, got {req.limit}")
+        spans = tracing.tracer().ring.find(req.request_id, req.trace_id, req.limit)
+        yield control.ok(f"{len(spans)} spans", spans=tracing.spans_as_dicts(spans))
+
     # -- publishing -----------------------------------------------------------------------------
 
     async def _publish_kv_events(self) -> None:
@@ -537,6 +612,8 @@ class WorkerService:
         while True:
             now = time.monotonic()
             current = self.engine.load_metrics()
+            if self.embeddings is not None:  # a VL model: its embedding cache rides along
+                current = [self.embeddings.stamp_load(m) for m in current]
             if current != last or now - last_sent >= _LOAD_MAX_INTERVAL_S:
                 for m in current:
                     m.status = self.status

@@ -7,6 +7,7 @@ switches to one JSON object per line for log shippers. Messages are written as
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import os
@@ -16,11 +17,19 @@ from typing import Any
 
 _CONFIGURED = False
 
+REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("dynamod_log_request_id", default=None)
+"""The client-visible request id (``x-request-id``) of the request the current task serves: set by
+the frontend per HTTP request and by a worker per request stream; every line logged meanwhile
+carries it as ``x_request_id=``."""
+
 
 class _KvFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created))
         line = f"{ts}.{int(record.msecs):03d} {record.levelname:<5} {record.name}: {record.getMessage()}"
+        rid = REQUEST_ID.get()
+        if rid is not None:
+            line += f" x_request_id={rid}"
         if record.exc_info:
             line += " exc=" + json.dumps(self.formatException(record.exc_info))
         return line
@@ -35,6 +44,9 @@ class _JsonFormatter(logging.Formatter):
             "msg": record.getMessage(),
             "pid": record.process,
         }
+        rid = REQUEST_ID.get()
+        if rid is not None:
+            obj["x_request_id"] = rid
         if record.exc_info:
             obj["exc"] = self.formatException(record.exc_info)
         return json.dumps(obj, separators=(",", ":"))

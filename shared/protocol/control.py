@@ -24,8 +24,9 @@ LOAD_LORA = "load_lora"
 UNLOAD_LORA = "unload_lora"
 LIST_LORAS = "list_loras"
 KV_DUMP = "kv_dump"
+TRACES = "traces"  # the spans this process holds for a request or trace (shared/observability/tracing.py)
 
-CONTROL_ENDPOINTS = (CLEAR_KV_BLOCKS, SLEEP, WAKE_UP, DRAIN, LOAD_LORA, UNLOAD_LORA, LIST_LORAS, KV_DUMP)
+CONTROL_ENDPOINTS = (CLEAR_KV_BLOCKS, SLEEP, WAKE_UP, DRAIN, LOAD_LORA, UNLOAD_LORA, LIST_LORAS, KV_DUMP, TRACES)
 
 STATUS_OK = "ok"
 STATUS_ERROR = "error"
@@ -77,6 +78,15 @@ class EmptyRequest(ControlBody):
 
 class ClearKvRequest(ControlBody, forbid_unknown_fields=True, omit_defaults=True):
     medium: str | None = None  # one KV tier (kv_events.MEDIA: GPU, CPU, DISK); None: every tier
+
+
+class TracesRequest(ControlBody, forbid_unknown_fields=True):
+    """``traces``: the spans of one request (its ``x-request-id``) and/or one trace; neither: the
+    most recent spans. The reply is ``ok(..., spans=[span, ...])``, at most ``limit`` of them."""
+
+    request_id: str | None = None
+    trace_id: str | None = None
+    limit: int = 1000
 
 
 def encode_body(body: ControlBody) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from collections import deque
 from typing import Any, Generic, TypeVar
 
 from dynamod.shared.errors import DeadlineExceededError
+from dynamod.shared.observability.tracing import outgoing_headers
 from dynamod.shared.transport.plane import ServerAddress
 
 logger = logging.getLogger(__name__)
@@ -293,6 +294,9 @@ class StreamingClient(Generic[S]):
         timeout_s: float | None = None,
         request_id: str | None = None,
     ) -> S:
+        # The current trace span (if any) rides in the frame headers: ``traceparent`` and
+        # ``x-request-id``, read when the stream is made, since it is sent later.
+        headers = outgoing_headers(headers)
         return self.stream_class(self, address, endpoint_path, body, headers, timeout_s, request_id, self.window_frames)
 
 

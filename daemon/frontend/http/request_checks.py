@@ -47,9 +47,12 @@ from dynamod.daemon.frontend.http.limits import (
     rate_limited_error,
     too_large,
 )
+from dynamod.daemon.frontend.http.request_id import assign as assign_request_id
+from dynamod.daemon.frontend.http.request_id import echoing_send
 from dynamod.shared.errors import (
     DynamoError,
     InvalidApiKeyError,
+    InvalidRequestError,
     RateLimitedError,
 )
 from dynamod.shared.security.token import ClusterToken
@@ -59,8 +62,10 @@ HEALTH_DETAILS = "dynamod.health_details"
 
 OPEN_PATHS = frozenset({"/live"})
 METRICS_PATH = "/metrics"
+TRACES_PATH = "/v1/traces"
+MEMBER_PATHS = frozenset({METRICS_PATH, TRACES_PATH})  # the cluster token opens these like an API key
 MEMBER_CLIENT = "cluster-member"  # the client name of a /metrics caller holding the cluster token
-NOT_RATE_LIMITED = frozenset({"/live", "/health", "/metrics"})
+NOT_RATE_LIMITED = frozenset({"/live", "/health", "/metrics", TRACES_PATH})
 
 REASON_UNAUTHENTICATED = "unauthenticated"
 REASON_AUTH_RATE_LIMITED = "auth_rate_limited"
@@ -68,6 +73,7 @@ REASON_RATE_LIMITED = "rate_limited"
 REASON_BODY_TOO_LARGE = "body_too_large"
 REASON_OVERLOADED = "overloaded"  # at --max-inflight (also pipeline/state.py's admission refusal)
 REASON_DRAINING = "draining"  # shutting down
+REASON_BAD_REQUEST_ID = "bad_request_id"  # an x-request-id that is not 1..128 printable ASCII characters
 
 _CLOSE = [(b"connection", b"close")]
 
@@ -111,7 +117,7 @@ class RefusalMetrics:
             counter = Counter(
                 "dynamo_frontend_refused_requests",
                 "HTTP requests refused before any work: reason is unauthenticated, auth_rate_limited, rate_limited, "
-                "body_too_large, overloaded, draining, or for connections connection_limit, idle_timeout, "
+                "body_too_large, overloaded, draining, bad_request_id, or for connections connection_limit, idle_timeout, "
                 "header_timeout, body_timeout",
                 ("reason",),
                 registry=registry,
@@ -158,6 +164,12 @@ class FrontDoors:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
+        # x-request-id first: every answer from here on (refusals included) echoes it.
+        try:
+            send = echoing_send(send, assign_request_id(scope))
+        except InvalidRequestError as exc:
+            await self._refuse(scope, send, REASON_BAD_REQUEST_ID, exc)
+            return
         unauthenticated: InvalidApiKeyError | None = None
         client: str | None = None
         if self.keys is not None and path not in OPEN_PATHS:
@@ -175,7 +187,7 @@ class FrontDoors:
                     await self._refuse(scope, send, REASON_AUTH_RATE_LIMITED, error)
                     return
             client = self.keys.identify(presented)
-            if client is None and path == METRICS_PATH and self._is_member(presented):
+            if client is None and path in MEMBER_PATHS and self._is_member(presented):
                 client = MEMBER_CLIENT
             if client is None:
                 if failures is not None and address:

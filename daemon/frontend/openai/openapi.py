@@ -72,6 +72,16 @@ def _static_document() -> dict[str, Any]:
     paths["/live"] = {"get": _op("live", "Liveness", _JSON_OK)}
     text = {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
     paths["/metrics"] = {"get": _op("metrics", "Prometheus metrics", text)}
+    trace_params = [
+        {"name": "request_id", "in": "query", "required": False, "schema": {"type": "string"}},
+        {"name": "trace_id", "in": "query", "required": False, "schema": {"type": "string"}},
+        {"name": "slowest", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 0, "maximum": 10000}},
+        {"name": "limit", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 0, "maximum": 10000}},
+    ]
+    paths["/v1/traces"] = {"get": _op(
+        "listTraces", "Recent requests' trace spans (by request_id or trace_id), or the slowest recent requests",
+        _JSON_OK, parameters=trace_params,
+    )}
     paths["/openapi.json"] = {"get": _op("openapi", "This document", _JSON_OK)}
     return {
         "openapi": "3.1.0",

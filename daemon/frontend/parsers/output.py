@@ -12,6 +12,7 @@ tools and no reasoning parser): the frontend's hot path then costs nothing extra
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -104,7 +105,7 @@ def _tool_choice(choice: Any) -> tuple[str, str | None]:
 class OutputParser:
     """Feed text deltas, get ``ParsedDelta``s; ``finish`` at the end of the output."""
 
-    __slots__ = ("_reasoning", "_tools", "_calls")
+    __slots__ = ("_calls", "_reasoning", "_tools", "busy_ns", "ended_ns", "started_ns")
 
     def __init__(
         self, reasoning: ReasoningParser | None, tools: ToolCallParser | None, calls: ToolCallTracker | None
@@ -112,6 +113,19 @@ class OutputParser:
         self._reasoning = reasoning
         self._tools = tools
         self._calls = calls
+        # For the request's ``output_parse`` span: when parsing began and ended (Unix ns) and the
+        # time spent inside the parser (ns), two clock reads per delta.
+        self.started_ns = 0
+        self.ended_ns = 0
+        self.busy_ns = 0
+
+    @property
+    def names(self) -> tuple[str | None, str | None]:
+        """(reasoning parser, tool-call parser) class names, for traces."""
+        return (
+            type(self._reasoning).__name__ if self._reasoning is not None else None,
+            type(self._tools).__name__ if self._tools is not None else None,
+        )
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -131,15 +145,29 @@ class OutputParser:
     def feed(self, text: str) -> ParsedDelta:
         if not text:
             return ParsedDelta()
+        if not self.started_ns:
+            self.started_ns = time.time_ns()
+        t0 = time.perf_counter_ns()
         if self._reasoning is not None:
             reasoning, content = self._reasoning.feed(text)
         else:
             reasoning, content = "", text
-        return self._tool_pass(reasoning, content, final=False)
+        out = self._tool_pass(reasoning, content, final=False)
+        self.busy_ns += time.perf_counter_ns() - t0
+        return out
 
     def finish(self, text: str = "") -> ParsedDelta:
         """The last piece of text, if any, and everything held back: call it once, at the end.
         (A unary response is one ``finish(whole_text)``.)"""
+        if not self.started_ns:
+            self.started_ns = time.time_ns()
+        t0 = time.perf_counter_ns()
+        out = self._finish(text)
+        self.busy_ns += time.perf_counter_ns() - t0
+        self.ended_ns = time.time_ns()
+        return out
+
+    def _finish(self, text: str) -> ParsedDelta:
         reasoning_parser = self._reasoning
         if reasoning_parser is not None:
             reasoning, content = reasoning_parser.feed(text) if text else ("", "")

@@ -258,7 +258,9 @@ class EngineStream:
             stage.forget(req)  # the first attempt's reader freed those embeddings: encode again
         span = tracing.tracer().child(req.trace, "encode", attempt=req.migrations)
         try:
-            await stage.run(req, cached_tokens)
+            # The encode worker's span is a child of this one (or learns the request is unsampled).
+            with tracing.use_span(span or req.trace):
+                await stage.run(req, cached_tokens)
         finally:
             if span is not None:
                 items = req.preprocessed.mm_items or []

@@ -248,7 +248,9 @@ class GenerationEndpoint(ABC, Generic[BodyT]):
         try:
             try:
                 preprocess = tracing.tracer().child(request.trace, tracing.SPAN_PREPROCESS)
-                gen = await self.start(request)
+                # Calls made while planning (an encode worker for images) continue the trace.
+                with tracing.use_span(preprocess or request.trace):
+                    gen = await self.start(request)
                 if preprocess is not None:
                     preprocess.set("prompt_tokens", gen.prompt_tokens)
                     preprocess.end()

@@ -1,0 +1,169 @@
+"""What request tracing costs the frontend: CPU per request at trace sample rates, against off.
+
+    python bench/tracing_cost.py --rates 0,0.01,1 --rounds 5 --requests 3000 --concurrency 16 \
+        [--baseline-pythonpath /tmp/t30pkg] [--request-ids] --json
+
+Each configuration is a single-host cluster (a frontend and one mocker worker with a high
+``--speedup-ratio`` so that the frontend is the busy process; file discovery) with
+``DYN_TRACE_SAMPLE_RATE`` set. In each round every configuration's cluster runs *at the same time*
+under the same load (one ``frontend_load.py`` per cluster: streaming chat, reused connections), so
+the CPU contention of a shared machine, which moves a frontend's CPU per request by ±15 % from one
+minute to the next, falls on all of them alike; the report compares each configuration with the
+reference *within* each round and gives the median of those ratios (and of the raw figures).
+
+``--baseline-pythonpath`` adds the configuration ``baseline``, run from another checkout (an import
+root whose ``dynamod`` package maps a tree without tracing), so "off" can mean "no tracing code at
+all" (that tree then also lacks whatever else changed since); rate 0 is tracing on with nothing
+sampled (every request still gets a root span object, its ``x-request-id`` and a not-sampled
+``traceparent``). The reference is ``baseline`` when given, else the first rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_util import calibrate, free_port, get_json, stop_processes  # noqa: E402
+
+CLI = [sys.executable, "-m", "dynamod.daemon.cli"]
+LOAD = [sys.executable, str(Path(__file__).resolve().parent / "frontend_load.py")]
+
+
+def start_cluster(root: Path, rate: float | None, pythonpath: str | None, workers: int, speedup: float) -> tuple[list, str]:
+    """A frontend and ``workers`` mocker workers on file discovery under ``root``; returns the
+    processes and the frontend's URL once it sees the workers ready."""
+    kv = root / "kv"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DYN_", "OTEL_"))}
+    env["DYN_FILE_KV"] = str(kv)
+    if rate is not None:
+        env["DYN_TRACE_SAMPLE_RATE"] = str(rate)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    common = ["--discovery-backend", "file", "--event-plane", "zmq", "--file-kv", str(kv)]
+    port = free_port()
+    procs = []
+    for i in range(workers):
+        log = open(root / f"worker{i}.log", "wb")  # noqa: SIM115 - the process owns it
+        procs.append(subprocess.Popen(
+            [*CLI, "--role", "agg", "--engine", "mocker", "--model", "tiny", "--speedup-ratio", str(speedup), *common],
+            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root,
+        ))
+    log = open(root / "frontend.log", "wb")  # noqa: SIM115
+    procs.append(subprocess.Popen(
+        [*CLI, "--role", "frontend", "--http-port", str(port), *common], env=env, stdout=log,
+        stderr=subprocess.STDOUT, cwd=root,
+    ))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        health = get_json(url + "/health")
+        if health and health.get("models") and health["models"][0].get("ready", 0) >= workers:
+            return procs, url
+        if any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.2)
+    stop_processes(procs, 5)
+    tails = "\n".join(f"--- {log.name}\n" + log.read_text(errors="replace")[-1500:] for log in sorted(root.glob("*.log")))
+    raise RuntimeError(f"cluster did not come up:\n{tails}")
+
+
+def run_round(configs: list[tuple[str, float | None, str | None]], args: argparse.Namespace) -> dict[str, dict]:
+    """Every configuration's cluster up, then all their loads at once; the figures per config."""
+    with tempfile.TemporaryDirectory(prefix="tracecost-") as tmp:
+        clusters: dict[str, tuple[list, str]] = {}
+        try:
+            for name, rate, path in configs:
+                root = Path(tmp) / name
+                root.mkdir()
+                clusters[name] = start_cluster(root, rate, path, args.workers, args.speedup)
+            loads = {}
+            for name, (_, url) in clusters.items():
+                argv = [*LOAD, "--url", url, "--requests", str(args.requests), "--warmup", str(args.warmup),
+                        "--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens),
+                        "--prompt-tokens", str(args.prompt_tokens), "--nagle-probe-requests", "0", "--json"]
+                if args.request_ids:
+                    argv += ["--request-ids", "load"]
+                loads[name] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            out: dict[str, dict] = {}
+            for name, proc in loads.items():
+                stdout, stderr = proc.communicate()
+                try:
+                    run = json.loads(stdout)["runs"][0]
+                except (ValueError, KeyError, IndexError):
+                    raise RuntimeError(f"{name}: load failed: {stderr.decode(errors='replace')[-800:]}") from None
+                out[name] = {"cpu_ms_per_req": run["frontend_cpu_ms_per_req"], "req_per_s": run["req_per_s"],
+                             "errors": run["errors"], "ttft_p50_ms": run["ttft_ms"]["p50"]}
+            for name, rate, _ in configs:
+                if rate:  # the spans are really there: the frontend holds recent requests' roots
+                    held = get_json(clusters[name][1] + "/v1/traces?slowest=1000") or {}
+                    out[name]["traced_requests_held"] = len(held.get("requests", []))
+            return out
+        finally:
+            for procs, _ in clusters.values():
+                stop_processes(procs, 10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    p.add_argument("--rates", default="0,0.01,1", help="comma-separated trace sample rates")
+    p.add_argument("--baseline-pythonpath", default="", help="import root of a tree without tracing (adds 'baseline')")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--requests", type=int, default=3000)
+    p.add_argument("--warmup", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=200)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--speedup", type=float, default=50.0)
+    p.add_argument("--request-ids", action="store_true", help="send a client x-request-id with every request")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    configs: list[tuple[str, float | None, str | None]] = []
+    if args.baseline_pythonpath:
+        configs.append(("baseline", None, args.baseline_pythonpath))
+    configs += [(f"rate_{text}", float(text), None) for text in args.rates.split(",")]
+    ref = configs[0][0]
+    calibration = calibrate()
+    rounds: list[dict[str, dict]] = []
+    for _ in range(args.rounds):
+        for attempt in range(3):  # a start that failed on a busy shared machine is tried again
+            try:
+                rounds.append(run_round(configs, args))
+                break
+            except RuntimeError as exc:
+                if attempt == 2:
+                    raise
+                print(f"tracing_cost: {exc}; retrying the round", file=sys.stderr)
+    summary: dict[str, dict] = {}
+    for name, _, _ in configs:
+        cpu = [r[name]["cpu_ms_per_req"] for r in rounds]
+        entry: dict = {"cpu_ms_per_req": cpu, "cpu_ms_per_req_median": round(statistics.median(cpu), 4),
+                       "req_per_s": [r[name]["req_per_s"] for r in rounds]}
+        if name != ref:
+            ratios = [r[name]["cpu_ms_per_req"] / r[ref]["cpu_ms_per_req"] - 1 for r in rounds]
+            entry[f"change_vs_{ref}_pct_per_round"] = [round(100 * x, 1) for x in ratios]
+            entry[f"change_vs_{ref}_pct_median"] = round(100 * statistics.median(ratios), 1)
+        held = [r[name]["traced_requests_held"] for r in rounds if "traced_requests_held" in r[name]]
+        if held:
+            entry["traced_requests_held"] = held
+        summary[name] = entry
+    report = {
+        "requests": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+        "prompt_tokens": args.prompt_tokens, "rounds": args.rounds, "reference": ref,
+        "calibration_ns_per_dict_insert": {"before": calibration, "after": calibrate()}, "configs": summary,
+        "errors": sum(r[name]["errors"] for r in rounds for name in r),
+    }
+    print(json.dumps(report) if args.json else json.dumps(report, indent=2))
+    return 0 if report["errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
