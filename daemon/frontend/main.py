@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -345,6 +346,10 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
             scheme, config.http_host, port, config.router_mode, len(registry.models), config.num_frontends,
             len(keys) if keys is not None else 0, doors.rate_limit, doors.max_body_bytes,
         )
+        # Everything built so far (modules, the app, the routers, the loaded models) lives as long as
+        # the process: out of the collector's way, a full collection no longer walks it on every
+        # request's garbage (about 17 % of the frontend's CPU went to collections, mostly full ones).
+        gc.freeze()
         await stop.wait()
         # Graceful: refuse new work, let admitted streams finish, then close.
         state.draining = True
