@@ -8,6 +8,7 @@ dispatch here means both apply a ``RouterEvent`` the same way by construction.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -53,7 +54,7 @@ class OverlapScores:
         return out
 
 
-class KvIndexerBase:
+class KvIndexerBase(ABC):
     """Event dispatch and whole-worker operations on top of an implementation's primitives."""
 
     implementation = "abstract"
@@ -67,27 +68,34 @@ class KvIndexerBase:
     def tree_sizes(self) -> dict[WorkerKey, int]:
         return self._sizes.copy()
 
+    @abstractmethod
     def workers(self) -> list[WorkerKey]:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def device_node_of(self, worker: WorkerKey, block_hash: int) -> int | None:
         """The prefix node (sequence hash) a device block name stands for, or None."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def store(self, worker: WorkerKey, parent_hash: int | None, blocks: Sequence[StoredBlock]) -> str:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def remove(self, worker: WorkerKey, block_hashes: Iterable[int]) -> int:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def clear_worker(self, worker: WorkerKey) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def remove_worker_key(self, worker: WorkerKey) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def dump(self, worker: WorkerKey) -> list[KvStored]:
-        raise NotImplementedError
+        ...
 
     def tier_sizes(self, worker: WorkerKey) -> dict[str, int]:
         """Blocks ``worker`` holds per tier: ``{"GPU": n, "CPU": n, "DISK": n}``."""
