@@ -31,6 +31,7 @@ from dynamod.shared.errors import DynamoError, InvalidRequestError, UnavailableE
 from dynamod.shared.events.plane import TOPIC_KV_METRICS, EventPublisher
 from dynamod.shared.kv.transfer.base import KvTransferAgent
 from dynamod.shared.observability import tracing
+from dynamod.shared.observability.traces_endpoint import serve_traces
 from dynamod.shared.protocol import control
 from dynamod.shared.protocol.encode import (
     EMBEDDING_PAGE_TOKENS,
@@ -101,7 +102,7 @@ class EncodeService:
         )
         self._served.append(served)
         self._served.append(await self.component.endpoint(control.TRACES).serve(
-            self._traces, lease=self.lease, role=ROLE_ENCODE, model=self.card.served_model_name,
+            serve_traces, lease=self.lease, role=ROLE_ENCODE, model=self.card.served_model_name,
             labels=self._labels, status=STATUS_READY,
         ))
         for name, handler in self._control_handlers().items():
@@ -136,14 +137,6 @@ class EncodeService:
         await self.encoder.stop()
         await self.agent.close()
         logger.info("encode worker stopped worker_id=%016x", self.worker_id)
-
-    async def _traces(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
-        """The spans this process holds for a request or a trace (as every worker role serves)."""
-        req = control.parse_body(body, control.TracesRequest, control.TRACES)
-        if req.limit < 0:
-            raise InvalidRequestError(f"limit must be at least 0, got {req.limit}")
-        spans = tracing.tracer().ring.find(req.request_id, req.trace_id, req.limit)
-        yield control.ok(f"{len(spans)} spans", spans=tracing.spans_as_dicts(spans))
 
     # -- control endpoints (dynamoctl, the console) -------------------------------------------------
 

@@ -58,6 +58,7 @@ from dynamod.daemon.router.prefill_pool import RouterPrefillPool
 from dynamod.shared.drain import InFlight
 from dynamod.shared.errors import DynamoError, InvalidRequestError, NoInstancesError, NotFoundError
 from dynamod.shared.observability import tracing
+from dynamod.shared.observability.traces_endpoint import serve_traces
 from dynamod.shared.protocol import control
 from dynamod.shared.protocol.best_worker import BestWorkerAnswer, BestWorkerRequest
 from dynamod.shared.protocol.instance import Instance
@@ -146,7 +147,7 @@ class RouterService:
         router = self._rt.namespace().component(self.config.router_component)
         self._served.append(await router.endpoint(GENERATE).serve(self._generate, role=ROLE))
         self._served.append(await router.endpoint(BEST_WORKER_ID).serve(self._best_worker_id, role=ROLE))
-        self._served.append(await router.endpoint(control.TRACES).serve(self._traces, role=ROLE))
+        self._served.append(await router.endpoint(control.TRACES).serve(serve_traces, role=ROLE))
         logger.info(
             "router serving namespace=%s router_component=%s worker_component=%s block_size=%s workers=%d",
             self.namespace, self.config.router_component, self.config.worker_component,
@@ -331,14 +332,6 @@ class RouterService:
         finally:
             span.end()
             self._inflight.leave()
-
-    async def _traces(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
-        """The spans this process holds for a request or a trace (as the workers' endpoint)."""
-        req = control.parse_body(body, control.TracesRequest, control.TRACES)
-        if req.limit < 0:
-            raise InvalidRequestError(f"limit must be at least 0, got {req.limit}")
-        spans = tracing.tracer().ring.find(req.request_id, req.trace_id, req.limit)
-        yield control.ok(f"{len(spans)} spans", spans=tracing.spans_as_dicts(spans))
 
     async def _route_and_stream(
         self, request: PreprocessedRequest, ctx: RequestContext, span: tracing.Span

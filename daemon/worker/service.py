@@ -47,6 +47,7 @@ from dynamod.shared.kv.transfer.directory import KvTransferDirectory
 from dynamod.shared.kv.transfer.factory import create_agent
 from dynamod.shared.observability import tracing
 from dynamod.shared.observability.logging import REQUEST_ID as LOG_REQUEST_ID
+from dynamod.shared.observability.traces_endpoint import serve_traces
 from dynamod.shared.protocol import control
 from dynamod.shared.protocol.control import (
     ClearKvRequest,
@@ -54,7 +55,6 @@ from dynamod.shared.protocol.control import (
     EmptyRequest,
     LoadLoraRequest,
     SleepRequest,
-    TracesRequest,
     UnloadLoraRequest,
     parse_body,
 )
@@ -191,7 +191,7 @@ class WorkerService:
             control.UNLOAD_LORA: self._unload_lora,
             control.LIST_LORAS: self._list_loras,
             control.KV_DUMP: self._kv_dump,
-            control.TRACES: self._traces,
+            control.TRACES: serve_traces,
         }
         # Cards first: a frontend that sees the instance must find its model.
         await self._put_card(None, self.card)
@@ -587,14 +587,6 @@ class WorkerService:
         for i in range(0, len(events), _KV_DUMP_CHUNK):
             yield {"status": control.STATUS_OK, "events": events[i : i + _KV_DUMP_CHUNK]}
         yield control.ok(f"dumped {len(events)} events", done=True, count=len(events))
-
-    async def _traces(self, body: Any, ctx: RequestContext) -> AsyncIterator[Any]:
-        """The spans this process holds for a request (its ``x-request-id``) or a trace."""
-        req = parse_body(body, TracesRequest, control.TRACES)
-        if req.limit < 0:
-            raise InvalidRequestError(f"limit must be at least 0, got {req.limit}")
-        spans = tracing.tracer().ring.find(req.request_id, req.trace_id, req.limit)
-        yield control.ok(f"{len(spans)} spans", spans=tracing.spans_as_dicts(spans))
 
     # -- publishing -----------------------------------------------------------------------------
 
