@@ -5,17 +5,35 @@ with sessions and pinning, which between them send every kind of request the oth
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 BENCH = Path(__file__).resolve().parents[3] / "bench"
-sys.path.insert(0, str(BENCH))
 
-import agents  # noqa: E402
+
+def _load_bench() -> ModuleType:
+    """bench/agents.py under a name of its own, with sys.path restored after: imported as
+    ``agents`` (or with bench/ left on sys.path) it would shadow the openai-agents package
+    (``import agents``) for every later test in this process."""
+    saved = list(sys.path)
+    try:
+        spec = importlib.util.spec_from_file_location("dynamod_bench_agents", BENCH / "agents.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path[:] = saved
+
+
+agents = _load_bench()
 
 FIGURES = {
     "requests", "failed", "prefix_hit_rate", "prefix_hit_rate_frontend_metrics", "prompt_tokens",
