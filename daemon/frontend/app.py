@@ -163,36 +163,47 @@ class MetricsEndpoint:
         await send_bytes(send, 200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
 
 
-class TracesEndpoint:
-    """``GET /v1/traces?request_id=ID`` (or ``trace_id=``): the spans this frontend holds for a
-    request, ``{"object": "list", "data": [span...]}``; ``GET /v1/traces?slowest=N``: the N slowest
-    recent requests it holds, ``{"object": "list", "requests": [...]}``. Same auth as /metrics."""
+TRACES_MAX_LIMIT = 10_000
 
-    MAX_LIMIT = 10_000
+
+def traces_reply(query_string: str) -> tuple[int, bytes]:
+    """``GET /v1/traces``'s status and JSON body for a query string: ``request_id=ID`` (or
+    ``trace_id=``) gives the spans this process holds for a request, ``{"object": "list", "data":
+    [span...]}``; ``slowest=N`` the N slowest recent requests it holds, ``{"object": "list",
+    "requests": [...]}``; bad input an OpenAI-style error. One handler for the public port
+    (``TracesEndpoint``) and a fleet member's private status server (``main.py``)."""
+    query = parse_qs(query_string)
+
+    def one(name: str) -> str | None:
+        values = query.get(name)
+        return values[-1] if values else None
+
+    try:
+        slowest = one("slowest")
+        if slowest is not None:
+            n = _bounded_int("slowest", slowest, TRACES_MAX_LIMIT)
+            body: dict[str, Any] = {"object": "list", "requests": requests_summary(n)}
+        else:
+            request_id, trace_id = one("request_id"), one("trace_id")
+            if request_id is None and trace_id is None:
+                raise InvalidRequestError("give request_id, trace_id or slowest", param="request_id")
+            limit = _bounded_int("limit", one("limit") or "1000", TRACES_MAX_LIMIT)
+            spans = tracing.tracer().ring.find(request_id, trace_id, limit)
+            body = {"object": "list", "data": tracing.spans_as_dicts(spans)}
+    except DynamoError as exc:
+        error = to_http_error(exc)
+        return error.status, error.body
+    if not tracing.tracer().enabled:
+        body["note"] = tracing.TRACING_OFF_NOTE
+    return 200, json.dumps(body, separators=(",", ":")).encode()
+
+
+class TracesEndpoint:
+    """``GET /v1/traces`` on the public port (``traces_reply``). Same auth as /metrics."""
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-
-        def one(name: str) -> str | None:
-            values = query.get(name)
-            return values[-1] if values else None
-
-        try:
-            slowest = one("slowest")
-            if slowest is not None:
-                n = _bounded_int("slowest", slowest, self.MAX_LIMIT)
-                body = {"object": "list", "requests": requests_summary(n)}
-            else:
-                request_id, trace_id = one("request_id"), one("trace_id")
-                if request_id is None and trace_id is None:
-                    raise InvalidRequestError("give request_id, trace_id or slowest", param="request_id")
-                limit = _bounded_int("limit", one("limit") or "1000", self.MAX_LIMIT)
-                spans = tracing.tracer().ring.find(request_id, trace_id, limit)
-                body = {"object": "list", "data": tracing.spans_as_dicts(spans)}
-        except DynamoError as exc:
-            await send_error(send, to_http_error(exc))
-            return
-        await send_json(send, 200, json.dumps(body, separators=(",", ":")).encode())
+        status, body = traces_reply(scope.get("query_string", b"").decode("latin-1"))
+        await send_json(send, status, body)
 
 
 def _bounded_int(name: str, text: str, top: int) -> int:

@@ -24,7 +24,7 @@ import signal
 import ssl
 from dataclasses import replace
 
-from dynamod.daemon.frontend.app import build_app
+from dynamod.daemon.frontend.app import build_app, traces_reply
 from dynamod.daemon.frontend.http import connections as conn
 from dynamod.daemon.frontend.http.auth import ApiKeys
 from dynamod.daemon.frontend.http.fleet_metrics import FleetMetrics, fleet_labels
@@ -34,7 +34,7 @@ from dynamod.daemon.frontend.http.limits import (
     DEFAULT_MAX_BODY_BYTES,
 )
 from dynamod.daemon.frontend.http.port_sharing import FrontendFleet
-from dynamod.daemon.frontend.http.request_checks import DoorSettings, RefusalMetrics
+from dynamod.daemon.frontend.http.request_checks import TRACES_PATH, DoorSettings, RefusalMetrics
 from dynamod.daemon.frontend.http.server import HttpServer, bind_socket
 from dynamod.daemon.frontend.openai.fanout import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from dynamod.daemon.frontend.pipeline.dispatch import Dispatcher
@@ -335,6 +335,9 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
             },
         )
         if in_fleet and runtime.status_url:
+            # A member advertises its status server (metrics_url), not the shared port that lands on
+            # any member: its spans are read there too (``dynamoctl trace``, the console).
+            runtime.add_status_route(TRACES_PATH, traces_reply)
             peers = await runtime.namespace().component("frontend").endpoint("http").client()
             state.fleet_metrics = FleetMetrics(
                 runtime.registry, peers, fleet=base_url, own_instance_id=runtime.instance_id,

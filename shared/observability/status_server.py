@@ -1,4 +1,4 @@
-"""The per-process system status server: ``/health``, ``/live``, ``/metrics``.
+"""The per-process system status server: ``/health``, ``/live``, ``/metrics`` (and what a role adds).
 
 A deliberately tiny HTTP/1.1 responder on asyncio streams: ``shared/`` stays free of web frameworks
 and every process (workers, routers, planner) gets the same three routes with no extra dependency.
@@ -18,6 +18,8 @@ from anyone who can reach the port:
   secret; ``inflight`` stays public because it is a load figure, not an identity, and
   ``dynamod up``'s scaler picks the worker to remove by it.
 - ``/live`` stays open: a liveness probe carries no secret.
+- A route a role adds (``add_route``: a ``--num-frontends`` member's ``/v1/traces``, whose spans
+  name requests, workers and models) is guarded as ``/metrics`` is.
 
 Guessing the token is rate-limited per client address (``shared/security/rate_limit``, as the
 frontend's doors do for API keys): past ``DEFAULT_AUTH_FAILURE_BURST`` wrong or missing tokens on
@@ -48,6 +50,8 @@ from dynamod.shared.transport.admission import ConnectionAdmission
 logger = logging.getLogger(__name__)
 
 HealthProbe = Callable[[], tuple[bool, dict]]
+QueryRoute = Callable[[str], tuple[int, bytes]]
+"""An added ``GET`` route: its query string (without ``?``) -> status and JSON body."""
 _MAX_REQUEST_BYTES = 16 * 1024
 _HEAD_TIMEOUT_S = 30.0
 MAX_CONNECTIONS = 256
@@ -66,11 +70,11 @@ def _error_body(message: str, code: str) -> bytes:
     return json.dumps({"error": error}).encode() + b"\n"
 
 
-def _unauthorized_body(reason: str) -> bytes:
+def _unauthorized_body(reason: str, path: str = "/metrics") -> bytes:
     """An OpenAI-shaped error, as the frontend's 401s are, saying what to send."""
     told = "no cluster token was presented" if reason == REASON_MISSING_TOKEN else "the cluster token presented is wrong"
     message = (
-        f"/metrics needs the cluster token and {told}: send 'Authorization: Bearer <token>' with the token "
+        f"{path} needs the cluster token and {told}: send 'Authorization: Bearer <token>' with the token "
         "of --cluster-token-file / DYN_CLUSTER_TOKEN"
     )
     return _error_body(message, reason)
@@ -108,7 +112,18 @@ class StatusServer:
         self._writers: set[asyncio.StreamWriter] = set()
         self._slots = ConnectionAdmission("status_server", MAX_CONNECTIONS)
         self._auth_failures = RateLimiter(DEFAULT_AUTH_FAILURE_RATE, DEFAULT_AUTH_FAILURE_BURST) if token else None
+        self._routes: dict[str, QueryRoute] = {}
+        self._guarded = {"/metrics"}
         self.url = ""
+
+    def add_route(self, path: str, handler: QueryRoute) -> None:
+        """Serves ``GET path`` with ``handler``, behind the cluster token like ``/metrics``. Why
+        here: a process with a private status server (a ``--num-frontends`` member) is reachable
+        only through it, whatever its public port hands to another process."""
+        if path in ("/health", "/live", "/metrics"):
+            raise ValueError(f"{path} is the status server's own route")
+        self._routes[path] = handler
+        self._guarded.add(path)
 
     async def start(self) -> str:
         try:
@@ -156,9 +171,9 @@ class StatusServer:
                 if len(parts) < 2:
                     await self._write(writer, 400, "text/plain", b"bad request\n", False)
                     return
-                method, path = parts[0], parts[1].split("?", 1)[0]
+                method, (path, _, query) = parts[0], parts[1].partition("?")
                 failures = self._auth_failures
-                wait = failures.waiting(address) if failures is not None and path == "/metrics" else 0.0
+                wait = failures.waiting(address) if failures is not None and path in self._guarded else 0.0
                 refusal = self._metrics_refusal(method, path, head) if wait == 0.0 else None
                 extra = b""
                 if wait > 0.0:
@@ -170,10 +185,10 @@ class StatusServer:
                 elif refusal is not None:
                     if failures is not None:
                         failures.acquire(address)
-                    status, ctype, body = 401, "application/json", _unauthorized_body(refusal)
+                    status, ctype, body = 401, "application/json", _unauthorized_body(refusal, path)
                     extra = b'WWW-Authenticate: Bearer realm="dynamod"\r\n'
                 else:
-                    status, ctype, body = self._route(method, path, self._may_see_details(head))
+                    status, ctype, body = self._route(method, path, self._may_see_details(head), query)
                 await self._write(writer, status, ctype, body if method != "HEAD" else b"", keep_alive, extra)
                 if not keep_alive:
                     return
@@ -186,15 +201,15 @@ class StatusServer:
         return self._token is None or self._token.matches(bearer_token(head))
 
     def _metrics_refusal(self, method: str, path: str, head: bytes) -> str | None:
-        """Why a ``/metrics`` request is refused (missing or wrong token), or None to serve it."""
-        if self._token is None or path != "/metrics" or method not in ("GET", "HEAD"):
+        """Why a ``/metrics`` (or added route's) request is refused (missing or wrong token), or None to serve it."""
+        if self._token is None or path not in self._guarded or method not in ("GET", "HEAD"):
             return None
         presented = bearer_token(head)
         if presented is None:
             return REASON_MISSING_TOKEN
         return None if self._token.matches(presented) else REASON_BAD_TOKEN
 
-    def _route(self, method: str, path: str, details: bool = True) -> tuple[int, str, bytes]:
+    def _route(self, method: str, path: str, details: bool = True, query: str = "") -> tuple[int, str, bytes]:
         if method not in ("GET", "HEAD"):
             return 405, "text/plain", b"method not allowed\n"
         if path == "/live":
@@ -207,6 +222,14 @@ class StatusServer:
             return (200 if ready else 503), "application/json", body
         if path == "/metrics":
             return 200, CONTENT_TYPE_LATEST, generate_latest(self._registry)
+        handler = self._routes.get(path)
+        if handler is not None:
+            try:
+                status, body = handler(query)
+            except Exception:  # noqa: BLE001 - a route's bug answers 500, it must not drop the connection
+                logger.exception("status route failed path=%s", path)
+                return 500, "application/json", _error_body(f"{path} failed; see the process's log", "internal_error")
+            return status, "application/json", body
         return 404, "text/plain", b"not found\n"
 
     @staticmethod
@@ -214,7 +237,7 @@ class StatusServer:
         writer: asyncio.StreamWriter, status: int, ctype: str, body: bytes, keep_alive: bool, extra: bytes = b""
     ) -> None:
         reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-                  429: "Too Many Requests", 503: "Service Unavailable"}
+                  429: "Too Many Requests", 500: "Internal Server Error", 503: "Service Unavailable"}
         head = (
             f"HTTP/1.1 {status} {reason.get(status, 'OK')}\r\nContent-Type: {ctype}\r\n"
             f"Content-Length: {len(body)}\r\nConnection: {'keep-alive' if keep_alive else 'close'}\r\n"

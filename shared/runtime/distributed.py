@@ -29,7 +29,7 @@ from dynamod.shared.events.factory import make_event_plane
 from dynamod.shared.events.plane import EventPlane, EventPublisher, EventSubscriber
 from dynamod.shared.observability.metrics import ComponentMetrics
 from dynamod.shared.observability.process_metrics import register_process_metrics
-from dynamod.shared.observability.status_server import StatusServer
+from dynamod.shared.observability.status_server import QueryRoute, StatusServer
 from dynamod.shared.protocol.instance import STATUS_DRAINING, STATUSES, Instance, encode_instance
 from dynamod.shared.protocol.keys import instance_key
 from dynamod.shared.runtime.client import EndpointClient, endpoint_path
@@ -149,6 +149,14 @@ class DistributedRuntime:
     @property
     def status_url(self) -> str:
         return self._status.url if self._status else ""
+
+    def add_status_route(self, path: str, handler: QueryRoute) -> bool:
+        """Serves ``GET path`` on this process's status server, guarded like its ``/metrics``
+        (``StatusServer.add_route``); False when there is no status server."""
+        if self._status is None:
+            return False
+        self._status.add_route(path, handler)
+        return True
 
     @property
     def stopping(self) -> bool:

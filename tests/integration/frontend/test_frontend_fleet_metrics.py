@@ -1,9 +1,13 @@
 """``--num-frontends 2``: the shared port's ``/metrics`` adds up the whole fleet, whichever process
-answers; each member's own ``/metrics`` (advertised in discovery) counts only itself."""
+answers; each member's own ``/metrics`` (advertised in discovery) counts only itself; ``dynamoctl
+trace`` finds a request's frontend spans whichever member served it (each member's status server
+serves its ``/v1/traces``)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -15,6 +19,7 @@ from tests.integration.frontend.test_frontend_support import (
     CLI,
     LocalCluster,
     Proc,
+    clean_env,
     cluster_fixture,
     get_json,
     pid_gone,
@@ -109,3 +114,40 @@ def test_fleet_metrics_add_up_every_member(cluster: LocalCluster, started_by: st
         assert codes == [0] * len(procs)
     for pid in group:
         wait_until(lambda pid=pid: pid_gone(pid), 15, what=f"frontend {pid} to exit")
+
+
+def test_dynamoctl_trace_finds_the_frontend_spans_whichever_member_served(cluster: LocalCluster) -> None:
+    port = free_port()
+    argv = [*CLI, "--role", "frontend", *cluster.runtime_flags(), "--http-port", str(port), "--num-frontends", "2"]
+    proc = Proc("fleet-traces", argv, cluster.env | {"DYN_TRACE_SAMPLE_RATE": "1.0"}, cluster.root)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: len(get_json(url + "/health")["frontend_pids"]) == 2 or None, 30, what="both frontends")
+        wait_until(lambda: len(_member_metrics_urls(cluster.file_kv, url)) == 2 or None, 30, what="both members advertised")
+        served: dict[int, str] = {}  # member pid -> a request id it served
+        sent = 0
+        while len(served) < 2:
+            rid = f"fleet-trace-{sent}"
+            with httpx.Client(base_url=url, timeout=30) as fresh:  # one connection: one member
+                reply = fresh.post("/v1/completions", headers={"x-request-id": rid},
+                                   json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "ignore_eos": True})
+                assert reply.status_code == 200, reply.text
+                served.setdefault(fresh.get("/health").json()["pid"], rid)
+            sent += 1
+            assert sent < 60, "connections never reached both processes"
+        for pid, rid in served.items():
+            done = subprocess.run(
+                [sys.executable, "-m", "dynamod.console.ctl.main", "--file-kv", str(cluster.file_kv), "trace", rid, "--json"],
+                env=clean_env(cluster.file_kv), capture_output=True, text=True, timeout=30)
+            assert done.returncode == 0, (pid, done.stderr)
+            assert "404" not in done.stderr, done.stderr  # every member was read, none refused the path
+            spans = json.loads(done.stdout)["spans"]
+            by_id = {s["span_id"]: s for s in spans}
+            [root] = [s for s in spans if s["parent_id"] is None]
+            assert root["name"] == "http-request" and root["component"] == "frontend", root
+            assert root["attributes"]["request_id"] == rid
+            assert {"client_request", "route"} <= {s["name"] for s in spans if s["component"] == "frontend"}, spans
+            assert any(s["component"] == "agg" for s in spans), spans  # the worker's spans, in the same trace
+            assert all(s["parent_id"] is None or s["parent_id"] in by_id for s in spans), spans
+    finally:
+        assert proc.stop() == 0

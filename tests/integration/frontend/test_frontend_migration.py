@@ -2,7 +2,9 @@
 
 Every stream must complete with exactly ``max_tokens`` tokens as the client counts them (each
 chunk carries its token ids, vLLM's ``return_token_ids`` extension, so a token sent twice or lost
-shows up), and the frontend must report the migrations.
+shows up), and the frontend must report the migrations. A migrated stream is one trace in the
+frontend's ``GET /v1/traces``: a ``migration`` span from the dead worker to its successor and a
+``client_request`` span on each, all under the request's root.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import openai
 import pytest
 
 from tests.fixtures.servers import wait_until
-from tests.integration.frontend.test_frontend_support import LocalCluster, cluster_fixture, get_text
+from tests.integration.frontend.test_frontend_support import LocalCluster, cluster_fixture, get_json, get_text
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,10 +31,15 @@ MAX_TOKENS = 600
 cluster = cluster_fixture("migration-cluster", speedup=1.0)
 
 
+def _request_id(index: int) -> str:
+    return f"migration-stream-{index}"
+
+
 async def _stream(api: openai.AsyncOpenAI, index: int, progress: list[int], workers: list[str]) -> tuple[int, int, str]:
     async with api.completions.with_streaming_response.create(
         model="tiny", prompt=f"stream number {index} tells a story", max_tokens=MAX_TOKENS, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True},
+        extra_headers={"x-request-id": _request_id(index)},
     ) as response:
         workers[index] = response.headers["x-dynamo-worker-instance-id"]
         received = 0
@@ -77,6 +84,36 @@ async def _run(cluster: LocalCluster) -> None:
         float(v) for v in re.findall(r'dynamo_frontend_model_migration_total\{[^}]*model="tiny"[^}]*\} ([0-9.]+)', metrics)
     )
     assert migrated >= 1, "no stream was cut mid-generation: the test did not test migration"
+    traced = [i for i, w in enumerate(workers) if w == victim and _check_migrated_trace(cluster, _request_id(i), victim)]
+    assert traced, "no stream on the killed worker shows its migration in its trace"
+
+
+def _check_migrated_trace(cluster: LocalCluster, request_id: str, victim: str) -> bool:
+    """Checks one stream's trace as ``GET /v1/traces`` gives it; False when the stream did not
+    migrate (its worker had generated everything before the kill)."""
+    def ended() -> list[dict] | None:  # the root ends just after the stream's last chunk is sent
+        got = get_json(f"{cluster.url}/v1/traces?request_id={request_id}")["data"]
+        return got if any(s["parent_id"] is None for s in got) else None
+
+    spans = wait_until(ended, 10, what=f"the root span of {request_id}")
+    assert len({s["trace_id"] for s in spans}) == 1, spans
+    [root] = [s for s in spans if s["parent_id"] is None]
+    assert root["name"] == "http-request" and root["attributes"]["request_id"] == request_id
+    migrations = [s for s in spans if s["name"] == "migration"]
+    if not migrations:
+        assert not root["attributes"].get("migrated"), root
+        return False
+    [move] = migrations
+    successor = move["attributes"]["to_worker_id"]
+    assert move["attributes"]["from_worker_id"] == victim and successor != victim, move
+    assert move["parent_id"] == root["span_id"] and root["attributes"]["migrated"] is True
+    attempts = {s["attributes"]["worker_id"]: s for s in spans if s["name"] == "client_request"}
+    assert set(attempts) == {victim, successor}, spans
+    assert all(a["parent_id"] == root["span_id"] for a in attempts.values())
+    assert attempts[victim]["status"] == "error" and attempts[successor]["status"] == "ok"
+    assert attempts[victim]["start_unix_ns"] <= move["start_unix_ns"] <= attempts[successor]["start_unix_ns"]
+    assert root["attributes"]["worker_ids"].split(",") == [victim, successor]
+    return True
 
 
 def test_kill9_mid_stream_every_stream_completes(cluster: LocalCluster) -> None:

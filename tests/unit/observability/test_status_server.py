@@ -43,3 +43,42 @@ async def test_busy_status_port_is_a_config_error_naming_the_flag() -> None:
         assert str(holder.getsockname()[1]) in str(err.value)
     finally:
         holder.close()
+
+
+async def test_a_fleet_members_traces_route_takes_the_cluster_token_and_the_frontends_queries() -> None:
+    """A ``--num-frontends`` member advertises its status server, so its spans are read there: the
+    frontend's own handler (``traces_reply``: same queries, same JSON), refused without the token."""
+    import httpx
+
+    from dynamod.daemon.frontend.app import traces_reply
+    from dynamod.shared.observability import tracing
+    from dynamod.shared.security.token import ClusterToken
+
+    token = ClusterToken("status-token-0123456789abcdef")
+    rid = "status-route-rid-1"
+    root = tracing.tracer().start_span(tracing.SPAN_HTTP_REQUEST, component="frontend", sampled=True,
+                                       attributes={"request_id": rid, "model": "tiny"})
+    root.end()
+    server = StatusServer(CollectorRegistry(), lambda: (True, {}), port=0, token=token)
+    server.add_route("/v1/traces", traces_reply)
+    with pytest.raises(ValueError, match="own route"):
+        server.add_route("/metrics", traces_reply)
+    url = await server.start()
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+            refused = await client.get("/v1/traces", params={"request_id": rid})
+            assert refused.status_code == 401 and "/v1/traces needs the cluster token" in refused.json()["error"]["message"]
+            wrong = await client.get("/v1/traces", params={"request_id": rid}, headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 401
+            auth = {"Authorization": f"Bearer {token.value}"}
+            got = await client.get("/v1/traces", params={"request_id": rid}, headers=auth)
+            assert got.status_code == 200 and got.headers["content-type"] == "application/json"
+            [span] = got.json()["data"]
+            assert span["span_id"] == root.span_id and span["attributes"]["request_id"] == rid
+            slowest = await client.get("/v1/traces", params={"slowest": "5"}, headers=auth)
+            assert rid in [r["request_id"] for r in slowest.json()["requests"]]
+            bad = await client.get("/v1/traces", params={"limit": "x", "request_id": rid}, headers=auth)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+            assert (await client.get("/live")).status_code == 200  # still open
+    finally:
+        await server.stop()
