@@ -363,6 +363,7 @@ class RouterService:
                 overlap_weight=None if outcome is None or self.prefill_stage is None
                 else self.prefill_stage.policy.decode_overlap_weight(outcome.remote),
                 priority=request.priority,
+                kv_arriving=outcome is not None and outcome.remote,  # its KV is fetched: load from its first token
             )
             if outcome is not None:
                 decision.stage = STAGE_DECODE

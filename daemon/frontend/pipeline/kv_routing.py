@@ -38,7 +38,7 @@ from dynamod.daemon.router.core.worker_load import decode_load, prefill_queue_to
 from dynamod.shared.errors import DynamoError, NoInstancesError, OverloadedError
 from dynamod.shared.kv.hashing import hash_tokens
 from dynamod.shared.protocol.instance import Instance
-from dynamod.shared.protocol.routing import STAGE_AGG, STAGE_PREFILL, RoutingDecision
+from dynamod.shared.protocol.routing import DISAGG_REMOTE, STAGE_AGG, STAGE_PREFILL, RoutingDecision
 
 if TYPE_CHECKING:
     from dynamod.daemon.frontend.pipeline.models import EndpointPool, ModelRegistry, PrefillPool, ServedModel
@@ -122,6 +122,9 @@ class KvModelRouter:
         decision = await self._group.kv.select_worker_waiting(
             request.request_id, request.token_ids, lora_name=self._lora, allowed=keys, overlap_weight=request.overlap_weight,
             priority=request.priority, pinned=request.pinned, prompt_hashes=mm_prompt_hashes(self._group.kv, request, self._lora),
+            # Prefilled remotely: the KV is fetched (streamed while the prefill runs, with the
+            # transfer overlapped); its blocks count as decode load from its first token on.
+            kv_arriving=request.disagg is not None and request.disagg.mode == DISAGG_REMOTE,
         )
         if request.stage != STAGE_AGG:
             decision.stage = request.stage

@@ -14,7 +14,14 @@ active blocks live in the compiled core's flat ``ActiveBlocks`` when it is built
 or ``core=None`` picks the latter. Both count, release and search alike.
 
 Lifecycle, driven by the frontend: ``add`` when routed, ``mark_prefill_done`` at the first token
-(its prompt stops counting as prefill load), ``free`` at the end, on error or cancel. A request
+(its prompt stops counting as prefill load), ``free`` at the end, on error or cancel.
+
+A decode whose prompt was prefilled on another worker is added ``arriving``: its KV is being
+fetched (with the transfer overlapped, streamed while the prefill still computes it), so until its
+first token it is neither prefill nor decode load there; its blocks join the worker's active
+blocks at the first token, when its KV has landed and it decodes. Counting them from the dispatch
+made a decode worker look as loaded as a long prompt for the whole remote prefill, and the short
+requests routed meanwhile piled onto the other workers. A request
 never freed (a lost frontend task) is forgotten after ``ttl_s`` so its load does not stick forever.
 """
 
@@ -133,7 +140,7 @@ _NO_WORKERS: Counter[WorkerKey] = Counter()
 
 
 class _Sequence:
-    __slots__ = ("worker", "seq_hashes", "partial", "prefill_tokens", "prefill_done", "added_at")
+    __slots__ = ("worker", "seq_hashes", "partial", "prefill_tokens", "prefill_done", "added_at", "arriving")
 
     def __init__(
         self, worker: WorkerKey, seq_hashes: Sequence[int], partial: int, prefill_tokens: int, added_at: float
@@ -144,6 +151,7 @@ class _Sequence:
         self.prefill_tokens = prefill_tokens
         self.prefill_done = False
         self.added_at = added_at
+        self.arriving = False  # its KV is fetched from a prefill worker: blocks not counted yet
 
 
 class ActiveSequences:
@@ -239,40 +247,68 @@ class ActiveSequences:
             return total
         return total - load.shared_prefix(seq_hashes)
 
-    def add(self, request_id: Hashable, worker: WorkerKey, seq_hashes: Sequence[int], isl: int, prefill_tokens: int) -> None:
-        """Starts counting a routed request. ``prefill_tokens``: prompt tokens not cached there."""
+    def add(
+        self,
+        request_id: Hashable,
+        worker: WorkerKey,
+        seq_hashes: Sequence[int],
+        isl: int,
+        prefill_tokens: int,
+        *,
+        arriving: bool = False,
+    ) -> None:
+        """Starts counting a routed request. ``prefill_tokens``: prompt tokens not cached there.
+        ``arriving``: its KV comes from a prefill worker; it counts no prefill tokens, and its
+        blocks only from ``mark_prefill_done`` (its first token) on."""
         if request_id in self._seqs:
             logger.info("active sequence re-added request_id=%s; replacing", request_id)
             self.free(request_id)
         now = self._clock()
         self.expire(now)
         partial = 1 if isl % self.block_size else 0
-        seq = _Sequence(worker, seq_hashes, partial, max(prefill_tokens, 0), now)
+        seq = _Sequence(worker, seq_hashes, partial, 0 if arriving else max(prefill_tokens, 0), now)
         load = self._loads.get(worker)
         if load is None:
             load = self._loads[worker] = WorkerLoad(self._new_blocks())
-        load.blocks.add(seq_hashes)
-        if seq_hashes:
-            sharing = self._by_first.get(seq_hashes[0])
-            if sharing is None:
-                sharing = self._by_first[seq_hashes[0]] = Counter()
-            sharing[worker] += 1
-        load.partial_blocks += partial
+        if arriving:
+            seq.arriving = True
+        else:
+            self._hold_blocks(load, seq)
         load.prefill_tokens += seq.prefill_tokens
         load.requests += 1
         self._terms[worker] = (len(load.blocks) + load.partial_blocks, load.prefill_tokens)
         self._seqs[request_id] = seq
 
+    def _hold_blocks(self, load: WorkerLoad, seq: _Sequence) -> None:
+        """Counts ``seq``'s blocks among its worker's active blocks."""
+        seq_hashes = seq.seq_hashes
+        load.blocks.add(seq_hashes)
+        if seq_hashes:
+            sharing = self._by_first.get(seq_hashes[0])
+            if sharing is None:
+                sharing = self._by_first[seq_hashes[0]] = Counter()
+            sharing[seq.worker] += 1
+        load.partial_blocks += seq.partial
+
     def mark_prefill_done(self, request_id: Hashable) -> bool:
-        """The first token arrived: the prompt no longer counts as prefill load."""
+        """The first token arrived: the prompt no longer counts as prefill load (an arriving
+        request's KV has landed: its blocks count from now on)."""
         seq = self._seqs.get(request_id)
         if seq is None or seq.prefill_done:
             return False
         seq.prefill_done = True
         load = self._loads[seq.worker]
         load.prefill_tokens -= seq.prefill_tokens
+        if seq.arriving:
+            seq.arriving = False
+            self._hold_blocks(load, seq)
         self._terms[seq.worker] = (len(load.blocks) + load.partial_blocks, load.prefill_tokens)
         return True
+
+    def arriving(self, request_id: Hashable) -> bool:
+        """The request is counted but its KV has not landed yet (``add(arriving=True)``)."""
+        seq = self._seqs.get(request_id)
+        return seq is not None and seq.arriving
 
     def free(self, request_id: Hashable) -> bool:
         """The request ended (finished, failed or cancelled)."""
@@ -311,6 +347,9 @@ class ActiveSequences:
         return gone
 
     def _release(self, seq: _Sequence) -> None:
+        if seq.arriving:
+            self._release_request(seq)  # its blocks were never counted
+            return
         if seq.seq_hashes:
             first = seq.seq_hashes[0]
             sharing = self._by_first[first]
@@ -326,6 +365,13 @@ class ActiveSequences:
             return
         load.blocks.release(seq.seq_hashes)
         load.partial_blocks -= seq.partial
+        self._release_request(seq)
+
+    def _release_request(self, seq: _Sequence) -> None:
+        """Stops counting ``seq``'s prefill tokens and the request itself on its worker."""
+        load = self._loads.get(seq.worker)
+        if load is None:
+            return
         if not seq.prefill_done:
             load.prefill_tokens -= seq.prefill_tokens
         load.requests -= 1

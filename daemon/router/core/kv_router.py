@@ -400,11 +400,14 @@ class KvRouter:
         priority: int = 0,
         pinned: WorkerKey | None = None,
         prompt_hashes: tuple[list[int], list[int]] | None = None,
+        kv_arriving: bool = False,
     ) -> RoutingDecision:
         """Like ``select_worker``, but waits in the bounded queue while every candidate is busy
         (higher ``priority`` first, FIFO within one, with aging: wait_queue.py);
         ``OverloadedError`` when the queue is full or the wait times out. ``prompt_hashes``: as
-        ``select_worker``'s (a prompt with images is hashed by its caller, with their keys)."""
+        ``select_worker``'s (a prompt with images is hashed by its caller, with their keys).
+        ``kv_arriving``: a decode whose prompt was prefilled remotely; its KV is fetched, so it
+        is counted as arriving (``ActiveSequences.add``) until ``mark_prefill_done``."""
         allowed_list = list(allowed) if allowed is not None else None
         # Hashed once, however often it retries.
         hashes: list[tuple[list[int], list[int]]] = [] if prompt_hashes is None else [prompt_hashes]
@@ -421,6 +424,7 @@ class KvRouter:
                 wait_if_busy=True,
                 hashes=hashes,
                 pinned=pinned,
+                kv_arriving=kv_arriving,
             )
 
         return await self.queue.run(attempt, timeout_s=timeout_s, priority=priority)
@@ -457,6 +461,7 @@ class KvRouter:
         wait_if_busy: bool = False,
         hashes: list[tuple[list[int], list[int]]] | None = None,
         pinned: WorkerKey | None = None,
+        kv_arriving: bool = False,
     ) -> RoutingDecision | None:
         weight = self.config.overlap_score_weight if overlap_weight is None else float(overlap_weight)
         temp = self.config.router_temperature if temperature is None else float(temperature)
@@ -541,7 +546,7 @@ class KvRouter:
         m.scheduling_seconds.observe(t3 - t2)
         if register:
             if track_active:
-                self._register(request_id, decision.worker, local, seq, isl, won.overlap_blocks)
+                self._register(request_id, decision.worker, local, seq, isl, won.overlap_blocks, kv_arriving)
             else:
                 self._remember(decision.worker, local, seq)
             m.decisions.labels(sel.reason).inc()
@@ -570,8 +575,12 @@ class KvRouter:
                 return Selection(i, scores, REASON_SESSION, f"session affinity: its worker, cost {c.cost:.3f} (lowest {lowest:.3f})")
         return None
 
-    def _register(self, request_id: str, worker: WorkerKey, local: list[int], seq: list[int], isl: int, overlap: int) -> None:
-        self.active.add(request_id, worker, seq, isl, isl - overlap * self.block_size)
+    def _register(
+        self, request_id: str, worker: WorkerKey, local: list[int], seq: list[int], isl: int, overlap: int,
+        kv_arriving: bool = False,
+    ) -> None:
+        # Replicas hear a plain add: they count an arriving request's blocks from now on.
+        self.active.add(request_id, worker, seq, isl, isl - overlap * self.block_size, arriving=kv_arriving)
         self._remember(worker, local, seq)
         self._publish(
             SequenceAdded(
