@@ -377,11 +377,6 @@ class EngineStream:
             )
             router = req.model.router
             assert router is not None
-            if outcome is not None and outcome.remote:
-                # The decode worker fetches this prompt's KV, it does not compute it: no prefill work
-                # queued there (with the transfer overlapped, the decode is sent while the prefill
-                # still runs, and counting it would make that worker look busy for all that time).
-                router.on_first_token(request_id)
             # Remote prefill: the prompt's cache hits happened on the prefill worker.
             remote_cached = outcome.cached_tokens if outcome is not None and outcome.remote else None
             if remote_cached is not None:
