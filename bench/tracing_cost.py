@@ -1,21 +1,23 @@
 """What request tracing costs the frontend: CPU per request at trace sample rates, against off.
 
-    python bench/tracing_cost.py --rates 0,0.01,1 --rounds 5 --requests 3000 --concurrency 16 \
+    python bench/tracing_cost.py --rates off,0.01,1 --rounds 5 --requests 3000 --concurrency 16 \
         [--baseline-pythonpath /tmp/t30pkg] [--request-ids] --json
 
 Each configuration is a single-host cluster (a frontend and one mocker worker with a high
 ``--speedup-ratio`` so that the frontend is the busy process; file discovery) with
-``DYN_TRACE_SAMPLE_RATE`` set. In each round every configuration's cluster runs *at the same time*
+``DYN_TRACE_SAMPLE_RATE`` set (a rate, or ``off``). In each round every configuration's cluster runs *at the same time*
 under the same load (one ``frontend_load.py`` per cluster: streaming chat, reused connections), so
 the CPU contention of a shared machine, which moves a frontend's CPU per request by ±15 % from one
 minute to the next, falls on all of them alike; the report compares each configuration with the
 reference *within* each round and gives the median of those ratios (and of the raw figures).
 
-``--baseline-pythonpath`` adds the configuration ``baseline``, run from another checkout (an import
-root whose ``dynamod`` package maps a tree without tracing), so "off" can mean "no tracing code at
-all" (that tree then also lacks whatever else changed since); rate 0 is tracing on with nothing
-sampled (every request still gets a root span object, its ``x-request-id`` and a not-sampled
-``traceparent``). The reference is ``baseline`` when given, else the first rate.
+``off`` is this tree with tracing switched off (``DYN_TRACE_SAMPLE_RATE=off``: no root span, no
+``traceparent``, nothing kept; the ``x-request-id`` echo stays), so it differs from the rates only
+by tracing. Rate 0 is tracing on with nothing sampled (every request still gets a root span object
+and a not-sampled ``traceparent``; errors and migrations are kept). ``--baseline-pythonpath`` adds
+the configuration ``baseline``, run from another checkout (an import root whose ``dynamod``
+package maps a tree without tracing; it also lacks whatever else changed since). The reference is
+``off`` when it is among the rates, else ``baseline`` when given, else the first rate.
 """
 
 from __future__ import annotations
@@ -37,14 +39,14 @@ CLI = [sys.executable, "-m", "dynamod.daemon.cli"]
 LOAD = [sys.executable, str(Path(__file__).resolve().parent / "frontend_load.py")]
 
 
-def start_cluster(root: Path, rate: float | None, pythonpath: str | None, workers: int, speedup: float) -> tuple[list, str]:
+def start_cluster(root: Path, rate: str | None, pythonpath: str | None, workers: int, speedup: float) -> tuple[list, str]:
     """A frontend and ``workers`` mocker workers on file discovery under ``root``; returns the
     processes and the frontend's URL once it sees the workers ready."""
     kv = root / "kv"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DYN_", "OTEL_"))}
     env["DYN_FILE_KV"] = str(kv)
     if rate is not None:
-        env["DYN_TRACE_SAMPLE_RATE"] = str(rate)
+        env["DYN_TRACE_SAMPLE_RATE"] = rate
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
     common = ["--discovery-backend", "file", "--event-plane", "zmq", "--file-kv", str(kv)]
@@ -75,7 +77,7 @@ def start_cluster(root: Path, rate: float | None, pythonpath: str | None, worker
     raise RuntimeError(f"cluster did not come up:\n{tails}")
 
 
-def run_round(configs: list[tuple[str, float | None, str | None]], args: argparse.Namespace) -> dict[str, dict]:
+def run_round(configs: list[tuple[str, str | None, str | None]], args: argparse.Namespace) -> dict[str, dict]:
     """Every configuration's cluster up, then all their loads at once; the figures per config."""
     with tempfile.TemporaryDirectory(prefix="tracecost-") as tmp:
         clusters: dict[str, tuple[list, str]] = {}
@@ -99,10 +101,13 @@ def run_round(configs: list[tuple[str, float | None, str | None]], args: argpars
                     run = json.loads(stdout)["runs"][0]
                 except (ValueError, KeyError, IndexError):
                     raise RuntimeError(f"{name}: load failed: {stderr.decode(errors='replace')[-800:]}") from None
-                out[name] = {"cpu_ms_per_req": run["frontend_cpu_ms_per_req"], "req_per_s": run["req_per_s"],
+                # From the CPU seconds rather than the load's rounded per-request figure (3 decimals of
+                # a ms is a 1 % step at ~0.4 ms/request).
+                done = max(1, run["ok"])
+                out[name] = {"cpu_ms_per_req": round(run["frontend_cpu_s"] * 1000 / done, 5), "req_per_s": run["req_per_s"],
                              "errors": run["errors"], "ttft_p50_ms": run["ttft_ms"]["p50"]}
             for name, rate, _ in configs:
-                if rate:  # the spans are really there: the frontend holds recent requests' roots
+                if rate not in (None, "off") and float(rate) > 0:  # the spans are really there: the frontend holds recent requests' roots
                     held = get_json(clusters[name][1] + "/v1/traces?slowest=1000") or {}
                     out[name]["traced_requests_held"] = len(held.get("requests", []))
             return out
@@ -113,7 +118,7 @@ def run_round(configs: list[tuple[str, float | None, str | None]], args: argpars
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
-    p.add_argument("--rates", default="0,0.01,1", help="comma-separated trace sample rates")
+    p.add_argument("--rates", default="off,0.01,1", help="comma-separated trace sample rates (a number or 'off')")
     p.add_argument("--baseline-pythonpath", default="", help="import root of a tree without tracing (adds 'baseline')")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--requests", type=int, default=3000)
@@ -126,12 +131,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-ids", action="store_true", help="send a client x-request-id with every request")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    configs: list[tuple[str, float | None, str | None]] = []
+    configs: list[tuple[str, str | None, str | None]] = []
     if args.baseline_pythonpath:
         configs.append(("baseline", None, args.baseline_pythonpath))
-    configs += [(f"rate_{text}", float(text), None) for text in args.rates.split(",")]
-    ref = configs[0][0]
+    for text in args.rates.split(","):
+        text = text.strip().lower()
+        if text != "off":
+            try:
+                ok = 0.0 <= float(text) <= 1.0
+            except ValueError:
+                ok = False
+            if not ok:
+                p.error(f"--rates: {text!r} is not a rate from 0 to 1 or 'off'")
+        name = "off" if text == "off" else f"rate_{text}"
+        taken = {n for n, _, _ in configs}
+        if name in taken:  # the same rate twice (an A/A run: how far apart two like clusters land)
+            name = next(f"{name}_{k}" for k in range(2, 100) if f"{name}_{k}" not in taken)
+        configs.append((name, text, None))
+    names = [name for name, _, _ in configs]
+    ref = "off" if "off" in names else names[0]
     calibration = calibrate()
+    loadavg = os.getloadavg()
     rounds: list[dict[str, dict]] = []
     for _ in range(args.rounds):
         for attempt in range(3):  # a start that failed on a busy shared machine is tried again
@@ -158,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "requests": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
         "prompt_tokens": args.prompt_tokens, "rounds": args.rounds, "reference": ref,
-        "calibration_ns_per_dict_insert": {"before": calibration, "after": calibrate()}, "configs": summary,
+        "calibration_ns_per_dict_insert": {"before": calibration, "after": calibrate()},
+        "loadavg_before": loadavg, "loadavg_after": os.getloadavg(), "configs": summary,
         "errors": sum(r[name]["errors"] for r in rounds for name in r),
     }
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))

@@ -249,9 +249,10 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", help="log level [env DYN_LOG, default info]")
     g.add_argument(
         "--trace-sample-rate",
-        type=float,
+        metavar="RATE|off",
         help="fraction of requests whose trace spans are recorded (the local ring buffer, and OTLP export when "
-        "OTEL_* asks for it); failed and migrated requests are always kept [env DYN_TRACE_SAMPLE_RATE, default 1.0]",
+        "OTEL_* asks for it); failed and migrated requests are always kept; 'off': no tracing at all (no spans, "
+        "no traceparent; x-request-id still echoed) [env DYN_TRACE_SAMPLE_RATE, default 1.0]",
     )
     add_security_args(parser)
 

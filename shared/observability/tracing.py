@@ -43,6 +43,8 @@ from typing import Any
 
 import msgspec
 
+from dynamod.shared.observability.logging import REQUEST_ID as LOG_REQUEST_ID
+
 logger = logging.getLogger(__name__)
 
 TRACEPARENT = "traceparent"
@@ -68,6 +70,11 @@ SPAN_ENGINE_DECODE = "engine.decode"  # first token -> completion
 SPAN_KV_TRANSFER = "kv_transfer"  # a decode worker reading the prompt's KV from a prefill worker
 
 DEFAULT_SAMPLE_RATE = 1.0
+# ``--trace-sample-rate off`` / ``DYN_TRACE_SAMPLE_RATE=off``: no tracing at all. The frontend makes
+# no root span and sends no ``traceparent``; no process keeps a span (not even a failed request's).
+# Rate 0 is different: nothing sampled, but errors and migrations are still recorded.
+TRACING_OFF = "off"
+TRACING_OFF_NOTE = "tracing is off in this process (--trace-sample-rate off): it keeps no spans"
 DEFAULT_RING_REQUESTS = 2000
 DEFAULT_RING_SPANS = 50_000
 MAX_REQUEST_ID_LEN = 128
@@ -405,6 +412,14 @@ class Tracer:
         self.sampler = sampler if sampler is not None else Sampler()
         self.ring = ring if ring is not None else SpanRing()  # an empty ring is falsy (__len__)
         self.exporter: SpanSink | None = None
+        # False (``TRACING_OFF``): callers that can skip their spans do (the frontend's root), and
+        # ``record`` keeps nothing from the spans that are still made (a worker's, unsampled).
+        self.enabled = True
+
+    def switch_off(self) -> None:
+        """``TRACING_OFF``: nothing sampled, nothing recorded or exported from now on."""
+        self.enabled = False
+        self.sampler = Sampler(0.0)
 
     def start_span(
         self,
@@ -451,6 +466,8 @@ class Tracer:
         )
 
     def record(self, span: Span) -> None:
+        if not self.enabled:
+            return
         self.ring.add(span)
         exporter = self.exporter
         if exporter is not None:
@@ -504,9 +521,18 @@ class use_span:  # noqa: N801 - used like a function: ``with use_span(span):``
 
 def outgoing_headers(headers: dict[str, str] | None) -> dict[str, str] | None:
     """``headers`` plus the current span's ``traceparent`` and ``x-request-id`` (the request-plane
-    clients call this for every stream they open; without a current span it returns ``headers``)."""
+    clients call this for every stream they open). Without a current span (tracing off) only the
+    ``x-request-id`` of the request being served (the log lines' id) is added, so the workers'
+    log lines still carry it."""
     span = _CURRENT.get()
-    if span is None or (headers is not None and TRACEPARENT in headers):
+    if span is None:
+        rid = LOG_REQUEST_ID.get()
+        if rid is None or (headers is not None and REQUEST_ID_HEADER in headers):
+            return headers
+        out = dict(headers) if headers else {}
+        out[REQUEST_ID_HEADER] = rid
+        return out
+    if headers is not None and TRACEPARENT in headers:
         return headers
     out = dict(headers) if headers else {}
     ctx = span.context

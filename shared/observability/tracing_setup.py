@@ -14,6 +14,7 @@ from dynamod.shared.observability.tracing import (
     DEFAULT_RING_REQUESTS,
     DEFAULT_RING_SPANS,
     DEFAULT_SAMPLE_RATE,
+    TRACING_OFF,
     Sampler,
     SpanRing,
     Tracer,
@@ -22,18 +23,41 @@ from dynamod.shared.observability.tracing import (
 from dynamod.shared.observability.tracing_otel import exporter_from_env
 
 
+def parse_sample_rate(text: str) -> float | str:
+    """A sample rate as written on a command line or in ``DYN_TRACE_SAMPLE_RATE``: a number from 0
+    to 1, or ``off`` (``TRACING_OFF``); ``ValueError`` otherwise."""
+    if text.strip().lower() == TRACING_OFF:
+        return TRACING_OFF
+    try:
+        rate = float(text)
+    except ValueError:
+        raise ValueError(f"a trace sample rate is a number from 0 to 1 or 'off', got {text!r}") from None
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"a trace sample rate is between 0 and 1 (or 'off'), got {text}")
+    return rate
+
+
 def configure(
-    sample_rate: float | None = None, *, ring_requests: int | None = None, ring_spans: int | None = None,
+    sample_rate: float | str | None = None, *, ring_requests: int | None = None, ring_spans: int | None = None,
     export: bool = True, service_name: str | None = None,
 ) -> Tracer:
     """Sets this process's sampling rate and ring bounds (None: ``DYN_TRACE_SAMPLE_RATE``,
-    ``DYN_TRACE_RING_REQUESTS``, ``DYN_TRACE_RING_SPANS`` or the defaults) and, when ``export`` and the ``OTEL_*`` environment asks for it, attaches the OTLP
-    exporter (``tracing_otel``). Called once by each role's main; safe to call again."""
+    ``DYN_TRACE_RING_REQUESTS``, ``DYN_TRACE_RING_SPANS`` or the defaults) and, when ``export`` and
+    the ``OTEL_*`` environment asks for it, attaches the OTLP exporter (``tracing_otel``). A rate of
+    ``off`` switches tracing off (``Tracer.switch_off``; no exporter either). Called once by each
+    role's main; safe to call again."""
     tracer_ = tracer()
     if sample_rate is None:
         env = os.environ.get("DYN_TRACE_SAMPLE_RATE")
-        sample_rate = float(env) if env else DEFAULT_SAMPLE_RATE
-    tracer_.sampler = Sampler(sample_rate)
+        sample_rate = parse_sample_rate(env) if env else DEFAULT_SAMPLE_RATE
+    elif isinstance(sample_rate, str):
+        sample_rate = parse_sample_rate(sample_rate)
+    if sample_rate == TRACING_OFF:
+        tracer_.switch_off()
+        tracer_.exporter = None
+        return tracer_
+    tracer_.enabled = True
+    tracer_.sampler = Sampler(float(sample_rate))
     if ring_requests is None and os.environ.get("DYN_TRACE_RING_REQUESTS"):
         ring_requests = int(os.environ["DYN_TRACE_RING_REQUESTS"])
     if ring_spans is None and os.environ.get("DYN_TRACE_RING_SPANS"):
@@ -45,7 +69,7 @@ def configure(
     return tracer_
 
 
-def configure_tracing(sample_rate: float | None) -> Tracer:
+def configure_tracing(sample_rate: float | str | None) -> Tracer:
     """``configure`` for a role's command line: a bad rate (flag or ``DYN_TRACE_SAMPLE_RATE``) or
     OTLP setting is a ``ConfigError`` (one line, exit 1)."""
     try:

@@ -218,7 +218,7 @@ class GenerationEndpoint(ABC, Generic[BodyT]):
         client_id = client_id or request_id
         log_token = LOG_REQUEST_ID.set(client_id)
         trace = start_request_span(scope, client_id, self.endpoint_name)
-        if client_id != request_id:
+        if trace is not None and client_id != request_id:
             trace.set("engine_request_id", request_id)
         try:
             try:
@@ -227,11 +227,13 @@ class GenerationEndpoint(ABC, Generic[BodyT]):
                 model = state.registry.get(self.model_name(body))
             except Exception as exc:  # noqa: BLE001 - every failure becomes an error body
                 state.metrics.count_request("unknown", self.endpoint_name, False, STATUS_ERROR)
-                trace.fail(exc)
-                trace.end()
+                if trace is not None:
+                    trace.fail(exc)
+                    trace.end()
                 await self.refuse(send, exc, request_id)
                 return
-            trace.set("model", model.name)
+            if trace is not None:
+                trace.set("model", model.name)
             request = FrontendRequest(
                 request_id=request_id, scope=scope, send=send, body=body, model=model, started_at=start,
                 watch=DisconnectWatch(receive), stream=self.wants_stream(body), explain=wants_explain(scope),

@@ -8,8 +8,9 @@
       migration        a broken stream re-sent to another worker (old and new worker)
       output_parse     tool-call / reasoning parsing of the output
 
-The root is always made (the head sampling decision lives on it); its children only when it
-records (``Tracer.child``). A failed or migrated request is recorded anyway (``tracing``).
+The root is made unless tracing is off (the head sampling decision lives on it); its children
+only when it records (``Tracer.child``). A failed or migrated request is recorded anyway
+(``tracing``). With tracing off every helper here takes a None root and does nothing.
 """
 
 from __future__ import annotations
@@ -31,10 +32,13 @@ COMPONENT = "frontend"
 _TRACEPARENT_B = tracing.TRACEPARENT.encode("latin-1")
 
 
-def start_request_span(scope: Scope, request_id: str, endpoint: str) -> Span:
+def start_request_span(scope: Scope, request_id: str, endpoint: str) -> Span | None:
     """The root of a request's trace, continuing the client's ``traceparent`` when it sent one
-    (sampled when the client sampled it, else by this process's sampler)."""
+    (sampled when the client sampled it, else by this process's sampler); None when tracing is off
+    (then no span of the request is made and no ``traceparent`` is sent)."""
     tr = tracing.tracer()
+    if not tr.enabled:
+        return None
     parent = tracing.parse_traceparent(header(scope, _TRACEPARENT_B))
     sampled = None
     if parent is not None:

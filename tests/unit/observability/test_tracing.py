@@ -201,3 +201,78 @@ def test_log_lines_carry_the_request_id() -> None:
         REQUEST_ID.reset(token)
     assert line.endswith("request migrating worker=1a x_request_id=client-7")
     assert obj["x_request_id"] == "client-7" and obj["msg"] == "request migrating worker=1a"
+
+
+def test_sample_rate_parsing_accepts_off() -> None:
+    from dynamod.shared.observability.tracing_setup import parse_sample_rate
+
+    assert parse_sample_rate("off") == parse_sample_rate(" OFF ") == tracing.TRACING_OFF
+    assert parse_sample_rate("0") == 0.0 and parse_sample_rate("0.01") == 0.01
+    for bad in ("1.5", "-0.1", "none", ""):
+        with pytest.raises(ValueError, match="sample rate"):
+            parse_sample_rate(bad)
+
+
+@pytest.fixture
+def tracing_off(monkeypatch: pytest.MonkeyPatch) -> Tracer:
+    """The process tracer swapped for one configured ``off`` (the real one is left as it was)."""
+    from dynamod.shared.observability import tracing_setup
+
+    tr = Tracer()
+    monkeypatch.setattr(tracing, "_TRACER", tr)
+    monkeypatch.setattr(tracing_setup, "tracer", lambda: tr)
+    assert tracing_setup.configure("off", export=False) is tr
+    return tr
+
+
+def test_tracing_off_keeps_nothing_and_sends_no_traceparent(tracing_off: Tracer) -> None:
+    from dynamod.daemon.frontend.pipeline.tracing import migration_span, start_request_span
+
+    tr = tracing_off
+    assert not tr.enabled and tr.exporter is None
+    scope = {"type": "http", "method": "POST", "headers": [(b"traceparent", f"00-{TRACE}-{PARENT}-01".encode())]}
+    # The frontend makes no root, even for a client that sampled its trace.
+    assert start_request_span(scope, "rid-1", "chat_completions") is None
+    with tracing.use_span(None):
+        assert tracing.outgoing_headers({"x": "1"}) == {"x": "1"}
+        # The request's x-request-id (its log lines' id) still reaches the workers, without a traceparent.
+        from dynamod.shared.observability.logging import REQUEST_ID
+
+        token = REQUEST_ID.set("rid-1")
+        try:
+            assert tracing.outgoing_headers({"x": "1"}) == {"x": "1", "x-request-id": "rid-1"}
+            assert tracing.outgoing_headers(None) == {"x-request-id": "rid-1"}
+            assert tracing.outgoing_headers({"x-request-id": "own"}) == {"x-request-id": "own"}
+        finally:
+            REQUEST_ID.reset(token)
+    # A worker's span (made from no traceparent) is unsampled and not kept, even when it fails.
+    span = tr.start_span("handle_payload", component="agg", attributes={"request_id": "rid-1"})
+    assert not span.recording
+    span.fail(RuntimeError("boom"))
+    span.end()
+    assert len(tr.ring) == 0 and tr.ring.find("rid-1") == []
+
+    class _Engine:
+        trace = None
+
+    assert migration_span(_Engine(), 1, RuntimeError("gone")) is None  # type: ignore[arg-type]
+    # Switching back on (configure again) records again.
+    from dynamod.shared.observability import tracing_setup
+
+    tracing_setup.configure(1.0, export=False)
+    assert tr.enabled and start_request_span({"type": "http", "headers": []}, "rid-2", "chat_completions") is not None
+
+
+def test_traces_endpoint_says_tracing_is_off(tracing_off: Tracer) -> None:
+    import json
+
+    from dynamod.daemon.frontend.app import traces_reply
+
+    status, body = traces_reply("slowest=5")
+    reply = json.loads(body)
+    assert status == 200 and reply["requests"] == [] and "off" in reply["note"]
+    status, body = traces_reply("request_id=abc")
+    reply = json.loads(body)
+    assert status == 200 and reply["data"] == [] and "off" in reply["note"]
+    tracing_off.enabled = True
+    assert "note" not in json.loads(traces_reply("slowest=5")[1])
