@@ -210,6 +210,8 @@ class KVCacheManager:
         when some pin gave way; a request that only has to wait for running ones leaves the pins
         alone."""
         pool = self.block_pool
+        if needed <= pool.num_blocks - len(self.pins) - len(request.blocks) - len(hits):
+            return False  # fits beside every pin even if all were idle: no scan (the common case)
         cache = pool.cached_block_hash_to_block
         taken = {id(b) for b in hits}
         idle = [h for h in self.pins.by_expiry()

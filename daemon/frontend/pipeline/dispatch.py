@@ -187,7 +187,8 @@ class EngineStream:
         pre = req.preprocessed
         outcome: PrefillOutcome | None = None
         if req.model.prefill is not None:
-            await self._encode(self._prefill_cached_tokens())  # the prefill stage picks the worker
+            if pre.mm_items and self._d.encode_stage is not None:  # a text prompt skips the estimate
+                await self._encode(self._prefill_cached_tokens())  # the prefill stage picks the worker
             outcome = await self._prefill(candidates)
             candidates = await self._candidates(exclude)  # the prefill took a while: who is still here
         passed: set[int] = set()
