@@ -62,6 +62,9 @@ class WorkerScreen(Screen[None]):
         self.state = state
         self.instance_id = instance_id
         self._seen = -1
+        # The app's refresh timer can tick between push_screen and this screen's mount, when it is
+        # already ``app.screen`` but has no widgets yet; it draws only once mounted.
+        self._mounted = False
 
     def compose(self) -> ComposeResult:
         yield Static("", id="title")
@@ -73,9 +76,12 @@ class WorkerScreen(Screen[None]):
         yield Footer(compact=True, show_command_palette=False)
 
     def on_mount(self) -> None:
+        self._mounted = True
         self.refresh_from(force=True)
 
     def refresh_from(self, *, force: bool = False) -> None:
+        if not self._mounted:
+            return
         seen = self.state.versions.total() + int(self.state.clock())
         if not force and seen == self._seen:
             return

@@ -288,3 +288,16 @@ async def test_refresh_follows_the_state(recorded_state: ClusterState) -> None:
         # The refresh timer picks it up; poll with a deadline.
         await until(pilot, lambda: len(row_keys(workers_table(app))) == before + 1, timeout=5.0, what="the new row")
         assert "dynamo/backend/0000000000000abc" in row_keys(workers_table(app))
+
+
+async def test_a_refresh_tick_before_the_worker_screen_mounts_draws_nothing(recorded_state: ClusterState) -> None:
+    """The refresh timer can tick between ``push_screen`` and the worker screen's mount, when the
+    screen is already ``app.screen`` but has no widgets yet (a clean-clone CI run failed on
+    ``NoMatches: '#title'``). That tick must pass; the mount draws the screen."""
+    async with running(recorded_state) as (app, pilot):
+        screen = WorkerScreen(app.state, WORKER_B)
+        screen.refresh_from()  # composed nothing yet: no widget to write to
+        await app.push_screen(screen)
+        await pilot.pause()
+        app.refresh_now()
+        assert str(screen.query_one("#title").content).startswith(f"{app.state.find_worker(WORKER_B).namespace}/")
