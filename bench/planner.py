@@ -26,7 +26,7 @@ run of the bench only replays the planners.
 agg planner's ``ReactiveCore`` and scores the rates it could plan for against the mean rate a
 worker launched at that tick meets once ready (25-40 s later): ``window`` (the last window's
 mean), ``rise`` (the window plus the rise of the last start-up, carried over the next: the agg
-projection before the forecast), ``forecast`` (``forecast.RateForecast``: the arrivals' fitted
+projection before the forecast; at a burst's onset the level measured since it), ``forecast`` (``forecast.RateForecast``: the arrivals' fitted
 growth over the horizon, not past a step) and ``planned`` (the larger of rise and forecast: what
 agg sizes for). ``under`` is the demand each left unplanned (request-seconds: misses),
 ``over`` the surplus (cost).

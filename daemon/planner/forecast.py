@@ -54,6 +54,10 @@ class Forecast:
     growth_se: float  # its standard error (inf without a fit)
     horizon_s: float
     rate: float  # the forecast: level x exp(growth x horizon), capped; the level without a trend
+    # The growth is significant and steeper than ``STEP_GROWTH`` over the horizon: a burst's
+    # onset (a step), which projects nothing here and which the agg planner sizes for the level
+    # measured since it (``reactive.ReactiveCore``) instead of carrying its rise.
+    onset: bool = False
 
     @property
     def significant(self) -> bool:
@@ -62,7 +66,8 @@ class Forecast:
     def as_inputs(self) -> dict[str, float]:
         se = self.growth_se if math.isfinite(self.growth_se) else -1.0
         return {"forecast_rate": round(self.rate, 4), "forecast_growth_per_s": round(self.growth_per_s, 5),
-                "forecast_growth_se": round(se, 5), "forecast_horizon_s": self.horizon_s}
+                "forecast_growth_se": round(se, 5), "forecast_horizon_s": self.horizon_s,
+                "forecast_onset": float(self.onset)}
 
 
 class RateForecast:
@@ -109,7 +114,9 @@ class RateForecast:
         se = math.sqrt(1.0 / sxx)
         level = math.exp(my - growth * mx)  # the fitted line at x = 0 (now)
         grow = math.exp(min(growth * horizon_s, 50.0))
-        if growth - self.z * se <= 0.0 or grow > self.step_growth:
+        if growth - self.z * se <= 0.0:
             return Forecast(level, growth, se, horizon_s, mean)
+        if grow > self.step_growth:
+            return Forecast(level, growth, se, horizon_s, mean, onset=True)
         carried = level * min(grow, self.growth_cap)
         return Forecast(level, growth, se, horizon_s, max(mean, carried))

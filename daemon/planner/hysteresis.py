@@ -56,7 +56,9 @@ class ScaleGuard:
         """``committed``: the replicas asked for and not given up (ready + starting, or the last
         target while it is pending); ``need``: what this interval needs (already within the
         pool's bounds); ``evidence``: the part of it that is sustained (a rate, not a queue to
-        clear), which the release window remembers (default: all of ``need``)."""
+        clear), which the release window remembers (default: all of ``need``). It may exceed
+        ``need`` (a burst onset's carried rate, ``reactive.Need.hold_only``): remembered, it
+        holds the pool later, it never grows it (only ``need`` does)."""
         h = self._pools.setdefault(pool, _PoolHistory())
         h.first_at = min(h.first_at, now)
         h.needs.append((now, need if evidence is None else evidence))

@@ -14,6 +14,13 @@ Every interval (``ReactiveCore.assess``), per pool:
   at the next decision are ready (the arrivals' growth over the last window and start-up): a
   transient need. It scales up ahead of a ramp out of a trough, which the rise trails by a
   start-up; remembered, its fleets were held for a whole release window.
+  **A burst's onset** (the forecast sees a step, growth steeper than ``STEP_GROWTH`` over its
+  horizon): for one forecast span agg sizes for the rate measured since the onset (the higher
+  of the last two intervals' and the recent half window's) instead of the rise carried over a
+  start-up, which projects a step at up to 2.5x its level (window + 1.5 x the rise) and
+  launched workers for bursts one worker carries (bursty seed 2). The carried rate is still
+  remembered (a hold-only need): a fleet the burst's measured level grew is held as before, the
+  hedge for the next burst (seeds 3 and 4 meet an intense burst after a mild one with it).
 - **backlog**: the prompt tokens still queued when a worker launched now would be ready (the
   queue now, plus what the last interval's arrivals add beyond what the ready workers compute
   during the start-up), cleared within the start-up: queued requests and waiting time count. A
@@ -112,6 +119,10 @@ class Need:
     # A queue to clear is met by a burst of capacity, not kept: it is no evidence for the
     # scale-down window (``ScaleGuard``), unlike a sustained rate or a learned miss.
     transient: bool = False
+    # Evidence only: remembered by the scale-down window like a sustained need, but it launches
+    # nothing (``strongest`` passes over it). A burst onset's carried rate: it holds the fleet
+    # the measured level grew, it does not grow one.
+    hold_only: bool = False
 
 
 def warm(loads: tuple[WorkerLoad, ...], interval_s: float) -> list[WorkerLoad]:
@@ -170,6 +181,11 @@ class ReactiveCore:
         self.rise = 0.0
         self._rates: deque[tuple[float, float]] = deque()
         self.sustained_rate = 0.0
+        # Agg, within one forecast span of a burst's onset: the rate measured since it (what the
+        # fleet is sized for), and the carried rate it replaced (release-window evidence only).
+        self._onset_at: float | None = None
+        self.onset_level: float | None = None
+        self.carried_rate = 0.0
         # What the SLA misses taught, per pool: the factor on the model's load that meets the
         # targets on this engine and this traffic (the model's agg prefill share is a bound, the
         # truth depends on how many requests are short). Each settled interval moves it towards
@@ -233,10 +249,21 @@ class ReactiveCore:
         self.rise = self._rise(obs.now, rate)
         rate = max(self.trend_rate, self.window_rate + self.rise) if self.mode == "agg" else self.trend_rate
         self.sustained_rate = rate
+        self.carried_rate = 0.0
         if self.mode == "agg":
             self.forecast = self._forecast.forecast(obs.now, self.startup_s + self.interval_s)
             if self.observed_s >= self.demand_window_s:  # the first window's rate is a guess, no evidence
                 rate = max(rate, self.forecast.rate)
+            self.onset_level = self._onset_level(obs.now, samples)
+            if self.onset_level is not None and rate > self.onset_level:
+                # A step's level is measured, not extrapolated: sized for it, the carried rate
+                # kept as evidence only (``Need.hold_only``).
+                level = self.onset_level
+                self.carried_rate = self.sustained_rate
+                self.trend_rate = min(self.trend_rate, level)
+                self.rise = max(0.0, min(self.rise, level - self.window_rate))
+                self.sustained_rate = min(self.sustained_rate, level)
+                rate = level
         self.isl = _weighted(samples, "isl") or self.isl
         # The measured means over the window, for the decision record (what the SLA was judged on
         # is the histograms' tails, in ``ttft_over_frac`` / ``itl_over_frac``).
@@ -258,6 +285,17 @@ class ReactiveCore:
             self.osl_classes = classes
         return Demand(rate, self.isl or 0.0, self.osl or 0.0, self.hit_rate, backlog * (1.0 - min(self.hit_rate, 0.95)),
                       self.osl_classes)
+
+    def _onset_level(self, now: float, samples: list[TrafficSample]) -> float | None:
+        """Within one forecast span of a burst's onset (``Forecast.onset``), the rate measured
+        since it: the higher of the last two intervals' rate (the shortest mean that is not one
+        interval's Poisson noise) and the recent half window's, never under the window's. None
+        otherwise."""
+        if self.forecast is not None and self.forecast.onset:
+            self._onset_at = now
+        if self._onset_at is None or now - self._onset_at > self._forecast.span_s:
+            return None
+        return max(self.window_rate, _rate_of(samples[len(samples) // 2:]), _rate_of(samples[-2:]))
 
     def _rise(self, now: float, rate: float) -> float:
         """How much the window's rate rose over the last start-up time: carried over the next one
@@ -331,6 +369,8 @@ class ReactiveCore:
                 base[name] = round(value, 3)
         if self.forecast is not None:
             base.update(self.forecast.as_inputs(), window_rate=round(self.window_rate, 4))
+        if self.onset_level is not None:
+            base.update(onset_level=round(self.onset_level, 4), carried_rate=round(self.carried_rate, 4))
         out: dict[str, list[Need]] = {}
         for pool in pools:
             pobs = obs.pools.get(pool) or PoolObservation(pool, 0)
@@ -392,6 +432,15 @@ class ReactiveCore:
                                   f"is ready: {detail}", inputs, transient=True))
             else:
                 needs.append(Need(pool, steady, R_CAPACITY, f"{over}: {detail}", inputs, transient=young))
+            if self.carried_rate > self.sustained_rate and demand.request_rate > 0 and not young:
+                scale = self.carried_rate / demand.request_rate
+                held = max(ceil_replicas(load * scale * k),
+                           ceil_replicas(busy * scale / MAX_UTILISATION) if pool != POOL_DECODE else 0)
+                if held > measured:
+                    needs.append(Need(pool, held, R_CAPACITY,
+                                      f"{over}: a burst's onset, sized for the {self.onset_level:.3g} req/s measured "
+                                      f"since it; the {self.carried_rate:.3g} req/s the rise carries over the start-up "
+                                      f"holds {held} (remembered, launches nothing)", inputs, hold_only=True))
             projected = inputs["projected_backlog_tokens"]
             clear_s = max(self.model.ttft_ms / 1000.0, self.startup_s, 1e-3)
             n_cap = ceil_replicas(load * k + projected / (sized.prefill_thpt * clear_s)) if pool != POOL_DECODE else 0
@@ -560,11 +609,12 @@ def _load_inputs(loads: tuple[WorkerLoad, ...]) -> dict[str, float]:
 
 
 def strongest(needs: list[Need]) -> Need:
-    """The largest need; on a tie the most urgent reason (``REASON_ORDER``)."""
+    """The largest need that may launch workers (not ``hold_only``); on a tie the most urgent
+    reason (``REASON_ORDER``)."""
     def rank(n: Need) -> tuple[int, int]:
         order = REASON_ORDER.index(n.reason) if n.reason in REASON_ORDER else len(REASON_ORDER)
         return (n.replicas, -order)
-    return max(needs, key=rank)
+    return max([n for n in needs if not n.hold_only] or needs, key=rank)
 
 
 def _misses_of(ttft: tuple[tuple[float, float], ...], itl: tuple[tuple[float, float], ...],
@@ -582,6 +632,12 @@ def _misses_of(ttft: tuple[tuple[float, float], ...], itl: tuple[tuple[float, fl
     t_total = ttft[-1][1] if ttft else 0.0
     i_total = (osl[-1][1] if osl else itl[-1][1]) if itl else 0.0
     return t_over, i_over, (t_over or 0.0) * t_total, (i_over or 0.0) * i_total, t_total, i_total
+
+
+def _rate_of(samples: list[TrafficSample]) -> float:
+    """Arrivals per second over the samples (0 without any)."""
+    seconds = sum(s.duration_s for s in samples)
+    return sum(finite(s.num_requests) or 0.0 for s in samples) / seconds if seconds > 0 else 0.0
 
 
 def _weighted(samples: list[TrafficSample], attr: str, *, allow_zero: bool = False) -> float | None:

@@ -3,7 +3,9 @@ the workers still starting or draining.
 
 Both policies end here (``PoolSizer.plan``): the largest need of a pool (``reactive.strongest``) is
 clamped to the pool's min/max, passed through the ``ScaleGuard`` (up at once, down only after the
-release window), then the pools are fitted into ``--max-gpu-budget``:
+release window; the window remembers the sustained needs and the hold-only ones, a burst onset's
+carried rate, which hold a fleet but never grow it), then the pools are fitted into
+``--max-gpu-budget``:
 
 - the answer's total fits the budget (Dynamo's ``scale = budget / total`` rule, ``fit_total``);
 - a pool grows only into GPUs free *now*: ready, starting and draining workers all hold theirs
@@ -76,10 +78,12 @@ class PoolSizer:
                 want, reason, detail = lo, "at_min", f"{top.reason}: {top.detail}; minimum {lo}"
             elif want > hi:
                 want, reason, detail = hi, "at_max_budget", f"{top.reason} asked {top.replicas}, at most {hi}: {top.detail}"
-            sustained = [n.replicas for n in pool_needs if not n.transient]
-            evidence = min(max(max(sustained, default=lo), lo), hi)
+            sustained = [n.replicas for n in pool_needs if not n.transient and not n.hold_only]
+            evidence = min(min(max(max(sustained, default=lo), lo), hi), want)
+            # A hold-only need is evidence beyond what is wanted now: it may hold the fleet, never grow it.
+            held = max((n.replicas for n in pool_needs if n.hold_only), default=0)
             g = self.guard.decide(pool, now=now, ready=pobs.ready, committed=committed[pool], need=want,
-                                  evidence=min(evidence, want))
+                                  evidence=max(evidence, min(held, hi)))
             inputs["window_need"] = float(g.window_need)
             if g.held:
                 reason = "grace_period" if pending.get(pool) and g.reason == "scale_up_in_progress" else g.reason

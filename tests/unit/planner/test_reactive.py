@@ -21,6 +21,8 @@ from dynamod.daemon.planner.policy import (
     fraction_over,
 )
 from dynamod.daemon.planner.predictors import PredictorConfig
+from dynamod.daemon.planner.reactive import Need
+from dynamod.daemon.planner.scaling import PoolSizer
 from dynamod.daemon.planner.sla_policy import SlaPolicy, SlaPolicyConfig
 from dynamod.shared.protocol.planner import ACTION_HOLD, ACTION_SCALE_DOWN, ACTION_SCALE_UP
 
@@ -158,6 +160,32 @@ def test_scale_down_waits_for_new_workers_to_serve_an_interval() -> None:
     held = g.decide("agg", now=30, ready=3, committed=3, need=1)
     assert (held.desired, held.reason) == (3, "scale_up_settling")  # ready now: serve an interval first
     assert g.decide("agg", now=35, ready=3, committed=3, need=1).desired == 1
+
+
+def test_a_hold_only_need_holds_the_fleet_but_never_grows_it() -> None:
+    """A burst onset's carried rate (``Need.hold_only``): the release window remembers it like a
+    sustained need, so the fleet the burst's measured level grew is held, but it launches nothing."""
+    def drive(hold: bool) -> list[int]:
+        sizer = PoolSizer(ReplicaBudget(), interval_s=5.0, window_s=60.0, grace_s=0.0)
+        out, ready = [], 1
+        for i in range(30):
+            now = 5.0 * i
+            obs = agg_obs(now, *(w(k, age=100.0) for k in range(ready)))
+            committed, pending = sizer.committed("agg", obs.pools["agg"], now)
+            needs = [Need("agg", 2 if i == 0 else 1, "capacity", "measured level")]
+            if hold and i < 6:
+                needs.append(Need("agg", 3, "capacity", "carried rate", hold_only=True))
+            ready = sizer.plan(obs, {"agg": needs}, {"agg": committed}, {"agg": pending})["agg"].desired
+            out.append(ready)  # the workers are ready by the next decision
+        return out
+
+    held, plain = drive(True), drive(False)
+    assert max(held) == max(plain) == 2  # the carried 3 launched nothing
+    # without it the one interval that needed 2 is outvoted once the window has evidence; with
+    # it the fleet is held until the carried needs (the last at t = 25 s) age out of the window
+    assert plain.index(1) < held.index(1)
+    assert held.index(1) * 5.0 > 25.0 + 60.0 / 2
+    assert set(held[:held.index(1)]) == {2} and set(held[held.index(1):]) == {1}
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])

@@ -26,8 +26,8 @@ def ramp(t: float) -> float:
 
 def run(forecast: bool) -> tuple[dict[str, Any], Recorder, int]:
     policy = load_policy(max_gpu_budget=8)
-    if not forecast:  # every growth reads as a step: the forecast never carries a rate
-        policy.core._forecast = RateForecast(policy.core._forecast.span_s, step_growth=0.0)
+    if not forecast:  # no growth is significant: the forecast never carries a rate (nor sees an onset)
+        policy.core._forecast = RateForecast(policy.core._forecast.span_s, z=math.inf)
     rec = Recorder(policy)
     reqs = requests(*rows(ramp, 40.0))
     res = replay(reqs, workers=1, mode="kv", mocker=engine(num_gpu_blocks=65536), sla_targets=(2000.0, 50.0),
