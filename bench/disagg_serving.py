@@ -5,7 +5,11 @@ Each topology runs as real processes (a frontend in kv mode and mocker workers o
 and ZMQ events, like ``dynamod up``). The load mixes two classes, as the issue asks:
 
 - ``short``: many streams with short prompts and long outputs, kept at a fixed concurrency for the
-  whole run (the running decodes whose inter-token latency disaggregation is meant to protect);
+  whole run (the running decodes whose inter-token latency disaggregation is meant to protect).
+  ``--short-max-tokens LO,HI`` draws each request's output length (seeded per stream, the same
+  draws in every topology): closed-loop streams of one length that start together finish
+  together and arrive again together, in bursts that only a cluster whose steps jitter (an
+  aggregated one, stalled by long prefills) breaks up;
 - ``long``: long prompts (4-8k tokens by default) with short outputs, arriving at a fixed rate
   among them.
 
@@ -16,6 +20,9 @@ mean, and p50/p99 interpolated from the decode workers' histogram buckets).
 ``--serving-kv-transfer-overlap`` sets ``--kv-transfer-overlap`` on the workers and the frontend. In an aggregated worker a long prompt's
 prefill step is also the step of every decode running there, so those decodes' ITL jumps by the
 prefill time; in a disaggregated cluster the decode workers only receive finished KV.
+
+Each topology also reports the CPU seconds its processes used during the load, per role, and the
+host's load averages before and after (``cpu_s``, ``loadavg``): the host may be shared.
 """
 
 from __future__ import annotations
@@ -49,11 +56,14 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--serving-speedup", type=float, default=1.0, help="mocker --speedup-ratio [default 1]")
     g.add_argument("--short-concurrency", type=int, default=24, help="short streams kept running [default 24]")
     g.add_argument("--short-prompt-tokens", type=int, default=100, help="[default 100]")
-    g.add_argument("--short-max-tokens", type=int, default=200, help="[default 200]")
+    g.add_argument("--short-max-tokens", default="200",
+                   help="output tokens of each short stream: N, or LO,HI for a seeded uniform draw per request "
+                   "(chat answers vary; streams of one length that start together stay in step) [default 200]")
     g.add_argument("--long-rate", type=float, default=4.0, help="long-prompt requests per second [default 4]")
     g.add_argument("--long-prompt-tokens", default="4096,8000", help="range of long prompts [default 4096,8000]")
     g.add_argument("--long-max-tokens", type=int, default=16, help="[default 16]")
     g.add_argument("--serving-worker-args", default="", help="extra flags for every worker")
+    g.add_argument("--serving-frontend-args", default="", help="extra flags for the frontend")
     g.add_argument("--serving-kv-transfer-overlap", choices=("chunk", "none"), default=None,
                    help="--kv-transfer-overlap of disaggregated workers and the frontend [default: theirs]")
 
@@ -67,6 +77,7 @@ class Cluster:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
         self.env["DYN_FILE_KV"] = str(self.root / "kv")
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.roles: list[str] = []  # each process's role (``frontend``, ``prefill``, ...), as procs
         self.port = free_port()
         self.system_ports: dict[str, int] = {}  # worker name -> its status (metrics) port
         parts = topology.split(":")
@@ -88,15 +99,29 @@ class Cluster:
         for role, count in self.pools.items():
             for i in range(count):
                 port = self.system_ports[f"{role}-{i}"] = free_port()
-                self._spawn(f"{role}-{i}", [*CLI, "--role", role, "--engine", "mocker", "--model", "tiny", *runtime,
+                self._spawn(role, f"{role}-{i}", [*CLI, "--role", role, "--engine", "mocker", "--model", "tiny", *runtime,
                                             "--speedup-ratio", str(args.serving_speedup), "--system-port", str(port),
                                             *worker_extra])
-        self._spawn("frontend", [*CLI, "--role", "frontend", *runtime, "--http-port", str(self.port),
-                                 "--router-mode", "kv", *frontend_extra])
+        self._spawn("frontend", "frontend", [*CLI, "--role", "frontend", *runtime, "--http-port", str(self.port),
+                                             "--router-mode", "kv", *frontend_extra, *args.serving_frontend_args.split()])
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _spawn(self, role: str, name: str, argv: list[str]) -> None:
         log = open(self.root / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the process
         self.procs.append(subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT))
+        self.roles.append(role)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) each role's processes have used so far, summed per role
+        (Linux ``/proc``; empty elsewhere)."""
+        tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        out: dict[str, float] = {}
+        for role, proc in zip(self.roles, self.procs, strict=True):
+            try:
+                fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        return out
 
     @property
     def url(self) -> str:
@@ -141,6 +166,18 @@ class ClassStats:
         }
 
 
+def short_output_range(spec: str) -> tuple[int, int]:
+    """``--short-max-tokens``: ``N`` or ``LO,HI`` (inclusive) -> (lo, hi)."""
+    try:
+        parts = [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise SystemExit(f"--short-max-tokens: expected N or LO,HI, got {spec!r}") from None
+    lo, hi = (parts[0], parts[0]) if len(parts) == 1 else (parts[0], parts[1]) if len(parts) == 2 else (0, -1)
+    if not 1 <= lo <= hi:
+        raise SystemExit(f"--short-max-tokens: expected N or LO,HI with 1 <= LO <= HI, got {spec!r}")
+    return lo, hi
+
+
 def _body(prompt: str, max_tokens: int) -> bytes:
     return json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                        "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()
@@ -164,6 +201,7 @@ async def run_load(url: str, args: argparse.Namespace, seed: int) -> dict[str, A
     rng = random.Random(seed)
     lo, hi = (int(x) for x in args.long_prompt_tokens.split(","))
     short_prompts = make_prompts(512, args.short_prompt_tokens, seed)
+    short_lo, short_hi = short_output_range(args.short_max_tokens)
     long_lengths = sorted({rng.randint(lo, hi) // 256 * 256 for _ in range(16)})
     long_prompts = {n: make_prompts(64, n, seed + n) for n in long_lengths}
     short, long_ = ClassStats(), ClassStats()
@@ -171,9 +209,11 @@ async def run_load(url: str, args: argparse.Namespace, seed: int) -> dict[str, A
 
     async def short_loop(i: int) -> None:
         conn = Connection(host, int(port))
+        lengths = random.Random(seed * 1000 + i)  # per stream: the same draws in every topology
         k = i
         while time.monotonic() < stop_at:
-            await _one(conn, _body(short_prompts[k % len(short_prompts)], args.short_max_tokens), short)
+            max_tokens = lengths.randint(short_lo, short_hi)
+            await _one(conn, _body(short_prompts[k % len(short_prompts)], max_tokens), short)
             k += args.short_concurrency
         conn.close()
 
@@ -264,11 +304,12 @@ def _frontend_disagg_counts(url: str) -> dict[str, float]:
 
 
 async def serving_section(args: argparse.Namespace) -> dict[str, Any]:
+    short_lo, short_hi = short_output_range(args.short_max_tokens)  # a bad value fails before any cluster starts
     out: dict[str, Any] = {
         "speedup": args.serving_speedup, "duration_s": args.serving_duration,
         "kv_transfer_overlap": args.serving_kv_transfer_overlap or "default",
         "short": {"concurrency": args.short_concurrency, "prompt_tokens": args.short_prompt_tokens,
-                  "max_tokens": args.short_max_tokens},
+                  "max_tokens": short_lo if short_lo == short_hi else [short_lo, short_hi]},
         "long": {"rate_per_s": args.long_rate, "prompt_tokens": args.long_prompt_tokens,
                  "max_tokens": args.long_max_tokens},
         "topologies": {},
@@ -277,7 +318,13 @@ async def serving_section(args: argparse.Namespace) -> dict[str, Any]:
         cluster = Cluster(topology.strip(), args)
         try:
             await asyncio.to_thread(cluster.wait_ready)
+            cpu_before, load_before = cluster.cpu_seconds(), os.getloadavg()
             result = await run_load(cluster.url, args, seed=1)
+            cpu_after = cluster.cpu_seconds()
+            # The host is shared: the load averages and each role's CPU during the load say how
+            # much of the figures is contention.
+            result["cpu_s"] = {role: round(cpu_after[role] - cpu_before.get(role, 0.0), 2) for role in cpu_after}
+            result["loadavg"] = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
             decisions = _frontend_disagg_counts(cluster.url)
             if decisions:
                 result["prefill_decisions"] = decisions

@@ -469,7 +469,7 @@ class MockerCore:
         if sched.num_prefill_tokens:
             out.prefill_ms = prefill_time_ms(sched.num_prefill_tokens)
         if sched.decode_reqs:
-            out.decode_ms = decode_time_ms(kv_usage)
+            out.decode_ms = decode_time_ms(self._attended_kv_fraction(kv_usage))
         if sched.prefill_reqs:
             image_tokens = image_tokens_to_encode(sched.prefill_reqs, sched.prefill_num_tokens)
             if image_tokens:
@@ -514,6 +514,16 @@ class MockerCore:
         self.num_steps += 1
         self.simulated_ms += out.duration_ms
         return out
+
+    def _attended_kv_fraction(self, kv_usage: float) -> float:
+        """The KV occupancy a decode step's time follows: the blocks in use less those held only
+        for requests still waiting for their KV from a prefill worker (allocated at admission,
+        their bytes not landed, attended by no step). A trace replay adds such a request when
+        its transfer ends, so this keeps a live decode worker's step time what replay models."""
+        scheduler = self.scheduler
+        if not scheduler.num_loading:
+            return kv_usage
+        return max(kv_usage - scheduler.num_loading_only_blocks() / self.kv_manager.block_pool.num_blocks, 0.0)
 
     def decode_stretch(self) -> DecodeStretch:
         """The coming ``step()`` calls that would only give each running request one token, with no

@@ -241,6 +241,20 @@ class Scheduler:
         """Requests whose KV is being read from another worker (aborted ones included)."""
         return len(self.waiting_for_remote) + len(self._aborted_loads)
 
+    def num_loading_only_blocks(self) -> int:
+        """Blocks referenced only by requests whose KV is still being read (aborted ones
+        included): allocated for a prompt whose bytes have not landed, so no step attends them
+        (a leading prefix hit also used by a running request is attended by that one)."""
+        loading = [*self.waiting_for_remote.values(), *self._aborted_loads.values()]
+        if not loading:
+            return 0
+        held: dict[int, tuple[KVBlock, int]] = {}  # id(block) -> (block, loading requests holding it)
+        for request in loading:
+            for block in request.blocks:
+                seen = held.get(id(block))
+                held[id(block)] = (block, 1 if seen is None else seen[1] + 1)
+        return sum(1 for block, n in held.values() if block.ref_cnt == n)
+
     @property
     def num_waiting(self) -> int:
         """Requests not admitted yet (those waiting for disk reads included)."""

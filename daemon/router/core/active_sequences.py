@@ -21,8 +21,10 @@ fetched (with the transfer overlapped, streamed while the prefill still computes
 first token it is neither prefill nor decode load there; its blocks join the worker's active
 blocks at the first token, when its KV has landed and it decodes. Counting them from the dispatch
 made a decode worker look as loaded as a long prompt for the whole remote prefill, and the short
-requests routed meanwhile piled onto the other workers. A request
-never freed (a lost frontend task) is forgotten after ``ttl_s`` so its load does not stick forever.
+requests routed meanwhile piled onto the other workers. Router replicas count it the same way:
+the add they hear says it is arriving, and its first token reaches them as its prefill-done
+(shared/kv/router_sync.py). A request never freed (a lost frontend task) is forgotten after
+``ttl_s`` so its load does not stick forever.
 """
 
 from __future__ import annotations

@@ -579,7 +579,6 @@ class KvRouter:
         self, request_id: str, worker: WorkerKey, local: list[int], seq: list[int], isl: int, overlap: int,
         kv_arriving: bool = False,
     ) -> None:
-        # Replicas hear a plain add: they count an arriving request's blocks from now on.
         self.active.add(request_id, worker, seq, isl, isl - overlap * self.block_size, arriving=kv_arriving)
         self._remember(worker, local, seq)
         self._publish(
@@ -591,6 +590,7 @@ class KvRouter:
                 isl=isl,
                 overlap_blocks=overlap,
                 local_hashes=local,
+                arriving=kv_arriving,
             )
         )
 
@@ -605,7 +605,7 @@ class KvRouter:
         if isinstance(ev, SequenceAdded):
             seq = compute_sequence_hashes(ev.local_hashes)
             worker = (ev.worker_id, ev.dp_rank)
-            self.active.add(key, worker, seq, ev.isl, ev.isl - ev.overlap_blocks * self.block_size)
+            self.active.add(key, worker, seq, ev.isl, ev.isl - ev.overlap_blocks * self.block_size, arriving=ev.arriving)
             self._remember(worker, ev.local_hashes, seq)
         elif isinstance(ev, SequencePrefillDone):
             self.active.mark_prefill_done(key)

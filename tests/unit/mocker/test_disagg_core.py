@@ -185,3 +185,36 @@ def test_preempted_transferred_request_is_recomputed_locally():
     assert sum(o.num_prefill_tokens for o in outs) >= len(prompt) + 1
     fin = finished_by_request(outs)
     assert fin["r"].usage.completion_tokens == 6 and fin["big"].usage.completion_tokens == 14
+
+
+def test_decode_step_time_leaves_out_blocks_still_waiting_for_their_kv():
+    """A remote request's blocks are allocated when it is admitted, while its KV is still read
+    (with the transfer overlapped, for the whole remote prefill); no step attends them until they
+    land, so the running decodes' steps must not slow down for them (a trace replay adds such a
+    request only when its transfer ends)."""
+    from dynamod.daemon.perf.mocker_timing import decode_time_ms
+
+    n = 32
+    core, _ = kv_core(num_gpu_blocks=n)
+    core.add_request("running", list(range(60, 66)), max_tokens=20, ignore_eos=True)
+    running = core.scheduler.requests["running"]
+
+    def attended(*extra: int) -> float:  # the step time of "running"'s blocks (plus ``extra``)
+        return decode_time_ms((len(running.blocks) + sum(extra)) / n)
+
+    core.step()  # its prefill
+    assert core.step().decode_ms == attended()
+    prompt = list(range(60, 64)) + list(range(1, 31))  # its first block is cached and used by "running"
+    core.add_request("remote", prompt, max_tokens=2,
+                     remote=KvTransferParams(transfer_id="t", worker_id=9, block_ids=list(range(9)), num_tokens=34))
+    waiting = core.step()
+    assert waiting.remote_loads and waiting.kv_usage == (len(running.blocks) + 8) / n  # held...
+    assert waiting.decode_ms == attended()  # ...but only "running"'s blocks are attended
+    core.add_request("also-remote", prompt, max_tokens=2,
+                     remote=KvTransferParams(transfer_id="u", worker_id=9, block_ids=list(range(9)), num_tokens=34))
+    assert core.step().decode_ms == attended()
+    assert core.abort("also-remote")  # its read may still write into its blocks: held, not attended
+    assert core.step().decode_ms == attended()
+    assert core.finish_remote_load("remote", ok=True)
+    assert core.finish_remote_load("also-remote", ok=True) is False  # its blocks go back now
+    assert core.step().decode_ms == attended(8)  # landed and decoding: attended

@@ -189,3 +189,66 @@ def test_remove_worker_forgets_everything():
     assert router.workers == [(2, 0)]
     assert router.indexer.total_blocks == 0 and len(router.active) == 0
     assert not router.apply_event(_stored(1, 0, _prompt(1, 2)))  # a new incarnation starts clean
+
+
+def _load(router: KvRouter, worker) -> tuple[int, int]:
+    return router.active.active_blocks(worker), router.active.active_prefill_tokens(worker)
+
+
+async def test_replicas_count_an_arriving_decode_as_its_router_does():
+    """A decode whose KV comes from a prefill worker counts nothing on its worker until its first
+    token; a replica hearing its add over the event plane must count it the same way, or it sees
+    that worker as loaded by the whole prompt during the remote prefill (issue 23)."""
+    a = _router(router_replica_sync=True)
+    b = _router(router_replica_sync=True)
+    one, two = (1, 0), (2, 0)
+    for r in (a, b):
+        r.update_workers([one, two])
+    b.select_worker("short", _prompt(9, 2), allowed=[two])  # b's own short decode on worker two
+    b.take_sync_events()
+
+    def deliver() -> None:
+        for ev in a.take_sync_events():
+            b.apply_remote(decode_sequence_event(encode_sequence_event(ev)))
+
+    await a.select_worker_waiting("long", _prompt(1, 8), allowed=[one], kv_arriving=True)
+    deliver()
+    assert _load(a, one) == (0, 0)
+    assert _load(b, one) == _load(a, one)  # a replica, too, sees nothing there yet
+    assert b.best_worker("next", _prompt(2, 2)).worker == one  # so it sends a short prompt there
+
+    a.mark_prefill_done("long")  # the first token: the KV landed and the decode holds its blocks
+    deliver()
+    assert _load(a, one) == (8, 0)
+    assert _load(b, one) == _load(a, one)
+    a.free("long")
+    deliver()
+    assert b.active.load(one) is None
+
+
+def test_an_add_from_a_peer_without_the_arriving_field_is_not_arriving():
+    """Backward compatible both ways: an older router's add decodes as not arriving, and an older
+    router decodes a new add (msgspec skips the field it does not know)."""
+    import msgspec
+
+    class OldSequenceAdded(msgspec.Struct, tag="add", kw_only=True):
+        router_id: int
+        request_id: str
+        worker_id: int
+        dp_rank: int = 0
+        isl: int
+        overlap_blocks: int
+        local_hashes: list[int]
+
+    old = OldSequenceAdded(router_id=3, request_id="r", worker_id=1, isl=32, overlap_blocks=0, local_hashes=[5, 6])
+    ev = decode_sequence_event(msgspec.msgpack.encode(old))
+    assert isinstance(ev, SequenceAdded) and ev.arriving is False
+    b = _router(router_replica_sync=True)
+    b.update_workers([(1, 0)])
+    b.apply_remote(ev)
+    assert _load(b, (1, 0)) == (2, 32)  # counted from its add, as before
+
+    new = SequenceAdded(router_id=3, request_id="r", worker_id=1, isl=32, overlap_blocks=0, local_hashes=[5, 6],
+                        arriving=True)
+    back = msgspec.msgpack.Decoder(OldSequenceAdded).decode(encode_sequence_event(new))
+    assert back.request_id == "r" and back.local_hashes == [5, 6]
