@@ -452,16 +452,19 @@ class WorkerService:
         span (``traceparent``), recording as the caller decided (a caller without one: this
         process's sampler). None when nobody records it (the engine then pays nothing more)."""
         parent = tracing.headers_context(ctx.headers)
+        if parent is not None and not parent.sampled:
+            return None  # the caller does not record this request (its span would not be kept)
         tr = tracing.tracer()
+        worker_hex = worker_id_hex(self.worker_id)
         span = tr.start_span(
             tracing.SPAN_HANDLE_PAYLOAD,
             component=self.role if self.role in tracing.COMPONENTS else "agg",
             parent=parent,
-            instance_id=worker_id_hex(self.worker_id),
+            instance_id=worker_hex,
             attributes={
                 "request_id": tracing.headers_request_id(ctx.headers) or request.request_id,
                 "model": request.model,
-                "worker_id": worker_id_hex(self.worker_id),
+                "worker_id": worker_hex,
                 "role": self.role,
                 "engine_request_id": request.request_id,
                 "endpoint": ctx.endpoint,

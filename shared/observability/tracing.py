@@ -87,7 +87,8 @@ if hasattr(os, "register_at_fork"):
 
 
 def new_trace_id() -> str:
-    # to_bytes().hex(): the cheapest way to lower-case fixed-width hex (on every request's path).
+    # to_bytes().hex(): the cheapest way to lower-case fixed-width hex (on every request's path;
+    # cheaper than a string format, and than slicing ids from a pool of random hex).
     return (_rand.getrandbits(128) or 1).to_bytes(16, "big").hex()
 
 
@@ -158,31 +159,30 @@ def valid_request_id(value: str) -> bool:
 # -- spans ----------------------------------------------------------------------------------------
 
 
-class Span:
+class Span(msgspec.Struct, eq=False, gc=False):
     """One timed operation. ``recording`` False: the span keeps its context (so children and
-    remote calls share the trace) but is not stored unless it ends in error or is promoted."""
+    remote calls share the trace) but is not stored unless it ends in error or is promoted.
 
-    __slots__ = (
-        "_tracer", "attributes", "component", "end_unix_ns", "instance_id", "name", "parent_id",
-        "recording", "span_id", "start_unix_ns", "status", "trace_id",
-    )
+    A msgspec struct rather than a class with ``__slots__`` only for its constructor, which runs
+    in C (a few spans per sampled request on the frontend's path); it is never encoded as a whole
+    (``SpanRing`` keeps records, ``to_dict`` is the wire form). ``eq=False``: spans are compared by
+    identity. ``gc=False``: a span refers to its tracer and a dict of scalars, never to itself
+    through them, so the cycle collector has nothing to find in it and need not track it. Made
+    positionally: ``Span(tracer, trace_id, span_id, parent_id, name, component, instance_id,
+    start_unix_ns, attributes, recording)``."""
 
-    def __init__(
-        self, tracer: Tracer | None, trace_id: str, span_id: str, parent_id: str | None, name: str, component: str,
-        instance_id: str | None, start_unix_ns: int, attributes: dict[str, AttrValue], recording: bool,
-    ) -> None:
-        self._tracer = tracer
-        self.trace_id = trace_id
-        self.span_id = span_id
-        self.parent_id = parent_id
-        self.name = name
-        self.component = component
-        self.instance_id = instance_id
-        self.start_unix_ns = start_unix_ns
-        self.end_unix_ns = 0
-        self.status = STATUS_OK
-        self.attributes = attributes
-        self.recording = recording
+    _tracer: Tracer | None
+    trace_id: str
+    span_id: str
+    parent_id: str | None
+    name: str
+    component: str
+    instance_id: str | None
+    start_unix_ns: int
+    attributes: dict[str, AttrValue]
+    recording: bool
+    end_unix_ns: int = 0
+    status: str = STATUS_OK
 
     @property
     def context(self) -> SpanContext:
@@ -229,9 +229,12 @@ class Span:
         if self.end_unix_ns:
             return
         self.end_unix_ns = end_unix_ns or time.time_ns()
-        if self._tracer is not None and (self.recording or self.status == STATUS_ERROR):
-            self._ensure_ids()
-            self._tracer.record(self)
+        if self.recording or self.status == STATUS_ERROR:
+            tracer = self._tracer
+            if tracer is not None:
+                if not self.span_id:
+                    self._ensure_ids()
+                tracer.record(self)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -261,13 +264,6 @@ _record_encoder = msgspec.msgpack.Encoder()
 _record_decoder = msgspec.msgpack.Decoder()
 
 
-def span_record(span: Span) -> SpanRecord:
-    return _record_encoder.encode((
-        span.trace_id, span.span_id, span.parent_id, span.name, span.component, span.instance_id,
-        span.start_unix_ns, span.end_unix_ns or span.start_unix_ns, span.status, span.attributes,
-    ))
-
-
 def record_fields(rec: SpanRecord) -> list[Any]:
     """The record's fields, in the order above."""
     return _record_decoder.decode(rec)  # type: ignore[no-any-return]
@@ -287,17 +283,21 @@ class SpanRing:
     passed (``max_requests`` requests, ``max_spans`` spans). Keyed by the span's ``request_id``
     attribute; also found by trace id. Holds ``SpanRecord`` blobs; readers get ``Span`` views.
     Used from the event loop's thread only (the OTLP exporter's thread never touches it), so it
-    takes no lock on the per-span path."""
+    takes no lock on the per-span path.
+
+    ``add`` runs once per recorded span on the frontend's request path and ``_evict_oldest`` once
+    per request when the ring is full, so both are kept to a few dictionary operations: there is
+    no index by trace id to maintain; ``find(trace_id=...)``, a rare read (``dynamoctl trace``),
+    scans the held requests' trace ids instead (a few thousand tuples)."""
 
     def __init__(self, max_requests: int = DEFAULT_RING_REQUESTS, max_spans: int = DEFAULT_RING_SPANS) -> None:
         if max_requests < 1 or max_spans < 1:
             raise ValueError("the span ring needs room for at least one request and one span")
         self.max_requests = max_requests
         self.max_spans = max_spans
-        # request key -> (its trace ids, its records): tuples, grown by concatenation (a request
-        # has a handful of spans and almost always one trace)
-        self._by_request: OrderedDict[str, tuple[tuple[str, ...], tuple[SpanRecord, ...]]] = OrderedDict()
-        self._by_trace: dict[str, tuple[str, ...]] = {}  # trace id -> request keys (almost always one)
+        # request key -> [its trace ids (a tuple: almost always one), its records...]: one list per
+        # request, appended to (replacing a tuple pair in the ordered dict on every span cost more)
+        self._by_request: OrderedDict[str, list[Any]] = OrderedDict()
         self._spans = 0
 
     def __len__(self) -> int:
@@ -308,63 +308,51 @@ class SpanRing:
         return self._spans
 
     def add(self, span: Span) -> None:
-        key = span.attributes.get("request_id") or span.trace_id
-        if not isinstance(key, str):
-            key = str(key)
-        rec = span_record(span)
+        attrs = span.attributes
         trace_id = span.trace_id
+        key = attrs.get("request_id") or trace_id
+        if key.__class__ is not str:
+            key = str(key)
+        # the record's layout: see ``SpanRecord``
+        rec = _record_encoder.encode((
+            trace_id, span.span_id, span.parent_id, span.name, span.component, span.instance_id,
+            span.start_unix_ns, span.end_unix_ns or span.start_unix_ns, span.status, attrs,
+        ))
         by_request = self._by_request
         held = by_request.get(key)
         if held is None:
-            by_request[key] = ((trace_id,), (rec,))
-            self._index(trace_id, key)
+            by_request[key] = [(trace_id,), rec]
+            if len(by_request) > self.max_requests:
+                self._evict_oldest()  # never this one: it is the newest
         else:
-            traces, recs = held
-            if trace_id not in traces:
-                traces = (*traces, trace_id)
-                self._index(trace_id, key)
-            by_request[key] = (traces, recs + (rec,))
+            held.append(rec)
+            if trace_id not in held[0]:
+                held[0] = (*held[0], trace_id)
         self._spans += 1
-        if len(by_request) > self.max_requests or self._spans > self.max_spans:
-            while len(by_request) > self.max_requests or (self._spans > self.max_spans and len(by_request) > 1):
+        if self._spans > self.max_spans:
+            while self._spans > self.max_spans and len(by_request) > 1:
                 self._evict_oldest()
             if self._spans > self.max_spans:  # one request with more spans than the whole ring
-                traces, recs = by_request[key]
-                by_request[key] = (traces, recs[self._spans - self.max_spans :])
+                held = by_request[key]
+                del held[1 : 1 + self._spans - self.max_spans]
                 self._spans = self.max_spans
 
-    def _index(self, trace_id: str, key: str) -> None:
-        keys = self._by_trace.get(trace_id)
-        if keys is None:
-            self._by_trace[trace_id] = (key,)
-        elif key not in keys:
-            self._by_trace[trace_id] = (*keys, key)
-
     def _evict_oldest(self) -> None:
-        key, (traces, recs) = self._by_request.popitem(last=False)
-        self._spans -= len(recs)
-        for trace_id in traces:
-            keys = self._by_trace.get(trace_id)
-            if keys is not None and key in keys:
-                rest = tuple(k for k in keys if k != key)
-                if rest:
-                    self._by_trace[trace_id] = rest
-                else:
-                    del self._by_trace[trace_id]
+        self._spans -= len(self._by_request.popitem(last=False)[1]) - 1
 
     def find(self, request_id: str | None = None, trace_id: str | None = None, limit: int = 1000) -> list[Span]:
         """The spans of a request and/or a trace (both None: the most recent spans), at most
         ``limit``, in start order."""
         if request_id is None and trace_id is None:
-            recs = [r for _, held in self._by_request.values() for r in held][-limit:] if limit > 0 else []
+            recs = [r for held in self._by_request.values() for r in held[1:]][-limit:] if limit > 0 else []
             spans = [span_from_record(r) for r in recs]
         else:
             keys: list[str] = []
             if request_id is not None:
                 keys.append(request_id)
             if trace_id is not None:
-                keys.extend(k for k in self._by_trace.get(trace_id, ()) if k != request_id)
-            spans = [span_from_record(r) for key in keys for r in self._by_request.get(key, ((), ()))[1]]
+                keys.extend(k for k, held in self._by_request.items() if trace_id in held[0] and k != request_id)
+            spans = [span_from_record(r) for key in keys for r in self._by_request.get(key, [()])[1:]]
             if trace_id is not None:
                 spans = [s for s in spans if s.trace_id == trace_id]
         spans.sort(key=lambda s: (s.start_unix_ns, s.end_unix_ns))
@@ -372,7 +360,7 @@ class SpanRing:
 
     def records(self) -> list[tuple[str, tuple[SpanRecord, ...]]]:
         """Every held request and its records, oldest first (``record_fields`` reads one)."""
-        return [(key, recs) for key, (_, recs) in self._by_request.items()]
+        return [(key, tuple(held[1:])) for key, held in self._by_request.items()]
 
 
 # -- sampling -------------------------------------------------------------------------------------
@@ -450,14 +438,36 @@ class Tracer:
             start_unix_ns or time.time_ns(), attributes if attributes is not None else {}, recording,
         )
 
+    def start_root(self, name: str, component: str, attributes: dict[str, AttrValue]) -> Span:
+        """``start_span`` of a new trace's root sampled by the sampler, for the frontend's
+        per-request path (no parent to look at, no keyword handling)."""
+        if self.sampler.sample_new():
+            return Span(self, new_trace_id(), new_span_id(), None, name, component, None, time.time_ns(), attributes, True)
+        # not sampled: no ids unless it is kept after all (``Span._ensure_ids``)
+        return Span(self, "", "", None, name, component, None, time.time_ns(), attributes, False)
+
     def child(self, parent: Span | None, name: str, **attributes: AttrValue | None) -> Span | None:
-        """A recording child of ``parent`` inheriting its component, instance and ids, or None when
-        the parent is absent or not recording (the hot path pays one test)."""
+        """A recording child of ``parent`` inheriting its component, instance and ids (and its
+        ``request_id``, ``model``, ``worker_id`` and ``role`` attributes), or None when the parent
+        is absent or not recording (the hot path pays one test)."""
         if parent is None or not parent.recording:
             return None
+        # A few times per sampled request on the frontend: the inherited attributes unrolled.
         inherited = parent.attributes
-        attrs = {k: inherited[k] for k in _INHERITED if k in inherited}
-        for key, value in attributes.items():
+        attrs: dict[str, AttrValue] = {}
+        value = inherited.get("request_id")
+        if value is not None:
+            attrs["request_id"] = value
+        value = inherited.get("model")
+        if value is not None:
+            attrs["model"] = value
+        value = inherited.get("worker_id")
+        if value is not None:
+            attrs["worker_id"] = value
+        value = inherited.get("role")
+        if value is not None:
+            attrs["role"] = value
+        for key, value in attributes.items():  # None leaves an attribute out (or inherited)
             if value is not None:
                 attrs[key] = value
         return Span(
@@ -476,8 +486,6 @@ class Tracer:
             except Exception:  # noqa: BLE001 - an exporter bug must not fail a request
                 logger.exception("trace export failed span=%s", span.name)
 
-
-_INHERITED = ("request_id", "model", "worker_id", "role")
 
 _TRACER = Tracer()
 
@@ -535,8 +543,14 @@ def outgoing_headers(headers: dict[str, str] | None) -> dict[str, str] | None:
     if headers is not None and TRACEPARENT in headers:
         return headers
     out = dict(headers) if headers else {}
-    ctx = span.context
-    out[TRACEPARENT] = UNSAMPLED_TRACEPARENT if ctx is UNSAMPLED else format_traceparent(ctx)
+    if span.recording:
+        if not span.span_id:
+            span._ensure_ids()
+        out[TRACEPARENT] = f"00-{span.trace_id}-{span.span_id}-01"  # format_traceparent, inlined
+    elif span.span_id:
+        out[TRACEPARENT] = format_traceparent(span.context)
+    else:
+        out[TRACEPARENT] = UNSAMPLED_TRACEPARENT  # nobody records it: its ids would never be seen
     rid = span.attributes.get("request_id")
     if rid is not None and REQUEST_ID_HEADER not in out:
         out[REQUEST_ID_HEADER] = str(rid)
@@ -547,7 +561,10 @@ def headers_context(headers: Mapping[str, str] | None) -> SpanContext | None:
     """The caller's span context from request-plane headers (None: none, or malformed)."""
     if not headers:
         return None
-    return parse_traceparent(headers.get(TRACEPARENT))
+    value = headers.get(TRACEPARENT)
+    if value == UNSAMPLED_TRACEPARENT:  # what every unsampled request carries: no parsing
+        return UNSAMPLED
+    return parse_traceparent(value)
 
 
 def headers_request_id(headers: Mapping[str, str] | None) -> str | None:

@@ -38,7 +38,13 @@ from dynamod.daemon.frontend.pipeline.models import EndpointPool, ModelRegistry,
 from dynamod.daemon.frontend.pipeline.prefill import FrontendPrefillTarget, prefill_route
 from dynamod.daemon.frontend.pipeline.request import EngineRequest
 from dynamod.daemon.frontend.pipeline.routing import Quarantine, RouteChoice, RouteRequest
-from dynamod.daemon.frontend.pipeline.tracing import migration_span, note_worker, route_span
+from dynamod.daemon.frontend.pipeline.tracing import (
+    migration_span,
+    ms_between_ns,
+    note_worker,
+    route_span,
+    worker_hex,
+)
 from dynamod.daemon.router.core.disagg_policy import DisaggPolicyConfig
 from dynamod.daemon.router.core.prefill_stage import DecodeHint, PrefillOutcome, PrefillStage, close_drains
 from dynamod.shared.errors import NoInstancesError, TransportError, UnavailableError
@@ -373,7 +379,7 @@ class EngineStream:
                 migrating = None
             note_worker(req.trace, worker_id)
             attempt = tracing.tracer().child(
-                req.trace, tracing.SPAN_CLIENT_REQUEST, worker_id=worker_id_hex(worker_id), attempt=req.migrations,
+                req.trace, tracing.SPAN_CLIENT_REQUEST, worker_id=worker_hex(worker_id), attempt=req.migrations,
                 stage=choice.stage, remote_prefill=outcome is not None and outcome.remote,
             )
             router = req.model.router
@@ -395,7 +401,7 @@ class EngineStream:
                         if first:
                             first = False
                             if attempt is not None:
-                                attempt.set("ttft_ms", round((time.time_ns() - attempt.start_unix_ns) / 1e6, 3))
+                                attempt.set("ttft_ms", ms_between_ns(attempt.start_unix_ns, time.time_ns()))
                             router.on_first_token(request_id)
                             if outcome is not None and not req.migrations:
                                 self._d.prefill_stage.first_token(outcome)

@@ -264,8 +264,8 @@ class GenerationEndpoint(ABC, Generic[BodyT]):
                 return STATUS_ERROR
             mm = gen.metrics
             now = time.perf_counter()
-            if request.trace is not None:
-                request.trace.set("ttft_ms", round((now - request.started_at) * 1000.0, 3))
+            if request.trace is not None:  # rounded when the root is recorded (finish_request_span)
+                request.trace.attributes["ttft_ms"] = (now - request.started_at) * 1000.0
             mm.observe_ttft(now - request.started_at, gen.request.preprocessed.priority)
             mm.isl.observe(gen.prompt_tokens)
             if not await writer.write(gen, first):
