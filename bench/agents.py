@@ -355,13 +355,11 @@ class AgentCluster(Cluster):
     ``--router-mode`` given, so they override the base class's ``kv``."""
 
     def __init__(self, args: argparse.Namespace, router_mode: str) -> None:
-        self.frontend_args = ["--router-mode", router_mode, *args.frontend_args.split()]
+        frontend_args = " ".join(["--router-mode", router_mode, *args.frontend_args.split()])
         worker_args = f"--block-size {args.block_size} --num-gpu-blocks {args.num_gpu_blocks} {args.worker_args}"
         super().__init__(f"agg:{args.workers}",
-                         argparse.Namespace(serving_speedup=args.speedup, serving_worker_args=worker_args.strip()))
-
-    def _spawn(self, name: str, argv: list[str]) -> None:
-        super()._spawn(name, [*argv, *self.frontend_args] if name == "frontend" else argv)
+                         argparse.Namespace(serving_speedup=args.speedup, serving_worker_args=worker_args.strip(),
+                                            serving_frontend_args=frontend_args))
 
     def close(self, keep_logs: bool = False) -> None:
         if not keep_logs:

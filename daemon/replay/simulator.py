@@ -96,6 +96,7 @@ from dynamod.daemon.router.core.disagg_cost import (
 )
 from dynamod.daemon.router.core.disagg_policy import DisaggInputs, DisaggPolicyConfig, decide
 from dynamod.daemon.router.core.kv_router import KvRouter
+from dynamod.daemon.router.core.local_choice import LocalPrefillChoice
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.kv.hashing import hash_tokens
 from dynamod.shared.protocol.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, RouterEvent
@@ -271,13 +272,15 @@ class _Picker:
             self.router.remove_worker(worker)
         self._ids = [w for w in self._ids if w != worker]
 
-    def pick(self, rid: str, prompt: list[int], overlap_weight: float | None = None) -> tuple[int, int | None]:
+    def pick(self, rid: str, prompt: list[int], overlap_weight: float | None = None,
+             local_prefill: LocalPrefillChoice | None = None) -> tuple[int, int | None]:
         """The worker for request ``rid`` and, in kv mode, the prompt blocks it caches (else None).
-        ``overlap_weight`` overrides the router's (0 for a decode stage after remote prefill)."""
+        ``overlap_weight`` overrides the router's (0 for a decode stage after remote prefill);
+        ``local_prefill``: the decode stage of a prompt kept local (``KvRouter.select_worker``)."""
         if self._routes:
             assert self.router is not None
             decision = self.router.select_worker(rid, prompt, overlap_weight=overlap_weight,
-                                                 prompt_hashes=self._hashes.of(rid, prompt))
+                                                 prompt_hashes=self._hashes.of(rid, prompt), local_prefill=local_prefill)
             return decision.worker_id, decision.overlap_blocks
         if self.mode == "random":
             return self._ids[self._rng.randrange(len(self._ids))], None
@@ -745,7 +748,11 @@ class _Simulation:
         self.reasons[info.reason] = self.reasons.get(info.reason, 0) + 1
         remote = info.mode == DISAGG_REMOTE
         if not chosen:
-            dw, _ = self.decode_picker.pick(rid, prompt, overlap_weight=self.policy.decode_overlap_weight(remote))
+            dw, _ = self.decode_picker.pick(
+                rid, prompt, overlap_weight=self.policy.decode_overlap_weight(remote),
+                local_prefill=None if remote else self.policy.local_prefill_choice(
+                    _mocker_compute(self.mocker.max_num_batched_tokens, self.mocker.speedup_ratio)),
+            )
             st.worker = dw
         if not remote:
             self._start_local(req, rid, prompt, dw)

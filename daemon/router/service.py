@@ -364,6 +364,8 @@ class RouterService:
                 else self.prefill_stage.policy.decode_overlap_weight(outcome.remote),
                 priority=request.priority,
                 kv_arriving=outcome is not None and outcome.remote,  # its KV is fetched: load from its first token
+                local_prefill=None if outcome is None or outcome.remote or self.prefill_stage is None
+                else self.prefill_stage.local_prefill,
             )
             if outcome is not None:
                 decision.stage = STAGE_DECODE

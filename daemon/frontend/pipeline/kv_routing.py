@@ -14,7 +14,9 @@ Every decision is offered to the ``router_decisions`` publisher (console) and re
 Disaggregated models get a second router per base model over the prefill pool, fed by the prefill
 workers' own KV events like the decode one and, as Dynamo's prefill router, without active-block
 tracking (nothing to free; a prefill worker's load is what it reports). The decode stage of a
-remotely prefilled request is routed with the disaggregation policy's ``decode_overlap_weight``.
+remotely prefilled request is routed with the disaggregation policy's ``decode_overlap_weight``;
+that of a prompt the policy keeps local by the predicted time of its prefill on each decode worker
+(``local_prefill_choice``, daemon/router/core/local_choice.py).
 
 A request of a session comes with ``pinned``, its session's worker (``session_routing.py``): the
 KV router picks it, reason ``session``, unless it is busy, and still explains every candidate's cost.
@@ -33,12 +35,20 @@ from dynamod.daemon.frontend.pipeline.worker_health import FRONTEND_COMPONENT
 from dynamod.daemon.router.core import KvRouter, KvRouterConfig, config_from_args
 from dynamod.daemon.router.core.config import prefill_router_config
 from dynamod.daemon.router.core.decision_publisher import DecisionPublisher, sample_rate_from_args
+from dynamod.daemon.router.core.disagg_policy import disagg_config_from_args
 from dynamod.daemon.router.core.feed import KvFeed
+from dynamod.daemon.router.core.local_choice import LocalPrefillChoice
 from dynamod.daemon.router.core.worker_load import decode_load, prefill_queue_tokens
 from dynamod.shared.errors import DynamoError, NoInstancesError, OverloadedError
 from dynamod.shared.kv.hashing import hash_tokens
 from dynamod.shared.protocol.instance import Instance
-from dynamod.shared.protocol.routing import DISAGG_REMOTE, STAGE_AGG, STAGE_PREFILL, RoutingDecision
+from dynamod.shared.protocol.routing import (
+    DISAGG_LOCAL,
+    DISAGG_REMOTE,
+    STAGE_AGG,
+    STAGE_PREFILL,
+    RoutingDecision,
+)
 
 if TYPE_CHECKING:
     from dynamod.daemon.frontend.pipeline.models import EndpointPool, ModelRegistry, PrefillPool, ServedModel
@@ -109,14 +119,19 @@ class KvModelRouter:
 
     name = "kv"
 
-    def __init__(self, group: KvGroup, lora_name: str | None, model: str, decisions: DecisionPublisher) -> None:
+    def __init__(
+        self, group: KvGroup, lora_name: str | None, model: str, decisions: DecisionPublisher,
+        local_prefill: LocalPrefillChoice | None = None,
+    ) -> None:
         self._group = group
         self._lora = lora_name
         self._model = model
         self._decisions = decisions
+        self._local_prefill = local_prefill  # the decode stage of a prompt prefilled locally
 
     async def select(self, request: RouteRequest, candidates: Sequence[Instance]) -> RouteChoice:
         keys = self._group.candidate_keys(candidates)
+        disagg = request.disagg
         # While every worker is busy the request waits in the router's bounded queue
         # (--router-queue-size, --router-queue-timeout-secs), then gets a 503.
         decision = await self._group.kv.select_worker_waiting(
@@ -124,7 +139,8 @@ class KvModelRouter:
             priority=request.priority, pinned=request.pinned, prompt_hashes=mm_prompt_hashes(self._group.kv, request, self._lora),
             # Prefilled remotely: the KV is fetched (streamed while the prefill runs, with the
             # transfer overlapped); its blocks count as decode load from its first token on.
-            kv_arriving=request.disagg is not None and request.disagg.mode == DISAGG_REMOTE,
+            kv_arriving=disagg is not None and disagg.mode == DISAGG_REMOTE,
+            local_prefill=self._local_prefill if disagg is not None and disagg.mode == DISAGG_LOCAL else None,
         )
         if request.stage != STAGE_AGG:
             decision.stage = request.stage
@@ -230,6 +246,8 @@ class KvRouting:
         self.groups: dict[str, KvGroup] = {}
         self.prefill_groups: dict[str, KvGroup] = {}
         self.prefill_config = prefill_router_config(config)
+        # The decode worker of a prompt the conditional policy keeps local (None: policy off).
+        self.local_prefill = disagg_config_from_args(args).local_prefill_choice()
         self.feed = KvFeed(runtime, config, sync_component=FRONTEND_COMPONENT)
         self.decisions = DecisionPublisher(runtime, FRONTEND_COMPONENT, sample_rate=sample_rate_from_args(args))
 
@@ -256,7 +274,7 @@ class KvRouting:
 
     def router_for(self, model: ServedModel) -> KvModelRouter:
         group = self._group(self.groups, self.config, model.card, model.name, "")
-        return KvModelRouter(group, model.card.lora, model.name, self.decisions)
+        return KvModelRouter(group, model.card.lora, model.name, self.decisions, self.local_prefill)
 
     def prefill_router_for(self, pool: PrefillPool) -> KvPrefillRouter:
         group = self._group(self.prefill_groups, self.prefill_config, pool.card, pool.name, PREFILL_KEY_PREFIX)

@@ -327,6 +327,37 @@ def stall_ms(compute: ComputeModel, tokens: int) -> float:
     return max(compute.prefill_ms(tokens) - compute.steps(tokens) * compute.prefill_ms(1), 0.0)
 
 
+def local_on_worker_ms(
+    compute: ComputeModel,
+    *,
+    tokens: int,
+    queued_tokens: int,
+    running_decodes: int,
+    kv_fraction: float,
+    interference_weight: float = DEFAULT_INTERFERENCE_WEIGHT,
+) -> float:
+    """What prefilling ``tokens`` (uncached there) on one decode worker costs, in ms, to compare
+    decode workers for a prompt already decided local (``local_choice.LocalPrefillChoice``): its
+    predicted time to first token plus ``interference_weight`` times the stall it puts on the
+    decodes running there (as ``predict``'s local side).
+
+    Unlike ``predict``, the worker's queued prefill work (``queued_tokens``: routed there, no first
+    token yet) runs in steps of its own before this prompt, not in the same chunk: the router
+    counts a prompt as queued from the moment it routes it until its first token, and an engine
+    takes a waiting prompt at its next step, so what the router sees queued is mostly a prefill
+    step already under way, which a new prompt cannot join. (Measured live: a short prompt that
+    lands on a decode worker which got another one within 30 ms takes 44-50 ms to its first
+    token, against 30 ms alone, i.e. one prefill step more, not the 1.3 ms that batching the
+    two predicts.)"""
+    step = compute.decode_step_ms(kv_fraction)
+    running = max(running_decodes, 0)
+    queued = max(queued_tokens, 0)
+    own = max(tokens, 0)
+    steps = compute.steps(queued) + compute.steps(own)
+    ttft = compute.prefill_ms(queued) + compute.prefill_ms(own) + (steps * step if running > 0 else 0.0)
+    return ttft + interference_weight * stall_ms(compute, own) * max(running, 1)
+
+
 def _chunk_of(compute: ComputeModel, tokens: int) -> int:
     """The first step's share of ``tokens`` queued prefill tokens (one engine chunk)."""
     steps = compute.steps(tokens)

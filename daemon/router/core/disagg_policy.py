@@ -56,6 +56,7 @@ from dynamod.daemon.router.core.disagg_cost import (
     TransferEstimate,
     predict,
 )
+from dynamod.daemon.router.core.local_choice import LocalPrefillChoice
 from dynamod.shared.errors import ConfigError
 from dynamod.shared.protocol.routing import DISAGG_LOCAL, DISAGG_REMOTE, DisaggInfo
 
@@ -143,6 +144,15 @@ class DisaggPolicyConfig:
     def name(self) -> str:
         """The policy in force, as decisions show it."""
         return self.policy if self.enabled else POLICY_ALWAYS
+
+    def local_prefill_choice(self, compute: ComputeModel | None = None) -> LocalPrefillChoice | None:
+        """How the decode stage of a prompt kept local picks its worker (local_choice.py: by the
+        predicted time of its prefill there, with ``compute``, None: ``profile_compute()``); None
+        when the policy is off (every prompt remote, a fallback is rare). Live routing (frontend,
+        router role) and replay take it from here, for the decode stage of a local prompt only."""
+        if not self.enabled:
+            return None
+        return LocalPrefillChoice(compute if compute is not None else self.profile_compute(), self.interference_weight)
 
     def decode_overlap_weight(self, remote: bool) -> float | None:
         """The overlap weight the decode stage is routed with (None: the router's configured

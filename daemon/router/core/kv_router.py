@@ -30,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -55,6 +56,9 @@ from dynamod.shared.kv.router_sync import (
 from dynamod.shared.protocol.kv_events import RouterEvent
 from dynamod.shared.protocol.load import LoadMetrics
 from dynamod.shared.protocol.routing import REASON_SESSION, CandidateScore, RoutingDecision
+
+if TYPE_CHECKING:
+    from dynamod.daemon.router.core.local_choice import LocalPrefillChoice
 
 logger = logging.getLogger(__name__)
 
@@ -346,6 +350,7 @@ class KvRouter:
         track_active: bool = True,
         prompt_hashes: tuple[list[int], list[int]] | None = None,
         pinned: WorkerKey | None = None,
+        local_prefill: LocalPrefillChoice | None = None,
     ) -> RoutingDecision:
         """Picks a worker and starts counting the request on it. Raises ``NoInstancesError``
         without candidates and ``OverloadedError`` when all are busy: it never queues (see
@@ -361,10 +366,14 @@ class KvRouter:
 
         ``pinned``: the worker the request's session is bound to (session affinity). It wins,
         with reason ``session``, when it is a candidate and not busy; otherwise the request is
-        routed as any other (the caller sees another worker and moves the session)."""
+        routed as any other (the caller sees another worker and moves the session).
+
+        ``local_prefill``: the request's prompt is prefilled on the worker picked here
+        (conditional disaggregation decided local): candidates are ranked by its predicted time
+        (local_choice.py), not by the KV cost."""
         decision = self._route(
             request_id, token_ids, lora_name, overlap_weight, temperature, allowed, register=True, track_active=track_active,
-            hashes=None if prompt_hashes is None else [prompt_hashes], pinned=pinned,
+            hashes=None if prompt_hashes is None else [prompt_hashes], pinned=pinned, local_prefill=local_prefill,
         )
         assert decision is not None
         return decision
@@ -401,13 +410,15 @@ class KvRouter:
         pinned: WorkerKey | None = None,
         prompt_hashes: tuple[list[int], list[int]] | None = None,
         kv_arriving: bool = False,
+        local_prefill: LocalPrefillChoice | None = None,
     ) -> RoutingDecision:
         """Like ``select_worker``, but waits in the bounded queue while every candidate is busy
         (higher ``priority`` first, FIFO within one, with aging: wait_queue.py);
         ``OverloadedError`` when the queue is full or the wait times out. ``prompt_hashes``: as
         ``select_worker``'s (a prompt with images is hashed by its caller, with their keys).
         ``kv_arriving``: a decode whose prompt was prefilled remotely; its KV is fetched, so it
-        is counted as arriving (``ActiveSequences.add``) until ``mark_prefill_done``."""
+        is counted as arriving (``ActiveSequences.add``) until ``mark_prefill_done``.
+        ``local_prefill``: as ``select_worker``'s."""
         allowed_list = list(allowed) if allowed is not None else None
         # Hashed once, however often it retries.
         hashes: list[tuple[list[int], list[int]]] = [] if prompt_hashes is None else [prompt_hashes]
@@ -425,6 +436,7 @@ class KvRouter:
                 hashes=hashes,
                 pinned=pinned,
                 kv_arriving=kv_arriving,
+                local_prefill=local_prefill,
             )
 
         return await self.queue.run(attempt, timeout_s=timeout_s, priority=priority)
@@ -462,6 +474,7 @@ class KvRouter:
         hashes: list[tuple[list[int], list[int]]] | None = None,
         pinned: WorkerKey | None = None,
         kv_arriving: bool = False,
+        local_prefill: LocalPrefillChoice | None = None,
     ) -> RoutingDecision | None:
         weight = self.config.overlap_score_weight if overlap_weight is None else float(overlap_weight)
         temp = self.config.router_temperature if temperature is None else float(temperature)
@@ -522,7 +535,10 @@ class KvRouter:
         )
         sel = self._pinned(scores, pinned) if pinned is not None else None
         if sel is None:
-            sel = self.scheduler.select(scores, keys, temp)
+            if local_prefill is not None and len(scores) > 1:
+                sel = local_prefill.select(scores, keys, isl, self.block_size, self.active, self.busy)
+            else:
+                sel = self.scheduler.select(scores, keys, temp)
         won = scores[sel.index]
         decision = RoutingDecision(
             request_id=request_id,

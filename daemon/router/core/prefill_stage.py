@@ -209,6 +209,8 @@ class PrefillStage:
         self.compute: ComputeModel | None = (
             policy.profile_compute() if policy.enabled and policy.policy == POLICY_COST else None
         )
+        # The decode worker of a prompt kept local: by its prefill's predicted time there (None: policy off).
+        self.local_prefill = policy.local_prefill_choice(self.compute)
         # What each path costs beyond its prediction, from measured first tokens (``first_token``).
         self.local_overhead = PathOverhead()
         self.remote_overhead = PathOverhead()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dynamod.daemon.router.core import local_choice
 from dynamod.daemon.router.core.kv_router import KvRouter
 from dynamod.shared.protocol.routing import RoutingDecision
 
@@ -27,9 +28,7 @@ class DecodeLoad:
 
 def queued_prefill_tokens(kv: KvRouter, worker: tuple[int, int]) -> int:
     """Prefill tokens waiting on ``worker``: the larger of its report and the router's count."""
-    own = kv.active.active_prefill_tokens(worker)
-    latest = kv.busy.latest(worker)
-    return max(own, latest.active_prefill_tokens) if latest is not None else own
+    return local_choice.queued_prefill_tokens(kv.active, kv.busy, worker)
 
 
 def prefill_queue_tokens(kv: KvRouter, decision: RoutingDecision) -> int:

@@ -119,6 +119,24 @@ async def test_generate_without_prefill_workers_prefills_locally_on_a_decode_wor
     assert outs[0]["disagg"]["reason"] == "no_prefill_workers" and "disaggregated_params" not in decode.requests[0]
 
 
+async def test_a_local_prompt_decode_worker_is_chosen_by_predicted_time() -> None:
+    # Conditional disaggregation keeps the prompt local (no prefill worker): the decode stage ranks
+    # the decode workers by the prompt's predicted prefill time there (local_choice.py).
+    c = RouterCluster(DisaggPolicyConfig(enabled=True))
+    await c.start()
+    try:
+        for _ in range(2):
+            await c.add("backend", FakeWorker(await _lease(c)), "decode")
+        assert c.service is not None
+        await _wait(lambda: c.service.kv is not None and len(c.service.kv.workers) == 2)  # type: ignore[union-attr]
+        outs = await _generate(c)
+        assert outs[0]["disagg"]["mode"] == "local"
+        decode = [d for d in c.offered if d.stage == STAGE_DECODE]
+        assert decode and decode[0].reason == "lowest_local_ms" and len(decode[0].candidates) == 2
+    finally:
+        await c.stop()
+
+
 async def test_best_worker_id_answers_per_stage(cluster: RouterCluster) -> None:
     decode = FakeWorker(await _lease(cluster))
     prefill = FakePrefill(await _lease(cluster))
