@@ -34,6 +34,7 @@ REASON_WORDS = {
     "tie_random": "tie, random",
     "sampled": "sampled (temperature > 0)",
     "session": "session affinity",
+    "lowest_local_ms": "local prefill, fastest",
 }
 
 

@@ -27,6 +27,7 @@ REASON_TIE_SMALLEST_TREE = "tie_smallest_tree"
 REASON_TIE_RANDOM = "tie_random"
 REASON_SAMPLED = "sampled"
 REASON_SESSION = "session"  # the session's worker, kept (session affinity)
+REASON_LOWEST_LOCAL_MS = "lowest_local_ms"  # a locally prefilled prompt's decode worker, by predicted time
 
 # How a frontend (or ``--role router``) picks a worker (``--router-mode``); here so that the
 # supervisor offers the same choices without importing the frontend.
