@@ -444,6 +444,9 @@ class _Simulation:
         self._open = 0  # arrived, not finished (read as ``open_requests``)
         self.mocker = mocker
         self.policy = policy
+        # The decode-worker choice for a prompt kept local: made once, the mocker's own timing.
+        self.local_prefill = None if policy is None else policy.local_prefill_choice(
+            _mocker_compute(mocker.max_num_batched_tokens, mocker.speedup_ratio))
         self.transfer = transfer
         self.router_config = router_config or KvRouterConfig()
 
@@ -750,8 +753,7 @@ class _Simulation:
         if not chosen:
             dw, _ = self.decode_picker.pick(
                 rid, prompt, overlap_weight=self.policy.decode_overlap_weight(remote),
-                local_prefill=None if remote else self.policy.local_prefill_choice(
-                    _mocker_compute(self.mocker.max_num_batched_tokens, self.mocker.speedup_ratio)),
+                local_prefill=None if remote else self.local_prefill,
             )
             st.worker = dw
         if not remote:

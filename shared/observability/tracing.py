@@ -51,6 +51,8 @@ TRACEPARENT = "traceparent"
 REQUEST_ID_HEADER = "x-request-id"
 
 COMPONENTS = ("frontend", "router", "prefill", "decode", "agg", "encode")
+# What a child span copies from its parent (``Tracer.child``), so every span names its request.
+INHERITED_ATTRIBUTES = ("request_id", "model", "worker_id", "role")
 STATUS_OK = "ok"
 STATUS_ERROR = "error"
 
@@ -452,21 +454,12 @@ class Tracer:
         is absent or not recording (the hot path pays one test)."""
         if parent is None or not parent.recording:
             return None
-        # A few times per sampled request on the frontend: the inherited attributes unrolled.
         inherited = parent.attributes
         attrs: dict[str, AttrValue] = {}
-        value = inherited.get("request_id")
-        if value is not None:
-            attrs["request_id"] = value
-        value = inherited.get("model")
-        if value is not None:
-            attrs["model"] = value
-        value = inherited.get("worker_id")
-        if value is not None:
-            attrs["worker_id"] = value
-        value = inherited.get("role")
-        if value is not None:
-            attrs["role"] = value
+        for key in INHERITED_ATTRIBUTES:
+            value = inherited.get(key)
+            if value is not None:
+                attrs[key] = value
         for key, value in attributes.items():  # None leaves an attribute out (or inherited)
             if value is not None:
                 attrs[key] = value
