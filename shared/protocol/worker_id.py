@@ -9,11 +9,16 @@ the padding (``int(text, 16)``).
 
 from __future__ import annotations
 
+import functools
+
 WORKER_ID_HEX_WIDTH = 16
 
 
+@functools.lru_cache(maxsize=4096)
 def worker_id_hex(instance_id: int) -> str:
-    """``instance_id`` as 16 lowercase hex digits (wider only for an id beyond 64 bits)."""
+    """``instance_id`` as 16 lowercase hex digits (wider only for an id beyond 64 bits). Cached:
+    a fleet has few ids and formatting one costs more than a lookup, and a traced request names
+    its worker several times on the frontend's path."""
     return f"{instance_id:0{WORKER_ID_HEX_WIDTH}x}"
 
 

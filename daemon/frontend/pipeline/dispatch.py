@@ -43,7 +43,6 @@ from dynamod.daemon.frontend.pipeline.tracing import (
     ms_between_ns,
     note_worker,
     route_span,
-    worker_hex,
 )
 from dynamod.daemon.router.core.disagg_policy import DisaggPolicyConfig
 from dynamod.daemon.router.core.prefill_stage import DecodeHint, PrefillOutcome, PrefillStage, close_drains
@@ -379,7 +378,7 @@ class EngineStream:
                 migrating = None
             note_worker(req.trace, worker_id)
             attempt = tracing.tracer().child(
-                req.trace, tracing.SPAN_CLIENT_REQUEST, worker_id=worker_hex(worker_id), attempt=req.migrations,
+                req.trace, tracing.SPAN_CLIENT_REQUEST, worker_id=worker_id_hex(worker_id), attempt=req.migrations,
                 stage=choice.stage, remote_prefill=outcome is not None and outcome.remote,
             )
             router = req.model.router

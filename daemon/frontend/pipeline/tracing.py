@@ -31,22 +31,6 @@ if TYPE_CHECKING:
 COMPONENT = "frontend"
 _TRACEPARENT_B = tracing.TRACEPARENT.encode("latin-1")
 
-# ``worker_id_hex`` of the workers this frontend sends to, made once each: formatting a 64-bit id
-# as hex costs more than the rest of an attribute, and a sampled request names its worker 4 times.
-_WORKER_HEX: dict[int, str] = {}
-_WORKER_HEX_MAX = 4096  # a fleet this large (or churning) just starts the cache afresh
-
-
-def worker_hex(worker_id: int) -> str:
-    """``worker_id_hex(worker_id)``, cached."""
-    text = _WORKER_HEX.get(worker_id)
-    if text is None:
-        if len(_WORKER_HEX) >= _WORKER_HEX_MAX:
-            _WORKER_HEX.clear()
-        text = _WORKER_HEX[worker_id] = worker_id_hex(worker_id)
-    return text
-
-
 def ms_since(perf_start: float, now: float) -> float:
     """Milliseconds between two ``perf_counter`` readings, truncated to the microsecond: three
     decimals like ``round(x, 3)``, for half its cost (attributes of every sampled request)."""
@@ -105,9 +89,9 @@ def finish_request_span(request: FrontendRequest[Any], status: str) -> None:
         attrs["migrations"] = engine.migrations
         route = engine.decode_route
         if route is not None:
-            attrs["worker_id"] = worker_hex(route.instance.instance_id)
+            attrs["worker_id"] = worker_id_hex(route.instance.instance_id)
         if engine.prefill_route is not None:
-            attrs["prefill_worker_id"] = worker_hex(engine.prefill_route.worker_id)
+            attrs["prefill_worker_id"] = worker_id_hex(engine.prefill_route.worker_id)
     plan = request.plan
     if plan is not None and plan.parser is not None:
         parse_span(span, plan.parser)
@@ -137,7 +121,7 @@ def note_worker(span: Span | None, worker_id: int) -> None:
     """Adds a worker to the root's ``worker_ids`` (comma-separated hex, in the order used)."""
     if span is None or not span.recording:
         return  # an unsampled root that is promoted later is given its workers by migration_span
-    wid = worker_hex(worker_id)
+    wid = worker_id_hex(worker_id)
     have = span.attributes.get("worker_ids")
     if not have:
         span.attributes["worker_ids"] = wid
@@ -152,7 +136,7 @@ def route_span(parent: Span | None, choice: RouteChoice, started_ns: int, stage:
         return
     span.start_unix_ns = started_ns
     attrs = span.attributes
-    attrs["worker_id"] = worker_hex(choice.instance.instance_id)
+    attrs["worker_id"] = worker_id_hex(choice.instance.instance_id)
     attrs["dp_rank"] = choice.dp_rank or 0
     attrs["overlap_blocks"] = choice.overlap_blocks
     explain = choice.explain
