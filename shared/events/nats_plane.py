@@ -264,10 +264,8 @@ class NatsEventPlane:
                 logger.exception("event plane connection listener failed connected=%s", connected)
 
     async def _on_error(self, exc: Exception) -> None:
-        # A refusal (credentials, TLS) says more than the broken pipes of the retries that follow it.
-        if nats_security.refusal_hint(exc) or not (
-            self._last_error is not None and nats_security.refusal_hint(self._last_error)
-        ):
+        # The error that says most about why a first connection keeps failing (``says_more``).
+        if nats_security.says_more(exc, self._last_error):
             self._last_error = exc
         if isinstance(exc, OSError | TimeoutError | nats.errors.StaleConnectionError):
             logger.debug("nats connection attempt failed url=%s error=%r", self.url, exc)

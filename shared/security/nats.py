@@ -84,6 +84,20 @@ def tls_missing(nc: Any, url: str, security: NatsSecurity | None) -> str | None:
     )
 
 
+def _refusal_rank(exc: BaseException | None) -> int:
+    """2: the server refused the credentials; 1: TLS failed; 0: anything else (or nothing)."""
+    hint = refusal_hint(exc)
+    return 2 if hint.startswith("NATS refused the credentials") else 1 if hint else 0
+
+
+def says_more(new: BaseException, kept: BaseException | None) -> bool:
+    """Whether ``new`` should replace ``kept`` as the error that explains a failing first connect:
+    a refusal says more than the broken pipes of the retries after it, and a credentials refusal
+    more than a TLS error (over TLS the server sends its authorization error and closes, and a
+    retry can then see only the TLS close)."""
+    return _refusal_rank(new) >= _refusal_rank(kept)
+
+
 def refusal_hint(exc: BaseException | None) -> str:
     """What to check when NATS refused the connection for its credentials or TLS; '' otherwise."""
     text = f"{type(exc).__name__}: {exc}".lower() if exc is not None else ""

@@ -115,9 +115,8 @@ async def connect(
     errors: list[Exception] = []
 
     async def _error_cb(exc: Exception) -> None:
-        # The last error says why a first connection keeps failing; a refusal (credentials, TLS)
-        # more than the broken pipes of the retries after it.
-        if nats_security.refusal_hint(exc) or not (errors and nats_security.refusal_hint(errors[0])):
+        # The error that says most about why a first connection keeps failing (``says_more``).
+        if nats_security.says_more(exc, errors[0] if errors else None):
             errors[:] = [exc]
         logger.warning("request_plane.nats.error name=%s reason=%s", name, exc)
 
