@@ -45,6 +45,7 @@ from dynamod.shared.errors import (
 from dynamod.shared.events.plane import TOPIC_KV_EVENTS, TOPIC_KV_METRICS, EventPublisher
 from dynamod.shared.kv.transfer.directory import KvTransferDirectory
 from dynamod.shared.kv.transfer.factory import create_agent
+from dynamod.shared.kv.transfer.peer_warmer import PeerWarmer
 from dynamod.shared.observability import tracing
 from dynamod.shared.observability.logging import REQUEST_ID as LOG_REQUEST_ID
 from dynamod.shared.observability.traces_endpoint import serve_traces
@@ -65,6 +66,7 @@ from dynamod.shared.protocol.kv_events import MEDIA, router_event_encoder
 from dynamod.shared.protocol.llm import PreprocessedRequest
 from dynamod.shared.protocol.load import LoadMetrics, load_encoder
 from dynamod.shared.protocol.model_card import MODEL_TYPE_EMBEDDING, ModelCard, encode_card
+from dynamod.shared.protocol.planner import POOL_DECODE, POOL_ROLE
 from dynamod.shared.protocol.worker_id import worker_id_hex
 from dynamod.shared.runtime.distributed import Component, ServedInstance, deregister_all, mark_all_draining
 from dynamod.shared.runtime.intent import IntentRecorder
@@ -150,6 +152,7 @@ class WorkerService:
         self._kv_settings = kv_transfer
         self.kv_transfer: KvTransferContext | None = None
         self._kv_directory: KvTransferDirectory | None = None
+        self._peer_warmer: PeerWarmer | None = None
 
     @property
     def worker_id(self) -> int:
@@ -238,6 +241,8 @@ class WorkerService:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.engine.stop()
+        if self._peer_warmer is not None:
+            await self._peer_warmer.close()
         if ctx is not None:
             await ctx.agent.close()
         if self._kv_directory is not None:
@@ -292,6 +297,9 @@ class WorkerService:
         engine.attach_kv_transfer(ctx)
         self.kv_transfer = ctx
         self._kv_directory = directory
+        if self.role == POOL_ROLE[POOL_DECODE]:  # the reading side: connected to each prefill worker as it appears
+            self._peer_warmer = PeerWarmer(agent, directory, settings.peer_component)
+            await self._peer_warmer.start()
         meta = agent.metadata()
         logger.info(
             "kv transfer ready worker_id=%016x role=%s backend=%s address=%s blocks=%d block_bytes=%d",

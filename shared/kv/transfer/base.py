@@ -119,6 +119,15 @@ class KvTransferAgent(Protocol):
         (a streamed read also when the remote prefill failed)."""
         ...
 
+    async def connect(self, remote: KvTransferMetadata, *, timeout_s: float) -> None:
+        """Readies reads from ``remote`` before one needs them (a decode worker calls it when a
+        prefill worker appears, ``peer_warmer.py``): a pooled connection to its block server and,
+        over NIXL, the peer added with its descriptors prepared and its UCX connection begun.
+        Optional for correctness (a read does all of it on first use), not for the first
+        request's latency. Raises ``KvTransferTimeout`` after ``timeout_s``, ``KvTransferError``
+        when the peer cannot be reached."""
+        ...
+
     async def notify(self, remote: KvTransferMetadata, message: str, *, timeout_s: float) -> None:
         """Delivers ``message`` to the remote agent without reading (the decode side found every
         block in its own cache, or gave up on the read): the prefill side frees its blocks."""

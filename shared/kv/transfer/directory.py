@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from dynamod.shared.discovery.store import DiscoveryStore, Lease
 from dynamod.shared.errors import NotFoundError
@@ -93,6 +94,16 @@ class KvTransferDirectory:
         assert meta is not None
         return meta
 
+    async def follow(self, component: str, listener: Callable[[str, KvTransferMetadata | None], None]) -> None:
+        """Calls ``listener(key, record)`` for every agent of ``component`` published now, then on
+        every change (``record`` None: withdrawn or unreadable), in order; starts the component's
+        watch. The listener runs on the watch's path: it must not block (schedule work instead)."""
+        watched = self._map(component)
+        for key, meta in list(watched.view.items()):  # already seeded by a lookup: told first
+            listener(key, meta)
+        watched.add_listener(listener)
+        await watched.start()
+
     async def close(self) -> None:
         self._closed = True
         watched = list(self._watched.values())
@@ -102,6 +113,12 @@ class KvTransferDirectory:
     async def _ensure_watch(self, component: str) -> WatchedMap[KvTransferMetadata]:
         """The component's map, started (seeded) on first use; one start however many lookups
         ask at once."""
+        watched = self._map(component)
+        await watched.start()
+        return watched
+
+    def _map(self, component: str) -> WatchedMap[KvTransferMetadata]:
+        """The component's map, made (not started) on first use."""
         watched = self._watched.get(component)
         if watched is None:
             if self._closed:
@@ -114,5 +131,4 @@ class KvTransferDirectory:
 
             watched = WatchedMap(self._store, prefix, decode, what="kv_transfer record", drop_invalid=True)
             self._watched[component] = watched
-        await watched.start()
         return watched

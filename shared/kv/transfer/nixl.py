@@ -382,6 +382,17 @@ class NixlKvAgent:
         except Exception as exc:  # nixl raises its own types (e.g. nixlRemoteDisconnectError)
             return f"ERR: {type(exc).__name__}: {exc}"
 
+    async def connect(self, remote: KvTransferMetadata, *, timeout_s: float) -> None:
+        """The peer's block server connection (streamed reads watch over it) and, when it speaks
+        NIXL, the peer added (``_add_peer_sync`` begins its UCX connection). Measured on this
+        host: a first streamed READ of a fresh peer took 61-95 ms against 0.3-0.6 ms after it; the
+        peer's addition and the connection's progress (driven by the notification poller) take
+        most of that off the first request."""
+        deadline = time.monotonic() + timeout_s
+        await self._tcp.connect(remote, timeout_s=timeout_s)
+        if _speaks_nixl(remote):
+            await self._peer(remote, max(deadline - time.monotonic(), 0.0))
+
     async def notify(self, remote: KvTransferMetadata, message: str, *, timeout_s: float) -> None:
         if not _speaks_nixl(remote):
             await self._tcp.notify(remote, message, timeout_s=timeout_s)
@@ -466,6 +477,12 @@ class NixlKvAgent:
             with contextlib.suppress(Exception):
                 agent.remove_remote_agent(nixl_name)
             raise
+        # Begin the UCX connection now (NIXL >= 1.0; asynchronous, progressed by our polling)
+        # rather than in the first READ, which otherwise pays its wire-up.
+        try:
+            agent.make_connection(nixl_name)
+        except Exception as exc:  # noqa: BLE001 - optional: the first READ connects anyway
+            logger.info("kv_transfer.nixl.connect_deferred agent=%s remote=%s error=%s", self.agent_name, nixl_name, exc)
         logger.info(
             "kv_transfer.nixl.peer_added agent=%s remote=%s blocks=%d",
             self.agent_name,

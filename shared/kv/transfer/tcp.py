@@ -201,6 +201,17 @@ class TcpKvAgent:
         await self._with_connection(remote, exchange, timeout_s, f"watching transfer {transfer_id}")
         return replies[-1]
 
+    async def connect(self, remote: KvTransferMetadata, *, timeout_s: float) -> None:
+        """Dials ``remote``'s block server (TLS and token included) and pools the connection."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                conn, _ = await self._pool.acquire(remote.address)
+        except TimeoutError:
+            raise KvTransferTimeout(
+                f"connecting to KV agent {remote.agent_name} at {remote.address} did not finish within {timeout_s}s"
+            ) from None
+        self._pool.release(conn)
+
     async def notify(self, remote: KvTransferMetadata, message: str, *, timeout_s: float) -> None:
         _check_notify(message)
         frame = encode_frame(NotifyRequest(message))
