@@ -286,15 +286,13 @@ class _Picker:
             return self._ids[self._rng.randrange(len(self._ids))], None
         return self._ids[next(self._rr) % len(self._ids)], None
 
-    def estimate(self, rid: str, prompt: list[int], local_prefill: LocalPrefillChoice | None = None) -> tuple[int, int] | None:
-        """kv mode: the worker ``pick`` would choose (with ``local_prefill``: for a prompt kept
-        local) and the blocks it caches, counting nothing (what the live router's decode estimate
-        gives the disaggregation policy); else None."""
+    def estimate(self, rid: str, prompt: list[int]) -> tuple[int, int] | None:
+        """kv mode: the worker ``pick`` would choose and the blocks it caches, counting nothing
+        (what the live router's decode estimate gives the disaggregation policy); else None."""
         if not self._routes:
             return None
         assert self.router is not None
-        decision = self.router.best_worker(rid, prompt, prompt_hashes=self._hashes.of(rid, prompt),
-                                           local_prefill=local_prefill)
+        decision = self.router.best_worker(rid, prompt, prompt_hashes=self._hashes.of(rid, prompt))
         return decision.worker_id, decision.overlap_blocks
 
     def cached_blocks(self, worker: int, prompt: list[int], rid: str | None = None) -> int:
@@ -740,12 +738,11 @@ class _Simulation:
             self.stats[rid] = RequestStats(arrival_ms=self.now, prompt_tokens=len(prompt), worker=dw)
             self._start_local(req, rid, prompt, dw)
             return
-        # As the live frontend: the decode worker a local prefill would get (counting nothing)
-        # gives the effective ISL and the local path's queue; after the decision the decode stage
-        # is routed for real, with the policy's overlap weight for a remote prompt
-        # (``decode_overlap_weight``, as live). Round-robin and random choose the same worker
-        # either way, so they choose once.
-        estimate = self.decode_picker.estimate(rid, prompt, self.local_prefill)
+        # As the live frontend: the decode worker normal KV routing would pick (counting nothing)
+        # gives the effective ISL; after the decision the decode stage is routed for real, with the
+        # policy's overlap weight for a remote prompt (``decode_overlap_weight``, as live).
+        # Round-robin and random choose the same worker either way, so they choose once.
+        estimate = self.decode_picker.estimate(rid, prompt)
         chosen = estimate is None
         dw, overlap = self.decode_picker.pick(rid, prompt) if estimate is None else estimate
         st = self.stats[rid] = RequestStats(arrival_ms=self.now, prompt_tokens=len(prompt), worker=dw)

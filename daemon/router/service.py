@@ -426,15 +426,13 @@ class RouterService:
             kv.free(key)
 
     def _decode_hint(self, kv: KvRouter, request: PreprocessedRequest, allowed: list[tuple[int, int]] | None) -> DecodeHint:
-        """The decode worker the prompt would get if prefilled there (the local-prefill choice
-        under the cost policy, else normal KV routing): what it caches, queues and runs."""
-        stage = self.prefill_stage
+        """The decode worker normal KV routing would pick: what it caches, queues and runs."""
         try:
-            decision = kv.best_worker(request.request_id, request.token_ids, lora_name=request.lora_name, allowed=allowed,
-                                      local_prefill=None if stage is None else stage.local_prefill)
+            decision = kv.best_worker(request.request_id, request.token_ids, lora_name=request.lora_name, allowed=allowed)
         except DynamoError:
             return DecodeHint()
         load = decode_load(kv, decision, len(request.token_ids))
+        stage = self.prefill_stage
         transfer = None if stage is None else stage.transfer_estimate(decision.worker_id, load.transfer_ms_p50)
         return DecodeHint(load.cached_tokens, load.kv_fraction, decision.worker_id, load.queued_tokens, load.running, transfer)
 

@@ -154,15 +154,13 @@ class KvModelRouter:
         return _choice(decision, candidates, request.stage)
 
     def estimate(self, request: RouteRequest, candidates: Sequence[Instance]) -> DecodeEstimate | None:
-        """The worker the prompt's decode stage would get if it is prefilled there (the
-        local-prefill choice, by predicted time, under the cost policy; else normal KV routing)
-        and the prompt prefix it caches; counts nothing."""
+        """The worker normal KV routing would pick and the prompt prefix it caches; counts nothing."""
         keys = self._group.candidate_keys(candidates)
         kv = self._group.kv
         try:
             decision = kv.best_worker(
                 request.request_id, request.token_ids, lora_name=self._lora, allowed=keys, pinned=request.pinned,
-                prompt_hashes=mm_prompt_hashes(kv, request, self._lora), local_prefill=self._local_prefill,
+                prompt_hashes=mm_prompt_hashes(kv, request, self._lora),
             )
         except (OverloadedError, NoInstancesError):
             return None  # every decode worker busy: select will queue; the policy sees no cache

@@ -266,12 +266,12 @@ def predict(
     """Both predictions, every term kept for the explanation."""
     isl = state.isl
     step = compute.decode_step_ms(state.decode_kv_fraction)
-    # Local: the decode worker's queued prefill work in steps of its own, then this prompt, chunk
-    # by chunk, each step also carrying the decodes running there (``local_steps_ms``, the model
-    # the local decode worker is chosen by); each of those decodes waits out the prompt's compute.
+    # Local: the decode worker's queue and this prompt, chunk by chunk, each chunk's step also
+    # carrying the decodes running there; each of those decodes waits out the prompt's compute.
     local_tokens = max(isl - min(state.decode_cached_tokens, isl), 0)
     q_dec = max(state.decode_queued_tokens, 0)
-    local_compute, riding = local_steps_ms(compute, local_tokens, q_dec, state.running_decodes, step)
+    local_compute = compute.prefill_ms(q_dec + local_tokens)
+    riding = compute.steps(q_dec + local_tokens) * step if state.running_decodes > 0 else 0.0
     local_overhead = max(state.local_overhead_ms, 0.0)
     local_ttft = local_compute + riding + local_overhead
     interference = stall_ms(compute, local_tokens) * max(state.running_decodes, 1)
@@ -339,32 +339,23 @@ def local_on_worker_ms(
     """What prefilling ``tokens`` (uncached there) on one decode worker costs, in ms, to compare
     decode workers for a prompt already decided local (``local_choice.LocalPrefillChoice``): its
     predicted time to first token plus ``interference_weight`` times the stall it puts on the
-    decodes running there (as ``predict``'s local side, ``local_steps_ms``).
+    decodes running there (as ``predict``'s local side).
 
-    The worker's queued prefill work (``queued_tokens``: routed there, no first token yet) runs in
-    steps of its own before this prompt, not in the same chunk: the router
+    Unlike ``predict``, the worker's queued prefill work (``queued_tokens``: routed there, no first
+    token yet) runs in steps of its own before this prompt, not in the same chunk: the router
     counts a prompt as queued from the moment it routes it until its first token, and an engine
     takes a waiting prompt at its next step, so what the router sees queued is mostly a prefill
     step already under way, which a new prompt cannot join. (Measured live: a short prompt that
     lands on a decode worker which got another one within 30 ms takes 44-50 ms to its first
     token, against 30 ms alone, i.e. one prefill step more, not the 1.3 ms that batching the
     two predicts.)"""
-    own = max(tokens, 0)
-    prefill, riding = local_steps_ms(compute, own, queued_tokens, running_decodes, compute.decode_step_ms(kv_fraction))
-    return prefill + riding + interference_weight * stall_ms(compute, own) * max(running_decodes, 1)
-
-
-def local_steps_ms(compute: ComputeModel, tokens: int, queued_tokens: int, running_decodes: int, step_ms: float) -> tuple[float, float]:
-    """A local prefill's time to its first token on one decode worker, as (prefill compute, decode
-    steps ridden): the ``queued_tokens`` routed there before it (no first token yet) in steps of
-    their own, then its own ``tokens``, each step also carrying one decode step (``step_ms``)
-    while decodes run there. The same model ranks decode workers for a local prompt
-    (``local_on_worker_ms``) and prices the local path against the remote one (``predict``), so
-    the decision and the worker it lands on agree."""
+    step = compute.decode_step_ms(kv_fraction)
+    running = max(running_decodes, 0)
     queued = max(queued_tokens, 0)
     own = max(tokens, 0)
     steps = compute.steps(queued) + compute.steps(own)
-    return compute.prefill_ms(queued) + compute.prefill_ms(own), (steps * step_ms if running_decodes > 0 else 0.0)
+    ttft = compute.prefill_ms(queued) + compute.prefill_ms(own) + (steps * step if running > 0 else 0.0)
+    return ttft + interference_weight * stall_ms(compute, own) * max(running, 1)
 
 
 def _chunk_of(compute: ComputeModel, tokens: int) -> int:

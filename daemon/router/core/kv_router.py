@@ -389,13 +389,10 @@ class KvRouter:
         allowed: Iterable[tuple[int, int]] | None = None,
         prompt_hashes: tuple[list[int], list[int]] | None = None,
         pinned: WorkerKey | None = None,
-        local_prefill: LocalPrefillChoice | None = None,
     ) -> RoutingDecision:
-        """The worker ``select_worker`` would pick, without counting the request anywhere.
-        ``local_prefill``: as ``select_worker``'s (the worker a prompt kept local would get)."""
+        """The worker ``select_worker`` would pick, without counting the request anywhere."""
         decision = self._route(request_id, token_ids, lora_name, overlap_weight, temperature, allowed, register=False,
-                               hashes=None if prompt_hashes is None else [prompt_hashes], pinned=pinned,
-                               local_prefill=local_prefill)
+                               hashes=None if prompt_hashes is None else [prompt_hashes], pinned=pinned)
         assert decision is not None
         return decision
 
