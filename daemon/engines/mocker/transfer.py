@@ -224,6 +224,8 @@ class MockerKvTransfer:
                 self._release(tid)
             else:
                 self.memory.readiness.complete(tid, checksum, now)
+        else:
+            self.ctx.agent.expect_reads()  # the decode worker reads these blocks once it has the params
         return msgspec.to_builtins(params)
 
     def release(self, transfer_id: str) -> KvHold | None:

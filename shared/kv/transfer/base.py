@@ -128,6 +128,12 @@ class KvTransferAgent(Protocol):
         when the peer cannot be reached."""
         ...
 
+    def expect_reads(self) -> None:
+        """A peer will read this agent's blocks soon (the engine just handed out transfer
+        parameters): an agent whose reads need its own progress (NIXL without a progress thread)
+        drives it promptly for a while."""
+        ...
+
     async def notify(self, remote: KvTransferMetadata, message: str, *, timeout_s: float) -> None:
         """Delivers ``message`` to the remote agent without reading (the decode side found every
         block in its own cache, or gave up on the read): the prefill side frees its blocks."""

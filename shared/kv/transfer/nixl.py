@@ -76,6 +76,13 @@ well under a millisecond, and a long one costs at most ~1000 wake-ups a second o
 
 _NOTIF_POLL_ACTIVE_S = 0.002
 _NOTIF_POLL_IDLE_S = 0.02
+# While a peer is about to READ this agent's blocks (its watch was just answered with ready
+# blocks), progress is driven this often for ``_READ_EXPECTED_S``: with no UCX progress thread, a
+# READ between processes on this host completes only when the target side progresses too
+# (measured live: a 2-block streamed read exposed 7.5-13 ms at the 20 ms idle poll, 2.3-4.7 ms at
+# a 2 ms one).
+_NOTIF_POLL_READ_S = 0.0005
+_READ_EXPECTED_S = 0.05
 """Notification polling: fast right after a notification, slower when idle. A notification only
 frees held blocks sooner, so 20 ms of extra hold is the worst case."""
 
@@ -165,6 +172,9 @@ class NixlKvAgent:
         self._peers_lock = asyncio.Lock()
         self._callback: NotifyCallback | None = None
         self._notif_task: asyncio.Task[None] | None = None
+        self._read_expected_until = 0.0  # monotonic: poll at _NOTIF_POLL_READ_S until then
+        self._poll_wake = asyncio.Event()
+        self._tcp.set_blocks_ready_callback(self._expect_read)
         self._closed = False
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -545,7 +555,21 @@ class NixlKvAgent:
                     got = True
                     self._deliver(raw.decode(errors="replace"))
             pause = _NOTIF_POLL_ACTIVE_S if got else min(pause * 2, _NOTIF_POLL_IDLE_S)
-            await asyncio.sleep(pause)
+            if time.monotonic() < self._read_expected_until:
+                await asyncio.sleep(_NOTIF_POLL_READ_S)
+                continue
+            self._poll_wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poll_wake.wait(), pause)
+
+    def expect_reads(self) -> None:
+        """A peer will READ soon (transfer parameters handed out): progress promptly for a while."""
+        self._expect_read()
+
+    def _expect_read(self) -> None:
+        """A watcher was told of ready blocks: its READ follows, progress it promptly."""
+        self._read_expected_until = time.monotonic() + _READ_EXPECTED_S
+        self._poll_wake.set()
 
     def _deliver(self, message: str) -> None:
         deliver_notify(self._callback, message, backend=BACKEND_NIXL, agent_name=self.agent_name)

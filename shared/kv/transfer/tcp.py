@@ -138,6 +138,13 @@ class TcpKvAgent:
     def set_notify_callback(self, callback: NotifyCallback) -> None:
         self._server.set_notify_callback(callback)
 
+    def expect_reads(self) -> None:
+        """Nothing to do: the block server answers each read as it comes."""
+
+    def set_blocks_ready_callback(self, callback: Callable[[], None]) -> None:
+        """Called when this agent's block server tells a watcher that more blocks are ready."""
+        self._server.set_blocks_ready_callback(callback)
+
     async def read_blocks(
         self,
         remote: KvTransferMetadata,

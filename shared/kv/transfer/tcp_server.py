@@ -29,6 +29,7 @@ import asyncio
 import bisect
 import contextlib
 import logging
+from collections.abc import Callable
 
 import msgspec
 
@@ -115,6 +116,7 @@ class KvBlockServer:
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[None]] = set()
         self._callback: NotifyCallback | None = None
+        self._on_blocks_ready: Callable[[], None] | None = None
         self.bytes_served = 0
 
     @property
@@ -125,6 +127,11 @@ class KvBlockServer:
 
     def set_notify_callback(self, callback: NotifyCallback) -> None:
         self._callback = callback
+
+    def set_blocks_ready_callback(self, callback: Callable[[], None]) -> None:
+        """Called when a watch is answered with newly ready blocks: the watcher is about to READ
+        them over another channel (NIXL), which may need this side's progress."""
+        self._on_blocks_ready = callback
 
     async def start(self) -> None:
         tls = self.guard.ssl_context
@@ -390,6 +397,8 @@ class KvBlockServer:
                     return
             ready = bisect.bisect_left(positions, progress.ready)
         last = ready == n
+        if ready > request.have and self._on_blocks_ready is not None:
+            self._on_blocks_ready()
         writer.write(encode_frame(ReadyReply(
             ready, checksum=progress.checksum if last else None, ready_at=progress.ready_at if last else 0.0,
         )))
