@@ -85,7 +85,7 @@ blocks, or the engine handed out transfer parameters), progress is driven every
 ``_NOTIF_POLL_READ_S`` for ``_READ_EXPECTED_S`` (the READ follows within a few ms). With no UCX
 progress thread, a READ between processes on this host completes only when the serving side
 progresses too: measured live, a 2-block streamed read was exposed 7.5-13 ms at the 20 ms idle
-poll, 1.1-2.8 ms with this."""
+poll, 1.2-4.0 ms with this."""
 
 _THREAD_GRACE_S = 1.0
 """How long past its deadline a pool thread may take to give up before the read is abandoned."""
