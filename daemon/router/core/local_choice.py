@@ -54,6 +54,12 @@ def running_decodes(active: ActiveSequences, busy: BusyPolicy, worker: WorkerKey
     return 0 if load is None else load.requests
 
 
+def kv_capacity(busy: BusyPolicy, worker: WorkerKey) -> int:
+    """``worker``'s KV blocks: its fresh report's total, else what the busy policy knows (0: unknown)."""
+    latest = busy.latest(worker)
+    return latest.total_blocks if latest is not None and latest.total_blocks else busy.capacity(worker)
+
+
 @dataclass(frozen=True, slots=True)
 class LocalPrefillChoice:
     """Picks the decode worker of a locally prefilled prompt by ``local_on_worker_ms``.
@@ -70,8 +76,7 @@ class LocalPrefillChoice:
         out: list[float] = []
         for s in scores:
             worker = (s.worker_id, s.dp_rank)
-            latest = busy.latest(worker)
-            capacity = latest.total_blocks if latest is not None and latest.total_blocks else busy.capacity(worker)
+            capacity = kv_capacity(busy, worker)
             out.append(local_on_worker_ms(
                 self.compute,
                 tokens=max(isl - s.overlap_blocks * block_size, 0),

@@ -43,16 +43,10 @@ def prefill_queue_tokens(kv: KvRouter, decision: RoutingDecision) -> int:
 def decode_load(kv: KvRouter, decision: RoutingDecision, isl: int) -> DecodeLoad:
     """The decode worker ``decision`` names (a ``best_worker`` estimate: nothing counted)."""
     worker = decision.worker
-    latest = kv.busy.latest(worker)
-    capacity = latest.total_blocks if latest is not None and latest.total_blocks else kv.busy.capacity(worker)
+    capacity = local_choice.kv_capacity(kv.busy, worker)
     fraction = decision.winner.decode_blocks / capacity if capacity else None
-    own = kv.active.load(worker)
-    own_requests = 0 if own is None else own.requests
-    if latest is not None:
-        running = max(latest.num_running, 0)
-        return DecodeLoad(
-            min(decision.overlap_blocks * kv.block_size, isl), fraction, queued_prefill_tokens(kv, worker), running,
-            latest.kv_transfer_ms_p50,
-        )
-    # No report: every request the router counts there (prefilling ones included, an upper bound).
-    return DecodeLoad(min(decision.overlap_blocks * kv.block_size, isl), fraction, queued_prefill_tokens(kv, worker), own_requests)
+    latest = kv.busy.latest(worker)
+    return DecodeLoad(
+        min(decision.overlap_blocks * kv.block_size, isl), fraction, queued_prefill_tokens(kv, worker),
+        local_choice.running_decodes(kv.active, kv.busy, worker), latest.kv_transfer_ms_p50 if latest is not None else 0.0,
+    )

@@ -175,7 +175,7 @@ class NixlKvAgent:
         self._notif_task: asyncio.Task[None] | None = None
         self._read_expected_until = 0.0  # monotonic: poll at _NOTIF_POLL_READ_S until then
         self._poll_wake = asyncio.Event()
-        self._tcp.set_blocks_ready_callback(self._expect_read)
+        self._tcp.set_blocks_ready_callback(self.expect_reads)
         self._closed = False
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -564,11 +564,8 @@ class NixlKvAgent:
                 await asyncio.wait_for(self._poll_wake.wait(), pause)
 
     def expect_reads(self) -> None:
-        """A peer will READ soon (transfer parameters handed out): progress promptly for a while."""
-        self._expect_read()
-
-    def _expect_read(self) -> None:
-        """A watcher was told of ready blocks: its READ follows, progress it promptly."""
+        """A peer will READ soon (a watcher was told of ready blocks, or transfer parameters were
+        handed out): progress promptly for a while."""
         self._read_expected_until = time.monotonic() + _READ_EXPECTED_S
         self._poll_wake.set()
 
