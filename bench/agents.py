@@ -71,7 +71,7 @@ from dynamod.daemon.frontend.preprocess import Tokenizer
 from dynamod.daemon.models import TINY_MODEL_DIR
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_util import calibrate, percentiles, stop_processes  # noqa: E402
+from bench_util import calibrate, percentiles  # noqa: E402
 from disagg_serving import Cluster  # noqa: E402
 
 MODEL = "tiny"
@@ -360,13 +360,6 @@ class AgentCluster(Cluster):
         super().__init__(f"agg:{args.workers}",
                          argparse.Namespace(serving_speedup=args.speedup, serving_worker_args=worker_args.strip(),
                                             serving_frontend_args=frontend_args))
-
-    def close(self, keep_logs: bool = False) -> None:
-        if not keep_logs:
-            super().close()
-            return
-        stop_processes(self.procs[::-1], 20)
-        print(f"agents: logs of {self.topology} kept in {self.root}", file=sys.stderr, flush=True)
 
 
 def scrape_metrics(url: str) -> dict[str, float]:

@@ -10,7 +10,6 @@ import importlib.util
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import time
@@ -21,22 +20,22 @@ from typing import Any
 
 try:
     from dynamod.shared.stats import percentile, percentiles
-except ImportError:  # a bare checkout (frontend_load.py on a client box): the same module by its path
-    _spec = importlib.util.spec_from_file_location(
-        "dynamod_shared_stats", Path(__file__).resolve().parent.parent / "shared" / "stats.py"
-    )
-    assert _spec is not None and _spec.loader is not None
-    _stats = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_stats)
+    from dynamod.shared.transport.ports import free_port
+except ImportError:  # a bare checkout (frontend_load.py on a client box): the same modules by their paths
+
+    def _load_shared(relative: str) -> Any:
+        path = Path(__file__).resolve().parent.parent / "shared" / relative
+        spec = importlib.util.spec_from_file_location("dynamod_shared_" + path.stem, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    _stats = _load_shared("stats.py")
     percentile, percentiles = _stats.percentile, _stats.percentiles
+    free_port = _load_shared("transport/ports.py").free_port
 
 __all__ = ["calibrate", "free_port", "get_json", "latency_summary", "percentile", "percentiles", "rss_mb", "stop_processes"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get_json(url: str, timeout_s: float = 2.0) -> dict[str, Any] | None:

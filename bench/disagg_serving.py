@@ -78,6 +78,8 @@ class Cluster:
         self.env["DYN_FILE_KV"] = str(self.root / "kv")
         self.procs: list[subprocess.Popen[bytes]] = []
         self.roles: list[str] = []  # each process's role (``frontend``, ``prefill``, ...), as procs
+        self.names: list[str] = []  # each process's name (``decode-0``, ...; its log file's stem), as procs
+        self.failed = False  # set when the cluster did not come up; its logs are then kept
         self.port = free_port()
         self.system_ports: dict[str, int] = {}  # worker name -> its status (metrics) port
         parts = topology.split(":")
@@ -109,6 +111,7 @@ class Cluster:
         log = open(self.root / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the process
         self.procs.append(subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT))
         self.roles.append(role)
+        self.names.append(name)
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds (user + system) each role's processes have used so far, summed per role
@@ -137,12 +140,26 @@ class Cluster:
                 ready = sum(1 for w in m.get("workers", []) if w.get("status") == "ready")
                 if m.get("model") == "tiny" and ready >= want_decode and m.get("prefill_ready", 0) >= want_prefill:
                     return
+            exited = [(name, proc.returncode) for name, proc in zip(self.names, self.procs, strict=True)
+                      if proc.poll() is not None]
+            if exited:
+                self.failed = True
+                name, code = exited[0]
+                tail = (self.root / f"{name}.log").read_text(errors="replace").strip().splitlines()[-3:]
+                raise SystemExit(f"{self.topology}: {name} exited with {code} before the cluster was ready "
+                                 f"(logs kept in {self.root}): " + " | ".join(tail))
             time.sleep(0.2)
-        raise SystemExit(f"{self.topology}: cluster not ready after {timeout_s}s; logs in {self.root}")
+        self.failed = True
+        raise SystemExit(f"{self.topology}: cluster not ready after {timeout_s}s; logs kept in {self.root}")
 
-    def close(self) -> None:
+    def close(self, keep_logs: bool = False) -> None:
+        """Stops the processes; removes the log directory unless asked to keep it or the cluster
+        failed to start (a failed start's logs are the only record of why)."""
         stop_processes(self.procs[::-1], 20)
-        shutil.rmtree(self.root, ignore_errors=True)
+        if keep_logs or self.failed:
+            print(f"logs of {self.topology} kept in {self.root}", file=sys.stderr, flush=True)
+        else:
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 class ClassStats:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamod.shared.stats import percentile_of_sorted
+from dynamod.shared.transport.ports import free_port
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 SMALL_BODY = {"token_ids": [1234], "finish_reason": None}
@@ -152,17 +153,11 @@ def _spawn_server(
     return proc, json.loads(line)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_nats() -> tuple[subprocess.Popen[bytes], str, str] | None:
     binary = shutil.which("nats-server")
     if binary is None:
         return None
-    port = _free_port()
+    port = free_port()
     tmp = tempfile.mkdtemp(prefix="dynamod-bench-nats-")
     proc = subprocess.Popen(
         [binary, "-a", "127.0.0.1", "-p", str(port), "-l", os.path.join(tmp, "nats.log")],

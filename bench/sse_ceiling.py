@@ -15,12 +15,13 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from typing import Any
+
+from bench_util import free_port
 
 _HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
@@ -75,15 +76,9 @@ def serve(host: str, port: int, chunks: int, interval_s: float) -> None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def measure(args: argparse.Namespace) -> int:
     """Starts the server in a subprocess, runs frontend_load.py against it, prints its JSON."""
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, __file__, "--port", str(port), "--chunks", str(args.chunks),
          "--chunk-interval-ms", str(args.chunk_interval_ms)],

@@ -68,6 +68,7 @@ from dynamod.shared.protocol.planner import POOL_AGG, POOL_COMPONENT, POOL_DECOD
 from dynamod.shared.protocol.routing import ROUTER_MODES
 from dynamod.shared.runtime.distributed import DistributedRuntime
 from dynamod.shared.security.settings import add_security_args, security_env, security_from_args
+from dynamod.shared.transport.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -179,17 +180,6 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _free_port(host: str, avoid: set[int] | None = None) -> int:
-    """A port free now; ``avoid`` holds ports already handed to other children (the kernel may hand
-    a just-closed port out again before the first child has bound it)."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-        if not avoid or port not in avoid:
-            return port
-
-
 def _port_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -267,7 +257,6 @@ class WorkerFactory:
         self._role_extra = {
             ROLE_AGG: [], ROLE_PREFILL: shlex.split(args.prefill_args), ROLE_DECODE: shlex.split(args.decode_args),
         }
-        self._ports: set[int] = set()
 
     def engine_flags(self, role: str) -> list[str]:
         """The flags a ``role`` worker gets beyond its runtime and identity: what shapes its engine."""
@@ -277,8 +266,7 @@ class WorkerFactory:
         """An encode worker: the model and the mocker's speedup, not the engine flags (it has no
         engine of the workers' kind); ``--encode-args`` after them."""
         args = self._args
-        status_port = _free_port("127.0.0.1", avoid=self._ports)
-        self._ports.add(status_port)
+        status_port = free_port()
         speedup = [] if args.speedup_ratio is None else ["--speedup-ratio", str(args.speedup_ratio)]
         argv = [
             "--role", ROLE_ENCODE, *self._runtime, "--model", args.model, "--system-port", str(status_port),
@@ -292,8 +280,7 @@ class WorkerFactory:
 
     def spec(self, role: str, index: int) -> ChildSpec:
         args = self._args
-        status_port = _free_port("127.0.0.1", avoid=self._ports)
-        self._ports.add(status_port)
+        status_port = free_port()
         # The child's name is its worker name: the operator's intent (drain, sleep, LoRAs)
         # follows it across restarts, by the supervisor or of `up` itself.
         worker = [
@@ -387,7 +374,7 @@ def planner_spec(
     ]
     if getattr(args, "prometheus_sd", None) is not None:
         # Its /metrics (desired vs current replicas) for the file_sd file: a status server on a free port.
-        planner += ["--system-port", str(_free_port("127.0.0.1"))]
+        planner += ["--system-port", str(free_port())]
     return daemon_child(PLANNER, planner, env=env)
 
 

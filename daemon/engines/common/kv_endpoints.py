@@ -21,8 +21,9 @@ missed; it lives in the worker's private directory as ``ipc://`` for one rank, o
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass, field
+
+from dynamod.shared.transport.ports import free_port_run
 
 DEFAULT_TOPIC = "kv-events"
 
@@ -75,29 +76,6 @@ def reachable(endpoint: str) -> str:
         if host in ("*", "0.0.0.0", "::", "[::]"):
             return f"tcp://127.0.0.1:{port}"
     return endpoint
-
-
-def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
-    """A base port such that ``base .. base+count-1`` are free now on ``host``."""
-    for _ in range(attempts):
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            base = probe.getsockname()[1]
-        if base + count - 1 > 65535:
-            continue
-        sockets: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind((host, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise OSError(f"no run of {count} free ports on {host}")
 
 
 def plan_kv_events(

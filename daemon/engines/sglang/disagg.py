@@ -25,8 +25,8 @@ from typing import Any
 
 from dynamod.daemon.engines.common import flags
 from dynamod.daemon.engines.common.disagg import ROLE_AGG, ROLE_PREFILL
-from dynamod.daemon.engines.common.kv_endpoints import free_port_run
 from dynamod.shared.errors import ConfigError, InvalidRequestError
+from dynamod.shared.transport.ports import free_port_run
 
 MODE_FLAG = "--disaggregation-mode"
 BACKEND_FLAG = "--disaggregation-transfer-backend"

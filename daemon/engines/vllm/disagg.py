@@ -34,9 +34,9 @@ from typing import Any
 
 from dynamod.daemon.engines.common.disagg import ROLE_AGG
 from dynamod.daemon.engines.common.flags import json_object_flag
-from dynamod.daemon.engines.common.kv_endpoints import free_port_run
 from dynamod.daemon.engines.vllm.flags import KV_TRANSFER_FLAG
 from dynamod.shared.errors import ConfigError, InvalidRequestError
+from dynamod.shared.transport.ports import free_port_run
 
 DEFAULT_CONNECTOR = "NixlConnector"
 SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
