@@ -266,23 +266,24 @@ def predict(
     """Both predictions, every term kept for the explanation."""
     isl = state.isl
     step = compute.decode_step_ms(state.decode_kv_fraction)
-    # Local: the decode worker's queue and this prompt, chunk by chunk, each chunk's step also
-    # carrying the decodes running there; each of those decodes waits out the prompt's compute.
+    # Local: the decode worker's queued prefill work, then this prompt (``queued_then_own``), each
+    # step also carrying the decodes running there; each of those decodes waits out the prompt's
+    # compute.
     local_tokens = max(isl - min(state.decode_cached_tokens, isl), 0)
     q_dec = max(state.decode_queued_tokens, 0)
-    local_compute = compute.prefill_ms(q_dec + local_tokens)
-    riding = compute.steps(q_dec + local_tokens) * step if state.running_decodes > 0 else 0.0
+    local_compute, local_steps = queued_then_own(compute, q_dec, local_tokens)
+    riding = local_steps * step if state.running_decodes > 0 else 0.0
     local_overhead = max(state.local_overhead_ms, 0.0)
     local_ttft = local_compute + riding + local_overhead
     interference = stall_ms(compute, local_tokens) * max(state.running_decodes, 1)
     local_cost = local_ttft + interference_weight * interference
-    # Remote: the prefill worker's queue and the prompt it does not cache; the blocks the decode
-    # worker lacks travel; the decode worker then takes it in its next step, which carries a chunk
-    # of its own queued prefill work if it has some.
+    # Remote: the prefill worker's queue, then the prompt it does not cache (``queued_then_own``,
+    # as the local side); the blocks the decode worker lacks travel; the decode worker then takes
+    # it in its next step, which carries a chunk of its own queued prefill work if it has some.
     remote_tokens = max(isl - min(state.prefill_cached_tokens, isl), 0)
     q_pre = max(state.prefill_queued_tokens, 0)
     own = compute.prefill_ms(remote_tokens)
-    remote_compute = compute.prefill_ms(q_pre + remote_tokens)
+    remote_compute, _ = queued_then_own(compute, q_pre, remote_tokens)
     nbytes = transfer.bytes_for(local_tokens)
     transfer_ms = transfer.time_ms(nbytes)
     exposed_ms = transfer.exposed_ms(compute, isl, min(state.decode_cached_tokens, isl), state.prefill_cached_tokens)
@@ -339,23 +340,31 @@ def local_on_worker_ms(
     """What prefilling ``tokens`` (uncached there) on one decode worker costs, in ms, to compare
     decode workers for a prompt already decided local (``local_choice.LocalPrefillChoice``): its
     predicted time to first token plus ``interference_weight`` times the stall it puts on the
-    decodes running there (as ``predict``'s local side).
-
-    Unlike ``predict``, the worker's queued prefill work (``queued_tokens``: routed there, no first
-    token yet) runs in steps of its own before this prompt, not in the same chunk: the router
-    counts a prompt as queued from the moment it routes it until its first token, and an engine
-    takes a waiting prompt at its next step, so what the router sees queued is mostly a prefill
-    step already under way, which a new prompt cannot join. (Measured live: a short prompt that
-    lands on a decode worker which got another one within 30 ms takes 44-50 ms to its first
-    token, against 30 ms alone, i.e. one prefill step more, not the 1.3 ms that batching the
-    two predicts.)"""
+    decodes running there (as ``predict``'s local side)."""
     step = compute.decode_step_ms(kv_fraction)
     running = max(running_decodes, 0)
+    own = max(tokens, 0)
+    ttft, steps = queued_then_own(compute, max(queued_tokens, 0), own)
+    return ttft + (steps * step if running > 0 else 0.0) + interference_weight * stall_ms(compute, own) * max(running, 1)
+
+
+def queued_then_own(compute: ComputeModel, queued_tokens: int, tokens: int) -> tuple[float, int]:
+    """A prompt's prefill compute on a worker with ``queued_tokens`` of prefill work queued there
+    (routed, no first token yet), and the engine steps it takes: the queued work in steps of its
+    own, then the prompt's ``tokens``.
+
+    Not one batch: the router counts a prompt as queued from the moment it routes it until its
+    first token, and an engine takes a waiting prompt at its next step, so what the router sees
+    queued is mostly a prefill step already under way, which a new prompt cannot join. (Measured
+    live: a short prompt that lands on a decode worker which got another one within 30 ms takes
+    44-50 ms to its first token, against 30 ms alone, i.e. one prefill step more, not the 1.3 ms
+    that batching the two predicts; two dozen chat streams starting together on three decode
+    workers took 59-66 ms against 19-26 predicted as one batch, and the path's learned overhead
+    then priced every local prompt of the next wave 33 ms higher.) The same model prices both
+    paths and ranks decode workers, so neither path is charged for a queue the other is not."""
     queued = max(queued_tokens, 0)
     own = max(tokens, 0)
-    steps = compute.steps(queued) + compute.steps(own)
-    ttft = compute.prefill_ms(queued) + compute.prefill_ms(own) + (steps * step if running > 0 else 0.0)
-    return ttft + interference_weight * stall_ms(compute, own) * max(running, 1)
+    return compute.prefill_ms(queued) + compute.prefill_ms(own), compute.steps(queued) + compute.steps(own)
 
 
 def _chunk_of(compute: ComputeModel, tokens: int) -> int:

@@ -99,11 +99,12 @@ def test_cost_terms_add_up_from_the_mocker_timing_model() -> None:
     c = info.cost
     assert c is not None
     step = decode_time_ms(0.25)
-    local = prefill_time_ms(900)  # 100 queued + 800 uncached, one chunk
+    local = prefill_time_ms(100) + prefill_time_ms(800)  # the 100 queued in a step of their own, then 800 uncached
     assert c.local_compute_ms == pytest.approx(local, abs=1e-3)
-    assert c.local_ttft_ms == pytest.approx(local + step, abs=1e-3)
+    assert c.local_ttft_ms == pytest.approx(local + 2 * step, abs=1e-3)  # each step rides a decode step
     assert c.local_interference_ms == pytest.approx(3 * (prefill_time_ms(800) - prefill_time_ms(1)), abs=1e-2)
-    assert c.remote_compute_ms == pytest.approx(prefill_time_ms(2500), abs=1e-3)  # 2,000 queued + 500 uncached
+    assert c.remote_compute_ms == pytest.approx(prefill_time_ms(2000) + prefill_time_ms(500), abs=1e-3)  # queued, then 500 uncached
+    assert c.remote_queue_ms == pytest.approx(prefill_time_ms(2000), abs=1e-2)
     assert c.transfer_bytes == 800 * COST.kv_bytes_per_token
     assert c.transfer_ms == pytest.approx(1.0 + 800 * COST.kv_bytes_per_token / 25e9 * 1000, abs=1e-3)
     assert c.decode_start_ms == pytest.approx(step + prefill_time_ms(100), abs=1e-3)
