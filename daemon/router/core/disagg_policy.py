@@ -262,6 +262,9 @@ class DisaggInputs:
     # measure it (``PathOverhead.may_explore``): the cost policy takes the other one.
     local_measuring: bool = False
     remote_measuring: bool = False
+    # The remote path's overhead at this prompt size is measured (``PathOverhead.measured``): only
+    # then does a local path still being measured hand its prompts to it.
+    remote_measured: bool = False
 
 
 def decide(config: DisaggPolicyConfig, inputs: DisaggInputs, compute: ComputeModel | None = None) -> DisaggInfo:
@@ -337,11 +340,14 @@ def _decide_cost(config: DisaggPolicyConfig, inputs: DisaggInputs, compute: Comp
         f"x {config.interference_weight:g}) {op} remote {cost.remote_cost_ms:.1f} ms"
     )
     # The cheaper path still being measured at this size: the other one meanwhile; both: local
-    # (as a tie: a local prefill moves nothing).
+    # (as a tie: a local prefill moves nothing). The local path hands its prompts over only to a
+    # measured remote path: an unmeasured one is priced without its overhead, so a burst diverted
+    # there (two dozen streams starting together) waited 62-68 ms where local took 56, on a
+    # remote path predicted 70% dearer before any overhead; it is tried when it predicts cheaper.
     if inputs.remote_measuring and not local:
         local = True
         detail += "; remote path at this prompt size still being measured"
-    elif inputs.local_measuring and local and not inputs.remote_measuring:
+    elif inputs.local_measuring and local and inputs.remote_measured:
         local = False
         detail += "; local path at this prompt size still being measured"
     return DisaggInfo(

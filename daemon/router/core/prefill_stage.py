@@ -271,6 +271,7 @@ class PrefillStage:
                 remote_overhead_ms=self.remote_overhead.ms(isl) if self.compute is not None else 0.0,
                 local_measuring=self.compute is not None and not self.local_overhead.may_explore(isl),
                 remote_measuring=self.compute is not None and not self.remote_overhead.may_explore(isl),
+                remote_measured=self.compute is not None and self.remote_overhead.measured(isl),
             ),
             self.compute,
         )

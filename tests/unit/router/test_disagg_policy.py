@@ -222,6 +222,12 @@ def test_an_unmeasured_path_is_tried_a_few_times_then_left_until_measured() -> N
     assert both.mode == DISAGG_LOCAL  # both unmeasured: as a tie
     long_ = cost(isl=6000, running_decodes=8, decode_kv_fraction=0.1, local_measuring=True)
     assert long_.mode == DISAGG_REMOTE and "still being measured" not in long_.detail  # nothing to change
+    # The local path being measured hands a prompt it predicts cheaper only to a measured remote
+    # path: an unmeasured one is priced without its overhead.
+    short = {"isl": 100, "decode_kv_fraction": 0.1, "local_measuring": True}
+    assert cost(**short).mode == DISAGG_LOCAL
+    diverted = cost(**short, remote_measured=True)
+    assert diverted.mode == DISAGG_REMOTE and "local path at this prompt size still being measured" in diverted.detail
     now[0] = 10.5
     assert remote.may_explore(100)  # the window passed: another few may go
     for _ in range(PathOverhead.MIN_SAMPLES):
