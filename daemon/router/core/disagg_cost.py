@@ -393,10 +393,13 @@ class PathOverhead:
     optimistic 0) instead of being judged for ever on a burst of queueing it once saw.
 
     That optimism is bounded: while a class is unmeasured, at most ``MIN_SAMPLES`` requests per
-    ``explore_window_s`` may be sent this way on its account (``may_explore``, ``explored``);
-    beyond them the path counts as being measured and the policy takes the other one. Without the
-    bound a burst (two dozen chat streams starting together) all went down an unmeasured remote
-    path, queued behind each other there, and made the short prompts' p99."""
+    ``explore_window_s`` may be sent this way on its account (``may_explore``, ``explored``), one
+    at a time: the next once the previous one's predicted time to first token has passed; beyond
+    them the path counts as being measured and the policy takes the other one. Without the bound a
+    burst (two dozen chat streams starting together) all went down an unmeasured remote path,
+    queued behind each other there, and made the short prompts' p99; four sent in the same
+    millisecond measured each other (64-84 ms against 25 predicted, the first remote requests
+    of a run) and still made the top five."""
 
     # The residual's 90th percentile, not its median: a path's misses are one-sided and heavy (a
     # short prompt sent remote that the prefill worker batches into a long prompt's step waits out
@@ -414,7 +417,8 @@ class PathOverhead:
         self.explore_window_s = explore_window_s
         self._clock = clock
         self._classes: dict[int, deque[tuple[float, float]]] = {}
-        self._explorations: dict[int, deque[float]] = {}  # per class: when unmeasured sends began
+        # per class: when each unmeasured send began, and when its first token was predicted
+        self._explorations: dict[int, deque[tuple[float, float]]] = {}
 
     def measured(self, tokens: int) -> bool:
         """Enough fresh samples for prompts of this size."""
@@ -422,26 +426,31 @@ class PathOverhead:
 
     def may_explore(self, tokens: int) -> bool:
         """The path may be chosen for a prompt of this size: it is measured, or fewer than
-        ``MIN_SAMPLES`` unmeasured sends began within ``explore_window_s``."""
+        ``MIN_SAMPLES`` unmeasured sends began within ``explore_window_s`` and the last one's
+        predicted first token is due."""
         if self.measured(tokens):
             return True
         began = self._explorations.get(self.size_class(tokens))
         if not began:
             return True
-        oldest = self._clock() - self.explore_window_s
-        while began and began[0] < oldest:
+        now = self._clock()
+        oldest = now - self.explore_window_s
+        while began and began[0][0] < oldest:
             began.popleft()
-        return len(began) < self.MIN_SAMPLES
+        return len(began) < self.MIN_SAMPLES and (not began or now >= began[-1][1])
 
-    def explored(self, tokens: int) -> None:
-        """A request of this size was sent this way while the class was unmeasured."""
+    def explored(self, tokens: int, predicted_ms: float = 0.0) -> None:
+        """A request of this size was sent this way while the class was unmeasured, with its time
+        to first token predicted at ``predicted_ms``."""
         if self.measured(tokens):
             return
         key = self.size_class(tokens)
         began = self._explorations.get(key)
         if began is None:
             began = self._explorations[key] = deque(maxlen=self.MIN_SAMPLES)
-        began.append(self._clock())
+        now = self._clock()
+        due = now + max(predicted_ms, 0.0) / 1000.0 if math.isfinite(predicted_ms) else now
+        began.append((now, due))
 
     @staticmethod
     def size_class(tokens: int) -> int:

@@ -276,9 +276,9 @@ class PrefillStage:
             self.compute,
         )
         if info.reason == REASON_COST_REMOTE:
-            self.remote_overhead.explored(isl)
+            self.remote_overhead.explored(isl, info.cost.remote_ttft_ms if info.cost else 0.0)
         elif info.reason == REASON_COST_LOCAL:
-            self.local_overhead.explored(isl)
+            self.local_overhead.explored(isl, info.cost.local_ttft_ms if info.cost else 0.0)
         if pick is not None and info.mode == DISAGG_REMOTE:
             info.prefill_dp_rank = pick.dp_rank
         outcome = PrefillOutcome(info=info, started=started)

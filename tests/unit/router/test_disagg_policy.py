@@ -209,10 +209,13 @@ def test_path_overhead_is_learned_per_prompt_size_and_ages_out() -> None:
 def test_an_unmeasured_path_is_tried_a_few_times_then_left_until_measured() -> None:
     now = [0.0]
     remote = PathOverhead(explore_window_s=10.0, clock=lambda: now[0])
-    for _ in range(PathOverhead.MIN_SAMPLES):
+    for i in range(PathOverhead.MIN_SAMPLES):
         assert remote.may_explore(100)
-        remote.explored(100)
-    assert not remote.may_explore(100) and remote.may_explore(6000)  # per size class
+        remote.explored(100, predicted_ms=30.0)
+        # One at a time: the next once this one's predicted first token is due.
+        assert not remote.may_explore(100) and remote.may_explore(6000)  # per size class
+        now[0] += 0.03 if i < PathOverhead.MIN_SAMPLES - 1 else 5.0
+    assert not remote.may_explore(100)  # four within the window: the path is being measured
     # The policy then takes the other path, and says why.
     plain = cost(isl=100, running_decodes=8, decode_kv_fraction=0.1)
     assert plain.mode == DISAGG_REMOTE
@@ -228,7 +231,7 @@ def test_an_unmeasured_path_is_tried_a_few_times_then_left_until_measured() -> N
     assert cost(**short).mode == DISAGG_LOCAL
     diverted = cost(**short, remote_measured=True)
     assert diverted.mode == DISAGG_REMOTE and "local path at this prompt size still being measured" in diverted.detail
-    now[0] = 10.5
+    now[0] = 10.2
     assert remote.may_explore(100)  # the window passed: another few may go
     for _ in range(PathOverhead.MIN_SAMPLES):
         remote.observe(100, measured_ms=80.0, predicted_ms=25.0)
