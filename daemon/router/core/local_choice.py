@@ -45,13 +45,16 @@ def queued_prefill_tokens(active: ActiveSequences, busy: BusyPolicy, worker: Wor
 
 
 def running_decodes(active: ActiveSequences, busy: BusyPolicy, worker: WorkerKey) -> int:
-    """Requests running on ``worker``: its fresh report, else every request the router counts
-    there (prefilling ones included, an upper bound)."""
-    latest = busy.latest(worker)
-    if latest is not None:
-        return max(latest.num_running, 0)
+    """Requests decoding on ``worker`` by the time a prompt routed now is prefilled there: the
+    larger of its fresh report and the router's count of requests routed there, as
+    ``queued_prefill_tokens``. Those routed since the report are prefilling now and decode by then
+    (they are ahead of it); the report alone made a worker whose streams had just ended look idle
+    to a whole burst, and the local-prefill choice sent 15 of 24 short prompts there (69-70 ms to
+    their first token, against 27-37 on the others)."""
     load = active.load(worker)
-    return 0 if load is None else load.requests
+    own = 0 if load is None else load.requests
+    latest = busy.latest(worker)
+    return max(latest.num_running, own) if latest is not None else own
 
 
 def kv_capacity(busy: BusyPolicy, worker: WorkerKey) -> int:

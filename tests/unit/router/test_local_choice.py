@@ -21,8 +21,9 @@ from dynamod.daemon.router.core.disagg_cost import (
     predict,
 )
 from dynamod.daemon.router.core.disagg_policy import DisaggPolicyConfig
-from dynamod.daemon.router.core.local_choice import LocalPrefillChoice
+from dynamod.daemon.router.core.local_choice import LocalPrefillChoice, running_decodes
 from dynamod.shared.protocol.instance import Instance
+from dynamod.shared.protocol.load import LoadMetrics
 from dynamod.shared.protocol.routing import (
     DISAGG_LOCAL,
     DISAGG_REMOTE,
@@ -125,3 +126,19 @@ async def test_the_frontend_uses_it_for_the_decode_stage_of_a_local_prompt_only(
         assert (choice.worker_id, choice.dp_rank) == expected, mode
     agg = await router.select(RouteRequest("agg", _prompt(50_000, 2)), candidates)
     assert agg.explain is not None and agg.explain.reason == REASON_LOWEST_COST
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_burst_does_not_pile_onto_a_worker_whose_last_report_says_idle(core):
+    """A's streams just ended (its report: nothing running), B reports 6 running. Eight short
+    prompts routed local one after another, no first token yet: the ones routed to A decode there
+    by the time the next is prefilled, so they count as running there, and the burst spreads."""
+    kv = KvRouter(KvRouterConfig(), BS, rng=random.Random(0), registry=CollectorRegistry(), core=core)
+    kv.update_workers([A, B])
+    kv.apply_load(LoadMetrics(worker_id=A[0], num_running=0, total_blocks=1000))
+    kv.apply_load(LoadMetrics(worker_id=B[0], num_running=6, total_blocks=1000))
+    local = LocalPrefillChoice(COMPUTE)
+    landed = [kv.select_worker(f"s{i}", _prompt(50_000 + 1000 * i, 6), local_prefill=local).worker for i in range(8)]
+    assert landed[0] == A  # idle and nothing queued: the cheapest
+    assert landed.count(B) >= 2, landed  # the report alone sent all eight to A
+    assert running_decodes(kv.active, kv.busy, A) == landed.count(A)
