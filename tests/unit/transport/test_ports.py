@@ -36,9 +36,10 @@ def test_a_port_in_use_or_handed_out_is_skipped(monkeypatch: pytest.MonkeyPatch)
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         busy = held.getsockname()[1]
-        monkeypatch.setattr(ports, "EPHEMERAL_LOW", max(ports.EPHEMERAL_LOW, busy + 10))
+        monkeypatch.setattr(ports, "EPHEMERAL_LOW", max(ports.EPHEMERAL_LOW, min(busy + 100, 65536)))
         given = ports.free_port()
-        free = next(p for p in range(busy + 1, busy + 10) if p != given)
+        free = next(p for p in range(busy + 1, min(busy + 100, 65536))
+                    if p not in ports._handed_out and ports._bindable("127.0.0.1", p))
         monkeypatch.setattr(ports, "_pick", _Scripted(busy, given, free))
         assert ports.free_port() == free
 
