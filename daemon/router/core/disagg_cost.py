@@ -373,6 +373,16 @@ def _chunk_of(compute: ComputeModel, tokens: int) -> int:
     return tokens if steps <= 1 else -(-tokens // steps)
 
 
+@dataclass(frozen=True, slots=True)
+class PathView:
+    """One path as a decision sees it (``PathOverhead.view``): its learned extra cost, whether
+    that is measured, and whether it may take this request (measured, or an exploration slot free)."""
+
+    ms: float
+    measured: bool
+    may_explore: bool
+
+
 class PathOverhead:
     """What one path (local or remote) costs beyond its prediction, learned live from each
     request's measured time to first token (prefill stage start to the first token the caller
@@ -420,6 +430,15 @@ class PathOverhead:
         # per class: when each unmeasured send began, and when its first token was predicted
         self._explorations: dict[int, deque[tuple[float, float]]] = {}
 
+    def view(self, tokens: int) -> PathView:
+        """What one decision reads of this path for a ``tokens``-token prompt, from one pass over
+        the class's samples (``ms``, ``measured`` and ``may_explore`` together)."""
+        key = self.size_class(tokens)
+        fresh = self._fresh(key)
+        if len(fresh) >= self.MIN_SAMPLES:
+            return PathView(self._quantile(fresh), True, True)
+        return PathView(0.0, False, self._explore_slot(key))
+
     def measured(self, tokens: int) -> bool:
         """Enough fresh samples for prompts of this size."""
         return len(self._fresh(self.size_class(tokens))) >= self.MIN_SAMPLES
@@ -428,9 +447,11 @@ class PathOverhead:
         """The path may be chosen for a prompt of this size: it is measured, or fewer than
         ``MIN_SAMPLES`` unmeasured sends began within ``explore_window_s`` and the last one's
         predicted first token is due."""
-        if self.measured(tokens):
-            return True
-        began = self._explorations.get(self.size_class(tokens))
+        return self.measured(tokens) or self._explore_slot(self.size_class(tokens))
+
+    def _explore_slot(self, key: int) -> bool:
+        """An unmeasured class may take one more exploring request now."""
+        began = self._explorations.get(key)
         if not began:
             return True
         now = self._clock()
@@ -464,8 +485,9 @@ class PathOverhead:
     def ms(self, tokens: int) -> float:
         """The path's extra cost for a ``tokens``-token prompt (0 until enough is known)."""
         fresh = self._fresh(self.size_class(tokens))
-        if len(fresh) < self.MIN_SAMPLES:
-            return 0.0
+        return self._quantile(fresh) if len(fresh) >= self.MIN_SAMPLES else 0.0
+
+    def _quantile(self, fresh: list[float]) -> float:
         ordered = sorted(fresh)
         return max(ordered[min(len(ordered) - 1, int(self.QUANTILE * (len(ordered) - 1) + 0.5))], 0.0)
 

@@ -42,7 +42,13 @@ from typing import Any, Protocol
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from dynamod.daemon.router.core.disagg_cost import ComputeModel, PathOverhead, RecentSamples, TransferEstimate
+from dynamod.daemon.router.core.disagg_cost import (
+    ComputeModel,
+    PathOverhead,
+    PathView,
+    RecentSamples,
+    TransferEstimate,
+)
 from dynamod.daemon.router.core.disagg_policy import (
     POLICY_COST,
     REASON_COST_LOCAL,
@@ -64,6 +70,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_PREFILL_TIMEOUT_S = 30.0
 PREFILL_ATTEMPTS = 2  # the chosen prefill worker, then one other
 MAX_TRACKED_DECODE_WORKERS = 1024
+_NO_OVERHEAD = PathView(0.0, False, True)  # a policy other than cost: nothing learned weighs
 
 # dynamo_*_prefill_failures_total{reason}
 FAIL_TIMEOUT = "timeout"
@@ -252,6 +259,11 @@ class PrefillStage:
         pick = await pool.pick(request, set())
         hint = decode_hint() if self.policy.enabled and pick is not None else DecodeHint()
         isl = len(request.token_ids)
+        # The learned overheads and exploration state weigh only in the cost policy.
+        local, remote = (
+            (self.local_overhead.view(isl), self.remote_overhead.view(isl)) if self.compute is not None
+            else (_NO_OVERHEAD, _NO_OVERHEAD)
+        )
         info = decide(
             self.policy,
             DisaggInputs(
@@ -267,11 +279,11 @@ class PrefillStage:
                 running_decodes=hint.running,
                 prefill_cached_tokens=0 if pick is None else pick.cached_tokens,
                 transfer=hint.transfer,
-                local_overhead_ms=self.local_overhead.ms(isl) if self.compute is not None else 0.0,
-                remote_overhead_ms=self.remote_overhead.ms(isl) if self.compute is not None else 0.0,
-                local_measuring=self.compute is not None and not self.local_overhead.may_explore(isl),
-                remote_measuring=self.compute is not None and not self.remote_overhead.may_explore(isl),
-                remote_measured=self.compute is not None and self.remote_overhead.measured(isl),
+                local_overhead_ms=local.ms,
+                remote_overhead_ms=remote.ms,
+                local_measuring=not local.may_explore,
+                remote_measuring=not remote.may_explore,
+                remote_measured=remote.measured,
             ),
             self.compute,
         )
